@@ -1,0 +1,3 @@
+from remat.cli import main
+
+raise SystemExit(main())
