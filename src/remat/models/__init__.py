@@ -1,0 +1,153 @@
+"""Built-in models and loading user models from a ``package.module:factory`` spec.
+
+A model factory takes keyword-only options and returns ``(model, example_batch, loss_fn)``,
+where ``loss_fn(model, batch)`` runs the forward pass and returns a scalar loss.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from remat.errors import UsageError
+from remat.models import convnet_bn, gpt, mlp_hetero
+
+# Import the submodules (not their factories) so remat.models.gpt stays the module.
+BUILTINS: dict[str, Callable[..., Any]] = {
+    "gpt": gpt.gpt,
+    "mlp-hetero": mlp_hetero.mlp_hetero,
+    "convnet-bn": convnet_bn.convnet_bn,
+}
+DEFAULT_MODEL = "gpt"
+
+__all__ = ["BUILTINS", "DEFAULT_MODEL", "load_model", "parse_set_options"]
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    """Find the factory a spec names: a built-in name or ``package.module:attr``."""
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    choices = ", ".join(BUILTINS)
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise UsageError(
+            f"unknown model {spec!r}; choose one of {choices} or give package.module:factory"
+        )
+    if not module_name or not attr:
+        raise UsageError(f"model spec {spec!r} is incomplete; write it as package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UsageError(
+            f"cannot import module {module_name!r} from model spec {spec!r} ({err}); "
+            "check the name and that its directory is on PYTHONPATH"
+        ) from err
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as err:
+            raise UsageError(
+                f"module {module_name!r} has no attribute {attr!r}; check the name after ':'"
+            ) from err
+    if not callable(obj):
+        raise UsageError(
+            f"{spec!r} is not callable (it is of type {type(obj).__name__}); "
+            "point it at a model factory function"
+        )
+    return obj
+
+
+def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Raise UsageError if ``factory`` cannot take ``options`` as keyword arguments."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # no signature to check against (e.g. a C callable); let the call decide
+    try:
+        sig.bind(**options)
+    except TypeError as err:
+        accepted = [
+            p.name
+            for p in sig.parameters.values()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        unknown = [k for k in options if k not in sig.parameters]
+        if unknown:
+            raise UsageError(
+                f"model {spec!r} has no option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; "
+                f"its options are {', '.join(accepted) or 'none'}"
+            ) from err
+        raise UsageError(
+            f"cannot call model factory {spec!r} with these options ({err}); "
+            "give it keyword-only options"
+        ) from err
+
+
+def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[..., Any]]:
+    """Build a model from a built-in name or ``package.module:factory`` with ``options``.
+
+    Returns ``(model, example_batch, loss_fn)``; raises UsageError for a spec or option
+    the user can fix.
+    """
+    factory = _resolve(spec)
+    _check_options(spec, factory, options)
+    result = factory(**options)
+    if not (isinstance(result, tuple) and len(result) == 3):
+        got = (
+            f"a {len(result)}-tuple"
+            if isinstance(result, tuple)
+            else f"an object of type {type(result).__name__}"
+        )
+        raise UsageError(
+            f"model factory {spec!r} returned {got}; it must return (model, example_batch, loss_fn)"
+        )
+    model, batch, loss_fn = result
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"model factory {spec!r} returned an object of type {type(model).__name__} "
+            "as the model; the first item must be a torch.nn.Module"
+        )
+    if not callable(loss_fn):
+        raise UsageError(
+            f"model factory {spec!r} returned an object of type {type(loss_fn).__name__} "
+            "as loss_fn; the third item must be callable as loss_fn(model, batch)"
+        )
+    return model, batch, loss_fn
+
+
+def _parse_value(text: str) -> bool | int | float | str:
+    """Read ``true``/``false`` as bool, then try int, then float, else keep the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_set_options(items: list[str]) -> dict[str, Any]:
+    """Turn ``["n_layer=4", "dropout=0.0", "flag=true", "name=x"]`` into typed options.
+
+    Values become bool (``true``/``false``), int, float or else str; dashes in keys become
+    underscores; a later key overrides an earlier one.
+    """
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not _KEY_RE.match(key):
+            raise UsageError(f"--set {item!r} is not key=value; write it like --set n_layer=4")
+        options[key] = _parse_value(value)
+    return options
