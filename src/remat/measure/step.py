@@ -1,0 +1,113 @@
+"""measure_step: the memory of one whole training step, after a warm-up step."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import UsageError
+from remat.measure.report import Phase, StepMemory
+from remat.measure.tracker import LiveMemoryTracker, iter_tensors
+
+__all__ = ["measure_step"]
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def make_optimizer(
+    model: nn.Module, optimizer: str | torch.optim.Optimizer, *, lr: float = 1e-3
+) -> torch.optim.Optimizer:
+    """``optimizer`` itself, or a new one by name: ``adamw`` (AdamW), ``sgd`` (momentum 0.9)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UsageError(
+            "the model has no parameters that require grad; there is no step to measure"
+        )
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise UsageError(
+        f"optimizer {optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)} "
+        "or pass a torch.optim.Optimizer"
+    )
+
+
+def _loss(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise UsageError(
+            f"loss_fn returned {type(loss).__name__} "
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must run the "
+            "forward and return the scalar loss tensor that requires grad"
+        )
+    return loss
+
+
+def measure_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    *,
+    warmup_steps: int = 1,
+    lr: float = 1e-3,
+    timeline: bool = False,
+    max_events: int = 1_000_000,
+) -> StepMemory:
+    """Measure one training step: ``loss_fn(model, batch)``, backward, ``optimizer.step()``.
+
+    ``warmup_steps`` full steps run first so optimizer state exists; then gradients are
+    freed with ``zero_grad(set_to_none=True)`` and one step is measured with parameters,
+    buffers, optimizer state and the batch counted from the start. The model's parameters
+    are updated by every step; no hooks are left behind, and gradients are freed at the end.
+    """
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise UsageError(f"warmup_steps={warmup_steps!r} is invalid; give a whole number >= 0")
+    opt = make_optimizer(model, optimizer, lr=lr)
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+
+    for _ in range(warmup_steps):
+        _loss(model, batch, loss_fn).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()  # garbage from the warm-up must not be freed, uncounted, mid-measurement
+
+    tracker = LiveMemoryTracker(device=device, timeline=timeline, max_events=max_events)
+    tracker.register_existing(model)
+    tracker.register_existing(opt)
+    tracker.register_existing(list(iter_tensors(batch)))
+    tracker.watch(model)
+    tracker.watch(opt)
+    try:
+        with tracker:
+            with tracker.phase(Phase.FORWARD):
+                loss = _loss(model, batch, loss_fn)
+            with tracker.phase(Phase.BACKWARD):
+                loss.backward()
+            del loss
+            with tracker.phase(Phase.OPTIMIZER):
+                opt.step()
+        report = tracker.report()
+    finally:
+        opt.zero_grad(set_to_none=True)
+    return StepMemory(
+        peak_bytes=report.peak_bytes,
+        start_bytes=report.start_bytes,
+        end_bytes=report.live_bytes,
+        peak_by_category=report.peak_by_category,
+        phase_peaks=report.phase_peaks,
+        peak_phase=report.peak_phase,
+        peak_module_path=report.peak_module_path,
+        timeline=report.timeline,
+        cuda_allocated_peak_bytes=report.cuda_allocated_peak_bytes,
+        cuda_reserved_peak_bytes=report.cuda_reserved_peak_bytes,
+    )
