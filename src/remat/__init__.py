@@ -1,9 +1,50 @@
-"""remat: budget-optimal, automatic and verified activation checkpointing for PyTorch."""
+"""remat: budget-optimal, automatic and verified activation checkpointing for PyTorch.
+
+The torch-free parts (``remat.theory``, ``remat.solve``, the plan and profile formats)
+import without torch; the rest is loaded on first use, so ``import remat`` stays cheap.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from remat.errors import CheckFailed, RematError, UsageError
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckFailed", "RematError", "UsageError", "__version__"]
+# Public name -> module that defines it, imported on first access (PEP 562).
+_LAZY: dict[str, str] = {
+    "apply": "remat.runtime",
+    "remove": "remat.runtime",
+    "applied": "remat.runtime",
+    "Handle": "remat.runtime",
+    "Plan": "remat.plan",
+    "Region": "remat.plan",
+}
+
+if TYPE_CHECKING:
+    from remat.plan import Plan, Region
+    from remat.runtime import Handle, applied, apply, remove
+
+__all__ = [
+    "CheckFailed",
+    "Handle",
+    "Plan",
+    "Region",
+    "RematError",
+    "UsageError",
+    "__version__",
+    "applied",
+    "apply",
+    "remove",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

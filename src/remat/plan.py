@@ -1,0 +1,299 @@
+"""The plan: which consecutive stages run as checkpoint regions, and how each stage saves.
+
+Torch-free on purpose (solvers, the simulator and the CLI read and write plans without
+importing torch). A plan is a chain of ``stages`` (module paths in call order), a
+laminar family of ``regions`` (half-open ranges of stage indices that nest or are
+disjoint; the tree is implied by nesting) and one ``option`` per stage::
+
+    Plan(stages=("h.0", "h.1", "h.2", "h.3"),
+         regions=(Region(0, 4), Region(0, 2), Region(2, 4)),
+         options=("keep", "selective:save-matmuls", "keep", "offload"))
+
+Options are ``keep``, ``offload`` or ``selective:<policy>`` where the policy is one of
+:data:`POLICIES` or a comma-separated list of aten op names (``selective:mm,addmm``,
+``selective:convolution.default``); the plan checks only the syntax, the runtime
+resolves the names against the installed torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from remat.errors import UsageError
+
+__all__ = ["POLICIES", "SCHEMA_VERSION", "Option", "Plan", "Region", "parse_option"]
+
+SCHEMA_VERSION = 1
+
+#: Named selective policies; the runtime maps each to a set of aten ops to save.
+POLICIES = ("save-matmuls", "save-attention", "save-nothing")
+
+_OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?\Z")
+_OPTION_HINT = "use keep, offload, or selective:<policy> with a policy from " + ", ".join(
+    POLICIES
+) + " or a comma-separated list of aten op names such as selective:mm,addmm"
+
+
+@dataclass(frozen=True, order=True)
+class Region:
+    """Stages ``start, ..., stop - 1`` run under one checkpoint (half-open ``[start, stop)``)."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        for name in ("start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"region {name}={value!r} is not a whole number; use integers")
+        if not 0 <= self.start < self.stop:
+            raise UsageError(
+                f"region {self} is empty or negative; a region needs 0 <= start < stop"
+            )
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.stop})"
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __contains__(self, stage: object) -> bool:
+        """``i in region``: whether stage index ``i`` lies inside the region."""
+        return isinstance(stage, int) and self.start <= stage < self.stop
+
+    def covers(self, other: Region) -> bool:
+        """Whether ``other`` lies inside this region (a region covers itself)."""
+        return self.start <= other.start and other.stop <= self.stop
+
+
+@dataclass(frozen=True)
+class Option:
+    """A parsed stage option: ``kind`` plus, for ``selective``, a policy name or op names."""
+
+    kind: str  # "keep" | "selective" | "offload"
+    policy: str | None = None  # one of POLICIES, or None for a custom op list
+    ops: tuple[str, ...] = ()  # custom aten op names, e.g. ("mm", "convolution.default")
+
+
+def parse_option(text: object) -> Option:
+    """Parse ``keep``, ``offload`` or ``selective:<policy|op,op,...>``; raise UsageError."""
+    if text in ("keep", "offload"):
+        return Option(str(text))
+    if isinstance(text, str) and text.startswith("selective:"):
+        spec = text[len("selective:"):]
+        if spec in POLICIES:
+            return Option("selective", policy=spec)
+        names = tuple(name.strip() for name in spec.split(","))
+        if names and all(_OP_NAME.match(name) for name in names):
+            return Option("selective", ops=names)
+    raise UsageError(f"option {text!r} is not valid; {_OPTION_HINT}")
+
+
+_META_FIELDS = (
+    "solver",
+    "budget_bytes",
+    "predicted_peak_bytes",
+    "predicted_step_time_s",
+    "baseline_step_time_s",
+    "solve_time_s",
+)
+_KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan over a chain of stages; validated on construction.
+
+    ``regions`` is normalized to sorted order by ``(start, -stop)`` (parents before their
+    children); ``options`` defaults to ``keep`` for every stage.
+    """
+
+    stages: tuple[str, ...]
+    regions: tuple[Region, ...] = ()
+    options: tuple[str, ...] = field(default=())
+    solver: str = "manual"
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+    baseline_step_time_s: float | None = None
+    solve_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
+            raise UsageError(f"stages={self.stages!r} is not a list; give module paths")
+        stages = tuple(self.stages)
+        regions = tuple(
+            sorted((_as_region(r) for r in self.regions), key=lambda r: (r.start, -r.stop))
+        )
+        options = tuple(self.options) if self.options else ("keep",) * len(stages)
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "regions", regions)
+        object.__setattr__(self, "options", options)
+        self.validate()
+
+    # -- checks -------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise UsageError naming the first offending stage, region, option or field."""
+        n = len(self.stages)
+        seen: set[str] = set()
+        for i, name in enumerate(self.stages):
+            if not isinstance(name, str) or not name:
+                raise UsageError(f"stage {i} has name {name!r}; give each stage a module path")
+            if name in seen:
+                raise UsageError(f"stage {name!r} is listed twice; each stage must be distinct")
+            seen.add(name)
+        if len(self.options) != n:
+            raise UsageError(
+                f"the plan has {len(self.options)} options for {n} stages; give one per stage"
+            )
+        for name, option in zip(self.stages, self.options, strict=True):
+            try:
+                parse_option(option)
+            except UsageError as err:
+                raise UsageError(f"stage {name!r}: {err}") from None
+        for a, b in itertools.pairwise(self.regions):
+            if a == b:
+                raise UsageError(f"region {a} is listed twice; list each region once")
+        for r in self.regions:
+            if r.stop > n:
+                raise UsageError(
+                    f"region {r} reaches past the last stage; stage indices go from 0 to {n - 1}"
+                )
+        # Sorted by (start, -stop): a partial overlap shows up between a region and a
+        # later one that starts inside it but ends outside.
+        for i, a in enumerate(self.regions):
+            for b in self.regions[i + 1:]:
+                if b.start >= a.stop:
+                    break
+                if b.stop > a.stop:
+                    raise UsageError(
+                        f"regions {a} and {b} overlap partially; regions must nest or be disjoint"
+                    )
+        if not isinstance(self.solver, str) or not self.solver:
+            raise UsageError(f"solver={self.solver!r} is not a name; give a non-empty string")
+        for name in ("budget_bytes", "predicted_peak_bytes"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise UsageError(f"{name}={value!r} is not a byte count; give an int >= 0 or None")
+        for name in ("predicted_step_time_s", "baseline_step_time_s", "solve_time_s"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise UsageError(f"{name}={value!r} is not a time; give seconds >= 0 or None")
+
+    # -- the region tree ------------------------------------------------------------------
+
+    def parent(self, region: Region) -> Region | None:
+        """The smallest region strictly containing ``region``, or None at the top level."""
+        self._check_member(region)
+        best: Region | None = None
+        for r in self.regions:
+            if r != region and r.covers(region) and (best is None or best.covers(r)):
+                best = r
+        return best
+
+    def children(self, region: Region | None = None) -> tuple[Region, ...]:
+        """The maximal regions strictly inside ``region`` (``None``: the top-level regions)."""
+        if region is not None:
+            self._check_member(region)
+        return tuple(r for r in self.regions if self.parent(r) == region)
+
+    def depth(self, stage: int) -> int:
+        """How many regions contain stage index ``stage`` (0: it runs outside every region)."""
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(
+            self.stages
+        ):
+            raise UsageError(
+                f"stage index {stage!r} is out of range; give 0 to {len(self.stages) - 1}"
+            )
+        return sum(stage in r for r in self.regions)
+
+    def _check_member(self, region: Region) -> None:
+        if region not in self.regions:
+            raise UsageError(f"region {region} is not in this plan; pick one of plan.regions")
+
+    # -- serialization ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with every key of the schema (see ``from_dict``)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **{name: getattr(self, name) for name in _META_FIELDS},
+            "stages": list(self.stages),
+            "regions": [[r.start, r.stop] for r in self.regions],
+            "options": list(self.options),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Build a plan from ``to_dict()`` output; UsageError on a schema or key problem."""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a plan must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise UsageError(
+                f"plan schema version {version!r} is not supported (this remat reads version "
+                f"{SCHEMA_VERSION}); regenerate the plan with this version of remat"
+            )
+        missing = [key for key in _KEYS if key not in data]
+        if missing:
+            raise UsageError(f"the plan is missing key(s) {', '.join(missing)}; add them")
+        unknown = sorted(set(data) - set(_KEYS))
+        if unknown:
+            raise UsageError(f"the plan has unknown key(s) {', '.join(unknown)}; remove them")
+        for key in ("stages", "regions", "options"):
+            if not isinstance(data[key], list):
+                raise UsageError(f"plan key {key!r} must be a list, got {data[key]!r}")
+        for r in data["regions"]:
+            if not isinstance(r, list) or len(r) != 2:
+                raise UsageError(f"region {r!r} is not a [start, stop] pair; write e.g. [0, 4]")
+        return cls(
+            stages=tuple(data["stages"]),
+            regions=tuple(Region(*r) for r in data["regions"]),
+            options=tuple(data["options"]),
+            **{name: data[name] for name in _META_FIELDS},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"the plan is not valid JSON ({err}); check the file") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise UsageError(f"cannot read plan file {str(path)!r} ({err.strerror})") from None
+        return cls.from_json(text)
+
+
+def _as_region(value: object) -> Region:
+    if isinstance(value, Region):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return Region(*value)
+    raise UsageError(f"region {value!r} is not a Region or a (start, stop) pair")

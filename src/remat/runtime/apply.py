@@ -1,0 +1,209 @@
+"""``remat.apply(model, plan)`` and ``remat.remove(model)``: install a plan in place, reversibly.
+
+Applying replaces each stage module's ``forward`` with an instance attribute (module
+objects, parameters and ``state_dict`` keys stay the same) and adds a forward pre-hook
+and an ``always_call`` forward hook to the root model. Everything is checked before the
+first change, so an error never leaves the model half-wrapped; ``remove`` deletes
+exactly what ``apply`` added.
+
+Side effects: unlike plain ``torch.utils.checkpoint``, which re-runs in-place buffer
+updates during its rebuild (BatchNorm's running statistics move twice per step), remat
+puts mutated buffers back after each rebuild, so they change once per step, as without
+checkpointing (see Note [Buffers mutated in forward] in ``engine.py``).
+
+Limits: the model must be called as ``model(...)`` (the hooks mark the pass); a
+multi-stage region needs each stage to pass its output unchanged to the next (checked at
+run time); the non-boundary arguments of calls inside a region are kept alive until
+backward (usually masks and rotary tables, alive anyway); the model must not wrap single
+stage calls in saved-tensor hooks of its own (regions span calls, and those hooks are a
+stack), nor enable its own gradient checkpointing; a rebuild repeats non-tensor side
+effects of a stage (e.g. appending to a key/value cache object); remove the plan before
+``copy.deepcopy`` or pickling the whole model (the wrapped forwards are closures).
+"""
+
+from __future__ import annotations
+
+import difflib
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from remat.errors import UsageError
+from remat.plan import Plan
+from remat.runtime._torch_checkpoint import check_available
+from remat.runtime.engine import Engine
+from remat.runtime.policies import resolve
+
+__all__ = ["Handle", "applied", "apply", "remove"]
+
+_MISSING = object()
+
+
+@dataclass(eq=False)
+class _Installation:
+    """What ``apply`` changed on one model; never refers to the root (registry value)."""
+
+    engine: Engine
+    stages: tuple[nn.Module, ...]
+    previous: tuple[Any, ...]  # each stage's own instance-level ``forward``, or _MISSING
+    hooks: tuple[RemovableHandle, ...]
+
+    def uninstall(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for module, previous in zip(self.stages, self.previous, strict=True):
+            _WRAPPED.discard(module)
+            if previous is _MISSING:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, _Installation] = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # stage modules of applied plans
+
+
+class Handle:
+    """A plan applied to a model: ``handle.remove()`` undoes it, as ``remat.remove`` does."""
+
+    def __init__(self, model: nn.Module, plan: Plan, installation: _Installation) -> None:
+        self.model = model
+        self.plan = plan
+        self._installation = installation
+
+    @property
+    def stages(self) -> tuple[nn.Module, ...]:
+        """The stage modules, in plan order."""
+        return self._installation.stages
+
+    @property
+    def rebuilds(self) -> int:
+        """How many region rebuilds ran so far (each backward rebuilds each region once)."""
+        return self._installation.engine.rebuilds
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Things worth knowing about how the plan ran, e.g. offloads that did nothing."""
+        engine = self._installation.engine
+        return tuple(
+            f"offload of stage {engine.names[i]!r} was a no-op: its input is on {device}, "
+            "and offloading only pays for inputs on an accelerator"
+            for i, device in sorted(engine.offload_noop.items())
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether the plan is still applied to the model."""
+        return _APPLIED.get(self.model) is self._installation
+
+    def remove(self) -> None:
+        """Restore the model exactly; same as ``remat.remove(model)``."""
+        if not self.active:
+            raise UsageError("this plan was already removed from the model; nothing to undo")
+        remove(self.model)
+
+    def __repr__(self) -> str:
+        return (
+            f"Handle({len(self.plan.stages)} stages, {len(self.plan.regions)} regions, "
+            f"solver={self.plan.solver!r}, active={self.active})"
+        )
+
+
+def apply(model: nn.Module, plan: Plan) -> Handle:
+    """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
+
+    Training-mode forwards with grad enabled then run the plan's regions and options;
+    eval or no-grad forwards call each stage's own forward directly.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(plan, Plan):
+        raise UsageError(
+            f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
+        )
+    if model in _APPLIED:
+        raise UsageError(
+            "a plan is already applied to this model; call remat.remove(model) before "
+            "applying another"
+        )
+    plan.validate()  # again: a frozen dataclass can still be changed behind its back
+    check_available()
+    stages = _resolve_stages(model, plan)
+    policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
+
+    # Everything is checked: from here on nothing can fail half-way.
+    engine = Engine(plan, stages, policies)
+    previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
+    for i, module in enumerate(stages):
+        module.forward = engine.wrap(i, module.forward)
+        _WRAPPED.add(module)
+    hooks = (
+        model.register_forward_pre_hook(engine.begin_pass),
+        model.register_forward_hook(engine.end_pass, always_call=True),
+    )
+    installation = _Installation(engine, stages, previous, hooks)
+    _APPLIED[model] = installation
+    return Handle(model, plan, installation)
+
+
+def remove(model: nn.Module) -> None:
+    """Undo ``apply``: stage forwards and root hooks go back to what they were."""
+    installation = _APPLIED.pop(model, None)
+    if installation is None:
+        raise UsageError("no remat plan is applied to this model; there is nothing to remove")
+    installation.uninstall()
+
+
+def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
+    """The plan's stage modules; UsageError for unknown, nested or already-wrapped ones."""
+    modules: list[nn.Module] = []
+    for path in plan.stages:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise UsageError(_unknown_path_message(model, path)) from None
+        if module is model:
+            raise UsageError(f"stage {path!r} is the model itself; stages must be submodules")
+        if module in _WRAPPED:
+            raise UsageError(
+                f"stage {path!r} is already a stage of another applied plan; remove that "
+                "plan first"
+            )
+        modules.append(module)
+    index: dict[int, int] = {}
+    for i, module in enumerate(modules):
+        index.setdefault(id(module), i)
+    for i, module in enumerate(modules):
+        if index[id(module)] != i:
+            other = plan.stages[index[id(module)]]
+            raise UsageError(
+                f"stages {other!r} and {plan.stages[i]!r} are the same module; list it once"
+            )
+        for sub in module.modules():
+            j = index.get(id(sub))
+            if sub is not module and j is not None:
+                raise UsageError(
+                    f"stage {plan.stages[j]!r} lies inside stage {plan.stages[i]!r}; "
+                    "stages must not contain each other"
+                )
+    return tuple(modules)
+
+
+def _unknown_path_message(model: nn.Module, path: str) -> str:
+    known = [name for name, _ in model.named_modules() if name]
+    close = difflib.get_close_matches(path, known, n=3)
+    hint = (
+        "did you mean " + " or ".join(repr(c) for c in close) + "?"
+        if close
+        else "list the paths with model.named_modules()"
+    )
+    return f"the model has no submodule {path!r}; {hint}"
+
+
+def applied(model: nn.Module) -> bool:
+    """Whether a remat plan is currently applied to ``model``."""
+    return model in _APPLIED
+

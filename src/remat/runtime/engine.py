@@ -1,0 +1,529 @@
+"""What happens at each stage call: which checkpoint frames open and close, and the rebuild.
+
+One :class:`Engine` serves one model with an applied plan. The stage modules' ``forward``
+is replaced by :meth:`Engine.wrap`, and two hooks on the root model mark where a forward
+pass begins and ends. Everything goes through torch's non-reentrant checkpoint
+(:class:`~remat.runtime._torch_checkpoint.CheckpointFrame`), selective-checkpoint
+contexts and saved-tensor hooks; this module only decides *when* to open which.
+
+Note [Which regions open when]
+------------------------------
+torch's nestable checkpoint (``NOTE [ Nestable Checkpoint ]`` in torch/utils/checkpoint.py)
+gives each frame the tensors saved while it is the innermost frame, plus the inputs of
+the frames opened directly inside it (Rule 2). A frame's rebuild must save exactly the
+same sequence again, or torch raises "A different number of tensors was saved". So the
+frame structure inside a region must be identical in its forward and in its rebuild:
+
+* forward: every region opens, nested (kind OPEN). Only frames' inputs are packed, and
+  packed into placeholders, so nothing inside the top-level regions is kept; the inner
+  frames cost a generator step each, no memory. (Opening only the top-level regions in
+  forward and the children in the rebuild would save fewer tensors in the rebuild than
+  in forward: torch rejects that.)
+* the rebuild of region R (kind REPLAYING) replays R's recorded stage calls; R's children
+  open again, as SHADOW frames: they only hide their insides from R and hand R their
+  inputs, and are never rebuilt themselves (nothing ever unpacks what they saved), so
+  nothing opens inside a shadow. R itself never reopens inside its own rebuild.
+* backward then rebuilds each child from the frame it opened in forward, whose input
+  R's rebuild just restored, and so on down: a stage at depth d runs at most d + 1 times
+  per step (exactly d + 1 with early stop off), and at any moment only one region per
+  level holds its insides.
+
+With early stop (torch's default) torch ends a rebuild by raising inside it as soon as
+it has what backward needs; the rebuild aborts what it opened, innermost first, in a
+``finally`` and restores the engine state (``_unwind``).
+
+Note [Options inside regions]
+-----------------------------
+An option applies where the stage really runs with grad: in forward outside regions,
+or in the rebuild of its innermost region. By Note [Which regions open when] the
+saved-tensor hooks around a stage must match between forward and that rebuild:
+
+* ``selective`` opens a single-stage frame around the stage in both. Outside regions it
+  is torch's selective checkpoint. Inside a region the forward frame must not cache
+  anything (the region keeps nothing), so its forward context is a no-op; the rebuild
+  of the innermost region runs the stage under the caching half of a fresh
+  selective-checkpoint pair and leaves the recompute half on the call record, where the
+  forward frame's rebuild (at this stage's backward) picks it up (``_RecomputeContext``).
+  When early stop ends the region's rebuild before this stage runs, nothing was
+  cached and the stage is rebuilt in full: the same values, only slower.
+* ``offload`` inside a region moves the saved tensors to host memory in forward (the
+  copies backward uses) and drops them in the region's rebuild; outside regions it is
+  ``save_on_cpu``. The device keeps nothing of the stage either way.
+
+Note [Code between the stages of a region]
+------------------------------------------
+The model's own code between two stages of an open region (collecting hidden states, an
+auxiliary loss) runs in forward but is not replayed by the rebuild, which calls only the
+stages. Had the region's frame seen what that code saves, the rebuild would save fewer
+tensors and torch would reject it; so between stages the engine pushes identity
+saved-tensor hooks (a GAP entry), and that code saves for real, as outside any region.
+
+Note [Buffers mutated in forward]
+---------------------------------
+A rebuild re-runs stage code, so in-place buffer updates (BatchNorm's running_mean,
+running_var and num_batches_tracked, user counters kept as buffers) would happen twice
+per step: plain ``torch.utils.checkpoint`` does exactly that, and BatchNorm's running
+statistics then drift from an unwrapped model's. In forward we note which buffers of a
+recorded call changed (``_version``); a rebuild clones just those first and copies them
+back in a ``finally``. torch's batch-norm kernels update running_mean and running_var
+without bumping ``_version``, so a norm module's running statistics count as changed
+whenever its ``num_batches_tracked`` did; another kernel that hides an in-place update
+the same way would go unnoticed. The rebuild sees the post-step values: code that reads a buffer
+it also updates (BatchNorm in training reads batch statistics, not running ones) would
+compute something else in the rebuild.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import RematError, UsageError
+from remat.plan import Plan
+from remat.runtime._torch_checkpoint import CheckpointFrame
+from remat.runtime.policies import (
+    StagePolicy,
+    discard_saved_tensors,
+    offload_saved_tensors,
+    selective_contexts,
+    wants_offload,
+)
+
+__all__ = ["Engine", "main_output"]
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no pass, or an eval / no-grad pass: stages run their own forward
+    FORWARD = "forward"  # a training forward of the root model
+    REBUILD = "rebuild"  # a region's rebuild, called from backward
+
+
+class Kind(enum.Enum):
+    OPEN = "open"  # opened in forward; backward rebuilds it
+    REPLAYING = "replaying"  # its rebuild is running
+    SHADOW = "shadow"  # a child reopened inside its parent's rebuild; never rebuilt
+    GAP = "gap"  # between two stages of an open region in forward (Note [Code between ...])
+
+
+class _Where(enum.Enum):
+    TOP = "top"  # forward, outside every region
+    IN_REGION = "in-region"  # forward, inside an OPEN region
+    REBUILD = "rebuild"  # the rebuild of the stage's innermost region
+
+
+@dataclass(eq=False)
+class CallRecord:
+    """One stage call inside a region, enough to replay it.
+
+    The boundary (first positional argument) is not kept: the rebuild feeds the
+    rebuilt output of the previous stage instead, and keeping forward intermediates
+    here would defeat the region.
+    """
+
+    stage: int
+    rest: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    mutated: tuple[torch.Tensor, ...] = ()  # Note [Buffers mutated in forward]
+    sac_cache: Any = None  # Note [Options inside regions]
+
+
+@dataclass(eq=False)
+class _Entry:
+    region: int
+    kind: Kind
+    frame: CheckpointFrame | None  # None while REPLAYING, and for a GAP
+    calls: list[CallRecord] = field(default_factory=list)
+    hooks: Any = None  # a GAP's entered saved-tensor hooks
+
+
+def main_output(out: object) -> torch.Tensor | None:
+    """The hidden state a stage returns: the output, or its first item, if a tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out:
+        first = out[0]
+    elif isinstance(out, Mapping) and out:
+        first = next(iter(out.values()))
+    else:
+        return None
+    return first if isinstance(first, torch.Tensor) else None
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _never_rebuilt(*_args: Any) -> None:
+    raise RematError("internal error: a shadow checkpoint frame was rebuilt; please report it")
+
+
+def _call_restoring(
+    buffers: tuple[torch.Tensor, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)`` with ``buffers`` put back afterwards (Note [Buffers ...])."""
+    if not buffers:
+        return fn(*args, **kwargs)
+    with torch.no_grad():
+        saved = [b.clone() for b in buffers]
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved, strict=True):
+                b.copy_(s)
+
+
+class _RecomputeContext:
+    """Recompute context of a selective stage's own frame, entered by torch in backward.
+
+    It enters the recompute half of a selective-checkpoint pair (a fixed one outside
+    regions, or the one the region's rebuild left on the record: Note [Options inside
+    regions]) and puts the stage's mutated buffers back afterwards (Note [Buffers
+    mutated in forward]). The restore lives here, not in the frame's ``fn``, because
+    ``fn`` runs inside the selective mode, which would take the clone and ``copy_`` for
+    ops of the stage.
+    """
+
+    __slots__ = ("_fixed", "_mode", "_record", "_saved")
+
+    def __init__(self, record: CallRecord, fixed: Any = None) -> None:
+        self._record = record
+        self._fixed = fixed
+        self._mode: Any = None
+        self._saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        with torch.no_grad():
+            self._saved = [b.clone() for b in self._record.mutated]
+        if self._fixed is not None:
+            self._mode = self._fixed
+        else:  # taken, not read: a later backward must not reuse a consumed cache
+            self._mode, self._record.sac_cache = self._record.sac_cache, None
+        if self._mode is not None:
+            self._mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        mode, self._mode = self._mode, None
+        try:
+            if mode is not None:
+                mode.__exit__(*exc)
+        finally:
+            saved, self._saved = self._saved, []
+            with torch.no_grad():
+                for b, s in zip(self._record.mutated, saved, strict=True):
+                    b.copy_(s)
+
+
+class Engine:
+    """Per-model runtime state and the logic run at every stage call."""
+
+    def __init__(
+        self, plan: Plan, modules: Sequence[nn.Module], policies: Sequence[StagePolicy]
+    ) -> None:
+        n = len(plan.stages)
+        self.names = plan.stages
+        self.modules = tuple(modules)
+        self.policies = tuple(policies)
+        self.regions = plan.regions  # sorted by (start, -stop): parents before children
+        index = {r: k for k, r in enumerate(self.regions)}
+        parents = (plan.parent(r) for r in self.regions)
+        self.parent = tuple(-1 if p is None else index[p] for p in parents)
+        opens: list[list[int]] = [[] for _ in range(n)]
+        closes: list[list[int]] = [[] for _ in range(n)]
+        for k, r in enumerate(self.regions):
+            opens[r.start].append(k)  # outermost first
+            closes[r.stop - 1].insert(0, k)  # innermost first
+        self.opens_at = tuple(map(tuple, opens))
+        self.closes_at = tuple(map(tuple, closes))
+        # Submodules with buffers, and those with running statistics, per stage
+        # (Note [Buffers mutated in forward]); walking module.buffers() per call is slow.
+        self.buffer_owners = tuple(
+            tuple(m for m in module.modules() if m._buffers) for module in self.modules
+        )
+        self.norms = tuple(
+            tuple(m for m in owners if "num_batches_tracked" in m._buffers)
+            for owners in self.buffer_owners
+        )
+        # Stages whose forward outside regions needs nothing from us (the fast path).
+        self.plain = tuple(not opens[i] and self.policies[i].is_keep for i in range(n))
+
+        self.phase = Phase.IDLE
+        self.next_stage = 0
+        self.stack: list[_Entry] = []
+        self.last_main: torch.Tensor | None = None  # previous stage's output, in regions
+        self.current: CallRecord | None = None  # the call a rebuild is replaying
+        self.rebuilds = 0
+        self.offload_noop: dict[int, str] = {}  # stage -> device of its input
+
+    # -- installation -------------------------------------------------------------------
+
+    def wrap(self, i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """The ``forward`` installed on stage ``i``; ``orig`` is its own forward."""
+        idle = Phase.IDLE
+
+        @functools.wraps(orig)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.phase is idle:
+                return orig(*args, **kwargs)
+            return self.call(i, orig, args, kwargs)
+
+        return forward
+
+    def begin_pass(self, module: nn.Module, _args: Any) -> None:
+        """Root forward pre-hook: a new pass starts (training with grad: checkpointing)."""
+        if self.phase is not Phase.IDLE or self.stack:  # stale after a KeyboardInterrupt
+            self._unwind(0)
+        self._reset()
+        if module.training and torch.is_grad_enabled():
+            self.phase = Phase.FORWARD
+
+    def end_pass(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        """Root forward hook (``always_call``): check the pass closed every region, reset."""
+        if self.phase is Phase.IDLE:
+            return
+        left_open = self.stack[0] if self.stack else None
+        failed = sys.exc_info()[0] is not None
+        self._unwind(0)
+        self._reset()
+        if left_open is not None and not failed:
+            r = self.regions[left_open.region]
+            raise UsageError(
+                f"region {r} was still open when the forward ended: its last stage "
+                f"{self.names[r.stop - 1]!r} was not called; end the region at a stage "
+                "the forward always runs"
+            )
+
+    def _reset(self) -> None:
+        self.phase = Phase.IDLE
+        self.next_stage = 0
+        self.last_main = None
+        self.current = None
+
+    def _unwind(self, depth: int) -> None:
+        """Abort the frames above ``depth``, innermost first (their hooks are a stack)."""
+        while len(self.stack) > depth:
+            entry = self.stack.pop()
+            if entry.frame is not None:
+                entry.frame.abort()
+            elif entry.hooks is not None:
+                entry.hooks.__exit__(None, None, None)
+
+    # -- stage calls --------------------------------------------------------------------
+
+    def call(self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+        if self.phase is Phase.REBUILD:
+            return self._call_in_rebuild(i, orig, args, kwargs)
+        if i != self.next_stage:
+            raise self._order_error(i)
+        self.next_stage = i + 1
+        if not self.stack and self.plain[i]:
+            return orig(*args, **kwargs)
+        return self._call_in_forward(i, orig, args, kwargs)
+
+    def _call_in_forward(
+        self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        boundary = args[0] if args else None
+        if self.stack and self.stack[-1].kind is Kind.GAP:
+            self._unwind(len(self.stack) - 1)
+        if not torch.is_grad_enabled():
+            if self.stack:
+                r = self.regions[self.stack[-1].region]
+                raise UsageError(
+                    f"stage {self.names[i]!r} ran with grad disabled inside region {r}; "
+                    "keep grad mode unchanged within a region"
+                )
+            return orig(*args, **kwargs)
+        if self.stack and boundary is not self.last_main:
+            r = self.regions[self.stack[0].region]
+            raise UsageError(
+                f"stage {self.names[i]!r} did not get stage {self.names[i - 1]!r}'s output as "
+                f"its first argument, so region {r} cannot replay them as a chain; the model "
+                "changes the hidden state between them, so end the region between these stages"
+            )
+        for k in self.opens_at[i]:
+            self._open(k, boundary, Kind.OPEN)
+        record = CallRecord(i, args[1:], kwargs)
+        if not self.stack:  # a selective or offload stage outside regions
+            return self._run_recording(i, orig, args, kwargs, record, _Where.TOP)
+        for entry in self.stack:
+            entry.calls.append(record)
+        out = self._run_recording(i, orig, args, kwargs, record, _Where.IN_REGION)
+        for k in self.closes_at[i]:
+            entry = self.stack.pop()
+            assert entry.region == k and entry.frame is not None
+            entry.frame.close()
+        if not self.stack:
+            self.last_main = None
+            return out
+        self.last_main = main_output(out)
+        if self.last_main is None:
+            r = self.regions[self.stack[-1].region]
+            raise UsageError(
+                f"stage {self.names[i]!r} returned {type(out).__name__}, but region {r} "
+                "passes its output on to the next stage; return a tensor, or a tuple, list "
+                "or dict whose first item is the hidden state"
+            )
+        gap = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+        gap.__enter__()
+        self.stack.append(_Entry(-1, Kind.GAP, None, hooks=gap))
+        return out
+
+    def _run_recording(
+        self,
+        i: int,
+        orig: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        record: CallRecord,
+        where: _Where,
+    ) -> Any:
+        """Run the stage with its option and note the buffers it changed."""
+        buffers = [b for m in self.buffer_owners[i] for b in m._buffers.values() if b is not None]
+        versions = [b._version for b in buffers]
+        out = self._run(i, orig, args, kwargs, record, where)
+        changed = [b for b, v in zip(buffers, versions, strict=True) if b._version != v]
+        for norm in self.norms[i]:
+            stats = norm._buffers
+            if any(b is stats["num_batches_tracked"] for b in changed):
+                running = (stats.get("running_mean"), stats.get("running_var"))
+                changed += [b for b in running if b is not None]
+        record.mutated = tuple(changed)
+        return out
+
+    def _call_in_rebuild(
+        self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        record = self.current
+        if record is None or record.stage != i:
+            raise RematError(
+                f"stage {self.names[i]!r} was called during a rebuild that did not call it; "
+                "a stage must not call another stage"
+            )
+        top = self.stack[-1]
+        if top.kind is Kind.SHADOW:
+            out = orig(*args, **kwargs)
+        else:  # REPLAYING: open the child starting here, or run as the innermost region
+            child = next((k for k in self.opens_at[i] if self.parent[k] == top.region), -1)
+            if child >= 0:
+                self._open(child, args[0], Kind.SHADOW)
+                out = orig(*args, **kwargs)
+            else:
+                out = self._run(i, orig, args, kwargs, record, _Where.REBUILD)
+        top = self.stack[-1]
+        if top.kind is Kind.SHADOW and self.regions[top.region].stop == i + 1:
+            self.stack.pop()
+            assert top.frame is not None
+            top.frame.close()
+        return out
+
+    def _open(self, k: int, boundary: object, kind: Kind) -> None:
+        if not isinstance(boundary, torch.Tensor):
+            r = self.regions[k]
+            raise UsageError(
+                f"region {r} starts at stage {self.names[r.start]!r}, whose first positional "
+                f"argument is {type(boundary).__name__}, not a tensor; start regions at stages "
+                "that take the hidden state as their first positional argument"
+            )
+        entry = _Entry(k, kind, None)
+        fn = functools.partial(self._rebuild, entry) if kind is Kind.OPEN else _never_rebuilt
+        entry.frame = CheckpointFrame.open(fn, boundary)
+        self.stack.append(entry)
+
+    def _rebuild(self, entry: _Entry, boundary: torch.Tensor) -> None:
+        """Replay region ``entry.region``'s calls (torch calls this from backward)."""
+        saved = (self.phase, self.next_stage, self.last_main, self.current)
+        depth = len(self.stack)
+        self.stack.append(_Entry(entry.region, Kind.REPLAYING, None, entry.calls))
+        self.phase = Phase.REBUILD
+        self.rebuilds += 1
+        try:
+            hidden: torch.Tensor | None = boundary
+            for record in entry.calls:
+                self.current = record
+                module = self.modules[record.stage]
+                out = _call_restoring(record.mutated, module, hidden, *record.rest, **record.kwargs)
+                hidden = main_output(out)
+        finally:
+            self._unwind(depth)
+            self.phase, self.next_stage, self.last_main, self.current = saved
+
+    # -- options ------------------------------------------------------------------------
+
+    def _run(
+        self,
+        i: int,
+        orig: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        record: CallRecord,
+        where: _Where,
+    ) -> Any:
+        """Run stage ``i`` with its option (Note [Options inside regions])."""
+        policy = self.policies[i]
+        if policy.kind == "keep":
+            return orig(*args, **kwargs)
+        if policy.kind == "offload":
+            boundary = args[0] if args else None
+            if not wants_offload(boundary):
+                device = boundary.device.type if isinstance(boundary, torch.Tensor) else "none"
+                self.offload_noop.setdefault(i, device)
+                return orig(*args, **kwargs)
+            hooks = discard_saved_tensors() if where is _Where.REBUILD else offload_saved_tensors()
+            with hooks:
+                return orig(*args, **kwargs)
+        # selective
+        if where is _Where.REBUILD:
+            caching, cached = selective_contexts(policy)
+            frame = CheckpointFrame.open(
+                _never_rebuilt, *args, context_fn=lambda: (caching, contextlib.nullcontext())
+            )
+            out = _run_in(frame, orig, args, kwargs)
+            record.sac_cache = cached
+            return out
+
+        def context_fn() -> tuple[Any, Any]:
+            if where is _Where.TOP:
+                caching, cached = selective_contexts(policy)
+                return caching, _RecomputeContext(record, cached)
+            return contextlib.nullcontext(), _RecomputeContext(record)
+
+        replay = functools.partial(_call_with, orig, kwargs)
+        frame = CheckpointFrame.open(replay, *args, context_fn=context_fn)
+        return _run_in(frame, orig, args, kwargs)
+
+    def _order_error(self, i: int) -> UsageError:
+        name = self.names[i]
+        if self.next_stage >= len(self.names):
+            where = f"after the last stage {self.names[-1]!r}"
+        else:
+            where = f"where stage {self.names[self.next_stage]!r} was expected"
+        return UsageError(
+            f"stage {name!r} was called {where}; the model's loop skips, repeats or reorders "
+            "stages, so list the plan's stages in the order the forward calls them, once each"
+        )
+
+
+def _run_in(
+    frame: CheckpointFrame, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+) -> Any:
+    try:
+        out = orig(*args, **kwargs)
+    except BaseException:
+        frame.abort()
+        raise
+    frame.close()
+    return out
+
+
+def _call_with(orig: Callable[..., Any], kwargs: dict[str, Any], *args: Any) -> None:
+    """Rebuild of a selective stage's own frame (torch calls it from backward)."""
+    orig(*args, **kwargs)

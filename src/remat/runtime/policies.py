@@ -1,0 +1,111 @@
+"""Stage options resolved against the installed torch: selective policies and offload hooks."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from remat.errors import UsageError
+from remat.plan import parse_option
+
+__all__ = [
+    "ATTENTION_OPS",
+    "MATMUL_OPS",
+    "StagePolicy",
+    "discard_saved_tensors",
+    "offload_saved_tensors",
+    "resolve",
+    "selective_contexts",
+    "wants_offload",
+]
+
+_aten = torch.ops.aten
+
+
+def _existing(*names: str) -> tuple[Any, ...]:
+    """``aten.<name>.default`` for each name this torch has (kernels differ by version)."""
+    return tuple(getattr(_aten, n).default for n in names if hasattr(_aten, n))
+
+
+#: Scaled-dot-product attention kernels: their outputs are expensive to rebuild.
+ATTENTION_OPS = _existing(
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+#: Matrix products (``linear`` rarely reaches the dispatcher, but costs nothing to list).
+MATMUL_OPS = (*_existing("mm", "addmm", "bmm", "linear"), *ATTENTION_OPS)
+
+_NAMED = {"save-matmuls": MATMUL_OPS, "save-attention": ATTENTION_OPS, "save-nothing": ()}
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """How one stage saves when it runs with grad: ``keep``, ``selective`` or ``offload``."""
+
+    kind: str
+    ops: tuple[Any, ...] = ()  # OpOverloads saved by a selective stage; others are rebuilt
+
+    @property
+    def is_keep(self) -> bool:
+        return self.kind == "keep"
+
+
+def resolve(option: str, stage: str) -> StagePolicy:
+    """Resolve a plan option for ``stage``; UsageError names an op this torch lacks."""
+    parsed = parse_option(option)
+    if parsed.kind != "selective":
+        return StagePolicy(parsed.kind)
+    if parsed.policy is not None:
+        return StagePolicy("selective", _NAMED[parsed.policy])
+    ops: list[Any] = []
+    for name in parsed.ops:
+        packet_name, _, overload = name.partition(".")
+        packet: Any = getattr(_aten, packet_name, None)
+        if not callable(getattr(packet, "overloads", None)):
+            raise UsageError(
+                f"stage {stage!r}: option {option!r} names op {name!r}, which torch "
+                f"{torch.__version__} does not have; use aten op names such as mm or addmm"
+            )
+        # A bare name means every overload (``add`` is add.Tensor, add.Scalar, ...).
+        for o in [overload] if overload else packet.overloads():
+            if o not in packet.overloads():
+                raise UsageError(
+                    f"stage {stage!r}: op {packet_name!r} has no overload {o!r}; "
+                    f"choose one of {', '.join(packet.overloads())}"
+                )
+            ops.append(getattr(packet, o))
+    return StagePolicy("selective", tuple(dict.fromkeys(ops)))
+
+
+def selective_contexts(policy: StagePolicy) -> tuple[Any, Any]:
+    """torch's selective-checkpoint pair: MUST_SAVE for ``policy.ops``, rebuild the rest."""
+    return create_selective_checkpoint_contexts(list(policy.ops))
+
+
+def wants_offload(tensor: object) -> bool:
+    """Offloading pays only when the stage's input lives on an accelerator."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu"
+
+
+def offload_saved_tensors() -> contextlib.AbstractContextManager[Any]:
+    """Saved tensors go to pinned host memory and come back when backward needs them."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+def _drop(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _unreachable(_packed: None) -> torch.Tensor:
+    raise AssertionError("remat: a tensor dropped during a rebuild was unpacked")
+
+
+def discard_saved_tensors() -> contextlib.AbstractContextManager[Any]:
+    """Drop what autograd saves (a rebuild whose saved tensors backward never reads)."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _unreachable)
