@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -15,9 +14,9 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from remat.errors import RematError, UsageError
+from remat.measure import LiveMemoryTracker
 from remat.plan import Plan, Region
 from remat.runtime import _torch_checkpoint, apply, remove
 from remat.runtime import engine as engine_mod
@@ -847,56 +846,17 @@ def test_apply_rejects_non_models_and_non_plans() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Memory, measured by a live-storage tracker
-
-
-class LiveStorage(TorchDispatchMode):
-    """Counts each new output storage once while it lives; ``peak`` is the high-water mark."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        key, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or key in self._sizes:
-            return
-        self._sizes[key] = size
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key)
-
-
-def test_tracker_counts_views_once_and_frees() -> None:
-    with LiveStorage() as tracker:
-        a = torch.empty(1024)
-        b = a.view(32, 32)[1:]
-        assert tracker.live == 4096 and b.untyped_storage().nbytes() == 4096
-        del a, b
-        assert tracker.live == 0
-    assert tracker.peak == 4096
+# Memory, measured by the project's live-storage tracker
 
 
 def step_peak(model: nn.Module, x: torch.Tensor, regions: Sequence[tuple[int, int]] | None) -> Any:
     handle = None if regions is None else apply(model, make_plan(len(model.blocks), regions))
-    with LiveStorage() as tracker:
+    with LiveMemoryTracker() as tracker:
         chain_loss(model, x).backward()
     if handle is not None:
         handle.remove()
     model.zero_grad(set_to_none=True)
-    return tracker.peak, tracker.live
+    return tracker.peak_bytes, tracker.live_bytes
 
 
 def test_regions_lower_the_measured_peak_as_the_theory_says() -> None:
