@@ -1,0 +1,462 @@
+"""The optimal solver's dynamic program over nested region trees with per-stage options.
+
+Torch-free. It restates the simulator's arithmetic (:mod:`remat.solve.simulate`) as a
+recursion over a *level* of the region tree (the top level, or the inside of one
+region) split into its first item and the rest; the tests prove it equal to scoring
+every plan of small chains with the simulator.
+
+Note [The recursion]
+--------------------
+Write ``a_i`` for boundary bytes (``a_n``: the chain output), ``m`` for the memory left
+to the part of the plan being decided (in slots), ``H(X)`` for what item ``X`` keeps from
+its forward to its backward (its saved bytes, plus its input unless the enclosing
+region already holds it: flag ``h``). Inside a region whose level ends at ``e``:
+
+    Seg(h, k, e, m) = min over the first item X = [k, k') of
+        time(X) + Seg(0, k', e, m - H(X))        when X's events fit in m
+
+where X's forward events count the gradient of ``x_e`` (alive through the rebuild) and
+X's backward events count the incoming and outgoing gradients; a region X adds
+``region_overhead`` and ``Seg(1, k, k', m - H(X) - overhead_bytes)`` for its own inside
+(``h = 1``: it holds ``x_k``; a region never repeats its parent's span). The top level is
+the same recursion ``Top(k, m)`` except that its forward runs before backward: no
+gradient of ``x_n`` yet and ``grads_bytes`` more room (the DP's ``m`` is measured against
+the backward base), and ``Top(n, m)`` checks the post-chain (``a_n + post_chain_bytes``).
+
+Note [Early stop in the recursion]
+----------------------------------
+With early stop a rebuild runs its items only up to the last one that hands the region
+something (Note [Nested non-reentrant regions]); later items are offloaded stages,
+which hand over nothing. So the recursion keeps two values per subproblem: ``SegP``
+(the rest contains a hand-over: X runs in the rebuild) and ``AO`` (the rest is all
+offloaded stages: X is the last hand-over, it runs only if it is a keep stage, and the
+rest runs not at all). ``Seg = min(SegP, AO)``.
+
+Memory is counted in slots of ``slot_bytes``. Every quantity that stays alive across
+events (an item's ``H``, a region's overhead) is rounded up on its own, and each
+event's local bytes are rounded up as a sum, while the memory available is rounded
+down: so a plan the DP accepts never exceeds the budget in the exact simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.solve.problem import Problem
+
+__all__ = [
+    "INF",
+    "KEEP",
+    "OFF",
+    "SEL",
+    "Choice",
+    "Model",
+    "Tables",
+    "numpy_tables",
+    "python_tables",
+    "reconstruct",
+    "seg_choices",
+    "subproblems",
+    "top_choices",
+]
+
+INF = math.inf
+KEEP, SEL, OFF = 0, 1, 2
+
+
+def _ceil(nbytes: int, slot: int) -> int:
+    return -(-nbytes // slot)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate for the first item of a level: a bare stage or a region."""
+
+    kind: str  # "stage" | "region"
+    arg: int  # option index for a stage, stop for a region
+    rest: str  # "P" (rest hands over), "AO" (rest all offloaded), "any"
+
+
+class Model:
+    """The chain's numbers in slots of ``slot_bytes``, shared by both table paths.
+
+    ``gs``: the extra slots the top-level forward may use (no gradients yet).
+    """
+
+    def __init__(self, problem: Problem, slot_bytes: int, gs: int) -> None:
+        self.problem = problem
+        self.n = n = problem.n
+        self.q = q = slot_bytes
+        self.gs = gs
+        self.early_stop = problem.early_stop
+        st = problem.stages
+        a = [s.boundary_bytes for s in st] + [problem.output_bytes]
+        self.a = a
+        self.opts = [problem.options(k) for k in range(n)]
+        self.kinds = [[KEEP if o == "keep" else OFF if o == "offload" else SEL for o in os]
+                      for os in self.opts]
+        bw = problem.offload_bandwidth_bytes_per_s
+        self.can_offload = bw is not None
+        # Bytes (exact) per stage and option.
+        self.tf: list[list[int]] = []  # forward with grad, beyond input and output
+        self.save: list[list[int]] = []  # kept on device from forward to backward
+        self.dev_bwd: list[list[int]] = []  # saved bytes on device during its backward
+        self.t_top: list[list[float]] = []  # extra time at the top level
+        self.t_run: list[list[float]] = []  # extra time inside a region, run in its rebuild
+        self.t_open: list[list[float]] = []  # ... not run in its rebuild (early stop)
+        for k, s in enumerate(st):
+            tf, save, dev, tt, tr, to = [], [], [], [], [], []
+            for o, kind in zip(self.opts[k], self.kinds[k], strict=True):
+                if kind == OFF:
+                    assert bw is not None
+                    tf.append(s.nosave_peak_extra_bytes)
+                    save.append(0)
+                    dev.append(s.offload_bytes)
+                    t = 2 * s.offload_bytes / bw + s.extra_bwd_s.get(o, 0.0)
+                    tt.append(t)
+                    tr.append(s.rebuild_s + t)
+                    to.append(t)
+                else:
+                    tf.append(s.saved_bytes[o] + s.fwd_transient_bytes)
+                    save.append(s.saved_bytes[o])
+                    dev.append(s.saved_bytes["keep"])
+                    t = s.extra_bwd_s.get(o, 0.0)
+                    tt.append(t)
+                    tr.append(s.rebuild_s + t)
+                    to.append(s.rebuild_s)  # a selective stage not run: rebuilt in full
+            self.tf.append(tf)
+            self.save.append(save)
+            self.dev_bwd.append(dev)
+            self.t_top.append(tt)
+            self.t_run.append(tr)
+            self.t_open.append(to)
+        # ns[k][l]: peak extra of running stages k..l-1 without saving (input held apart).
+        nt = [s.nosave_peak_extra_bytes for s in st]
+        self.ns = [[0] * (n + 1) for _ in range(n + 1)]
+        self.reb = [[0.0] * (n + 1) for _ in range(n + 1)]  # region time if run in rebuild
+        for k in range(n):
+            peak, reb = 0, 0.0
+            for p in range(k, n):
+                peak = max(peak, (a[p] if p > k else 0) + a[p + 1] + nt[p])
+                reb += st[p].rebuild_s
+                self.ns[k][p + 1] = peak
+                self.reb[k][p + 1] = problem.region_overhead_s + reb
+        self.ovh_s = problem.region_overhead_s
+        self.ob = _ceil(problem.region_overhead_bytes, q)
+        self.post = _ceil(a[n] + problem.post_chain_bytes, q)
+        # All-offloaded suffix [k, e): cost and the memory its backward events need.
+        self.ao_cost = [[0.0] * (n + 1) for _ in range(n + 1)]
+        self.ao_need = [[0 if k == e else -1 for e in range(n + 1)] for k in range(n + 1)]
+        if self.can_offload:
+            for e in range(n + 1):
+                cost, need = 0.0, 0
+                for k in range(e - 1, -1, -1):
+                    j = self.kinds[k].index(OFF)
+                    cost = self.t_top[k][j] + cost
+                    need = max(need, self.bwd(k, j, 0))
+                    self.ao_cost[k][e] = cost
+                    self.ao_need[k][e] = need
+
+    # -- event sizes in slots ----------------------------------------------------------------
+
+    def inp(self, k: int, h: int) -> int:
+        """The input's bytes if this item must pay for it (the parent does not hold it)."""
+        return self.a[k] if h == 0 else 0
+
+    def hold(self, k: int, j: int, h: int) -> int:
+        held = self.inp(k, h) if self.kinds[k][j] != OFF else 0
+        return _ceil(held + self.save[k][j], self.q)
+
+    def hold_open(self, k: int, h: int) -> int:
+        return _ceil(self.inp(k, h), self.q)
+
+    def bwd(self, k: int, j: int, h: int) -> int:
+        held = self.inp(k, h) if self.kinds[k][j] != OFF else 0
+        st = self.problem.stages[k]
+        local = held + self.dev_bwd[k][j] + self.a[k + 1] + self.a[k] + st.bwd_transient_bytes
+        return _ceil(local, self.q)
+
+    def fwd(self, k: int, j: int, h: int, e: int | None) -> int:
+        """Forward with grad; ``e`` is the level's end (None at the top: no gradient yet)."""
+        grad = 0 if e is None else self.a[e]
+        return _ceil(self.inp(k, h) + self.a[k + 1] + self.tf[k][j] + grad, self.q)
+
+    def region_fwd(self, k: int, stop: int, h: int, e: int | None) -> int:
+        grad = 0 if e is None else self.a[e]
+        return _ceil(self.inp(k, h) + self.ns[k][stop] + grad, self.q)
+
+
+class Tables:
+    """The DP tables: ``seg[h, k, e, m]``, ``segp[h, k, e, m]`` and ``top[k, m]``.
+
+    ``inf`` marks no plan. Both paths fill the same arrays with bitwise equal values.
+    """
+
+    def __init__(self, model: Model, max_slots: int) -> None:
+        n = model.n
+        self.model = model
+        self.M = max_slots
+        self.seg = np.full((2, n + 1, n + 1, max_slots + 1), INF)
+        self.segp = np.full((2, n + 1, n + 1, max_slots + 1), INF)
+        self.top = np.full((n + 1, max_slots + 1), INF)
+        for e in range(n + 1):
+            self.seg[:, e, e, :] = 0.0
+
+    def ao(self, k: int, e: int, m: int) -> float:
+        need = self.model.ao_need[k][e]
+        return self.model.ao_cost[k][e] if 0 <= need <= m else INF
+
+    def rest(self, kind: str, k: int, e: int, m: int) -> float:
+        if m < 0:
+            return INF
+        if kind == "AO":
+            return self.ao(k, e, m)
+        table = self.segp if kind == "P" else self.seg
+        return float(table[0, k, e, m])
+
+    def inner(self, k: int, stop: int, m: int) -> float:
+        return float(self.seg[1, k, stop, m]) if m >= 0 else INF
+
+
+# -- candidates (scalar): the one definition both paths and the reconstruction follow --------
+
+
+def stage_choices(model: Model, k: int, e: int, j: int) -> Iterator[Choice]:
+    """Stage ``k`` under option ``j`` as the first item of ``Seg(h, k, e)``."""
+    if not model.early_stop:
+        yield Choice("stage", j, "any")
+        return
+    if k + 1 < e:
+        yield Choice("stage", j, "P")
+    if model.kinds[k][j] != OFF:  # an offloaded stage hands over nothing: never the last
+        yield Choice("stage", j, "AO")
+
+
+def seg_choices(model: Model, k: int, e: int, h: int) -> Iterator[Choice]:
+    """The first-item candidates of ``Seg(h, k, e)`` in tie-break order."""
+    for j in range(len(model.kinds[k])):
+        yield from stage_choices(model, k, e, j)
+    for stop in range(k + 1, e + 1):
+        if h == 1 and stop == e:
+            continue  # the parent region itself
+        if not model.early_stop:
+            yield Choice("region", stop, "any")
+            continue
+        if stop < e:
+            yield Choice("region", stop, "P")
+        yield Choice("region", stop, "AO")
+
+
+def _seg_value(t: Tables, k: int, e: int, h: int, m: int, c: Choice) -> float:
+    model = t.model
+    if c.kind == "stage":
+        j = c.arg
+        runs = c.rest != "AO" or model.kinds[k][j] == KEEP
+        if m < model.bwd(k, j, h) or (runs and m < model.fwd(k, j, h, e)):
+            return INF
+        if runs:
+            return model.t_run[k][j] + t.rest(c.rest, k + 1, e, m - model.hold(k, j, h))
+        return model.t_open[k][j] + t.rest(c.rest, k + 1, e, m - model.hold_open(k, h))
+    stop = c.arg
+    runs = c.rest != "AO"
+    if runs and m < model.region_fwd(k, stop, h, e):
+        return INF
+    rh = model.hold_open(k, h)
+    cost = model.reb[k][stop] if runs else model.ovh_s
+    return (cost + t.inner(k, stop, m - rh - model.ob)) + t.rest(c.rest, stop, e, m - rh)
+
+
+def top_choices(model: Model, k: int) -> Iterator[Choice]:
+    for j in range(len(model.kinds[k])):
+        yield Choice("stage", j, "top")
+    for stop in range(k + 1, model.n + 1):
+        yield Choice("region", stop, "top")
+
+
+def _top_value(t: Tables, k: int, m: int, c: Choice) -> float:
+    model = t.model
+    if c.kind == "stage":
+        j = c.arg
+        if m < model.bwd(k, j, 0) or m + model.gs < model.fwd(k, j, 0, None):
+            return INF
+        held = m - model.hold(k, j, 0)
+        return model.t_top[k][j] + (float(t.top[k + 1, held]) if held >= 0 else INF)
+    stop = c.arg
+    if m + model.gs < model.region_fwd(k, stop, 0, None):
+        return INF
+    rh = model.hold_open(k, 0)
+    rest = float(t.top[stop, m - rh]) if m - rh >= 0 else INF
+    return (model.ovh_s + t.inner(k, stop, m - rh - model.ob)) + rest
+
+
+def subproblems(n: int) -> Iterator[tuple[int, int, int]]:
+    """Subproblems in dependency order: by span, then ``h = 1`` before ``h = 0``."""
+    for span in range(1, n + 1):
+        for k in range(n - span + 1):
+            yield k, k + span, 1
+            yield k, k + span, 0
+
+
+def python_tables(model: Model, max_slots: int) -> Tables:
+    """Fill the tables with plain loops (the reference path)."""
+    t = Tables(model, max_slots)
+    n, M = model.n, max_slots
+    for k, e, h in subproblems(n):
+        choices = list(seg_choices(model, k, e, h))
+        for m in range(M + 1):
+            best = INF
+            for c in choices:
+                v = _seg_value(t, k, e, h, m, c)
+                if v < best:
+                    best = v
+            t.segp[h, k, e, m] = best
+            t.seg[h, k, e, m] = min(best, t.ao(k, e, m)) if model.early_stop else best
+    for m in range(M + 1):
+        t.top[n, m] = 0.0 if m >= model.post else INF
+    for k in range(n - 1, -1, -1):
+        choices = list(top_choices(model, k))
+        for m in range(M + 1):
+            t.top[k, m] = min((_top_value(t, k, m, c) for c in choices), default=INF)
+    return t
+
+
+# -- the numpy path --------------------------------------------------------------------------
+
+
+def _shift(v: np.ndarray, s: int) -> np.ndarray:
+    """``out[..., m] = v[..., m - s]``, ``inf`` where ``m - s`` is out of range."""
+    if s == 0:
+        return v
+    out = np.full_like(v, INF)
+    if s < v.shape[-1]:
+        out[..., s:] = v[..., : v.shape[-1] - s]
+    return out
+
+
+def numpy_tables(model: Model, max_slots: int) -> Tables:
+    """Fill the same tables with one vector operation per candidate (the fast path)."""
+    t = Tables(model, max_slots)
+    n, M = model.n, max_slots
+    ms = np.arange(M + 1)
+    ao_vec: dict[tuple[int, int], np.ndarray] = {}
+
+    def ao(k: int, e: int) -> np.ndarray:
+        if (k, e) not in ao_vec:
+            need = model.ao_need[k][e]
+            ok = (ms >= need) if need >= 0 else np.zeros(M + 1, bool)
+            ao_vec[k, e] = np.where(ok, model.ao_cost[k][e], INF)
+        return ao_vec[k, e]
+
+    def rest(kind: str, k: int, e: int, shift: int) -> np.ndarray:
+        if kind == "AO":
+            return _shift(ao(k, e), shift)
+        table = t.segp if kind == "P" else t.seg
+        return _shift(table[0, k, e], shift)
+
+    for k, e, h in subproblems(n):
+        best = np.full(M + 1, INF)
+        for j, kind in enumerate(model.kinds[k]):
+            for c in stage_choices(model, k, e, j):
+                runs = c.rest != "AO" or kind == KEEP
+                need = max(model.bwd(k, j, h), model.fwd(k, j, h, e) if runs else 0)
+                if runs:
+                    v = model.t_run[k][j] + rest(c.rest, k + 1, e, model.hold(k, j, h))
+                else:
+                    v = model.t_open[k][j] + rest(c.rest, k + 1, e, model.hold_open(k, h))
+                np.minimum(best, np.where(ms >= need, v, INF), out=best)
+        rh = model.hold_open(k, h)
+        stops = [s for s in range(k + 1, e + 1) if not (h == 1 and s == e)]
+        if stops:
+            inner = _shift(t.seg[1, k, k + 1: e + 1], rh + model.ob)  # rows: stop = k+1..e
+            for stop in stops:
+                row = inner[stop - k - 1]
+                if model.early_stop:
+                    v = (model.ovh_s + row) + rest("AO", stop, e, rh)
+                    np.minimum(best, v, out=best)
+                    if stop == e:
+                        continue
+                    kind_run = "P"
+                else:
+                    kind_run = "any"
+                v = (model.reb[k][stop] + row) + rest(kind_run, stop, e, rh)
+                need = model.region_fwd(k, stop, h, e)
+                np.minimum(best, np.where(ms >= need, v, INF), out=best)
+        t.segp[h, k, e] = best
+        t.seg[h, k, e] = np.minimum(best, ao(k, e)) if model.early_stop else best
+    t.top[n] = np.where(ms >= model.post, 0.0, INF)
+    for k in range(n - 1, -1, -1):
+        best = np.full(M + 1, INF)
+        for j in range(len(model.kinds[k])):
+            need = max(model.bwd(k, j, 0), model.fwd(k, j, 0, None) - model.gs)
+            v = model.t_top[k][j] + _shift(t.top[k + 1], model.hold(k, j, 0))
+            np.minimum(best, np.where(ms >= need, v, INF), out=best)
+        rh = model.hold_open(k, 0)
+        inner = _shift(t.seg[1, k, k + 1:], rh + model.ob)
+        rests = _shift(t.top[k + 1:], rh)
+        for stop in range(k + 1, n + 1):
+            v = (model.ovh_s + inner[stop - k - 1]) + rests[stop - k - 1]
+            need = model.region_fwd(k, stop, 0, None) - model.gs
+            np.minimum(best, np.where(ms >= need, v, INF), out=best)
+        t.top[k] = best
+    return t
+
+
+# -- reconstruction --------------------------------------------------------------------------
+
+
+def reconstruct(t: Tables, m: int) -> tuple[list[tuple[int, int]], list[str]]:
+    """The plan behind ``t.top[0, m]``: regions as (start, stop) and one option per stage."""
+    model = t.model
+    regions: list[tuple[int, int]] = []
+    options = ["keep"] * model.n
+
+    def pick(target: float, candidates: Iterator[tuple[float, Choice]]) -> Choice:
+        for value, c in candidates:
+            if value == target:
+                return c
+        raise AssertionError("no candidate reproduces the table value")
+
+    def seg(k: int, e: int, h: int, m: int, kind: str) -> None:
+        if k == e:
+            return
+        if kind == "any" and model.early_stop and t.seg[h, k, e, m] != t.segp[h, k, e, m]:
+            kind = "AO"
+        if kind == "AO":
+            for i in range(k, e):
+                options[i] = "offload"
+            return
+        target = float(t.segp[h, k, e, m])
+        c = pick(target, ((_seg_value(t, k, e, h, m, c), c) for c in seg_choices(model, k, e, h)))
+        if c.kind == "stage":
+            j = c.arg
+            options[k] = model.opts[k][j]
+            runs = c.rest != "AO" or model.kinds[k][j] == KEEP
+            held = model.hold(k, j, h) if runs else model.hold_open(k, h)
+            seg(k + 1, e, 0, m - held, c.rest)
+            return
+        rh = model.hold_open(k, h)
+        regions.append((k, c.arg))
+        seg(k, c.arg, 1, m - rh - model.ob, "any")
+        seg(c.arg, e, 0, m - rh, c.rest)
+
+    def top(k: int, m: int) -> None:
+        if k == model.n:
+            return
+        target = float(t.top[k, m])
+        c = pick(target, ((_top_value(t, k, m, c), c) for c in top_choices(model, k)))
+        if c.kind == "stage":
+            options[k] = model.opts[k][c.arg]
+            top(k + 1, m - model.hold(k, c.arg, 0))
+            return
+        rh = model.hold_open(k, 0)
+        regions.append((k, c.arg))
+        seg(k, c.arg, 1, m - rh - model.ob, "any")
+        top(c.arg, m - rh)
+
+    assert math.isfinite(t.top[0, m])
+    top(0, m)
+    return regions, options

@@ -1,0 +1,378 @@
+"""The chain a solver works on: per-stage costs and the fixed bytes of one training step.
+
+Torch-free. A :class:`Problem` is what a profile measures (or what a fixture file says);
+the meaning of every field is fixed by the simulator (:mod:`remat.solve.simulate`) and
+written out in ``docs/cost-model.md``. In short, for stage ``i``:
+
+* ``boundary_bytes``: its input ``x_i``; the output of stage ``i`` is ``x_{i+1}``, so
+  ``output_bytes`` of every stage but the last must equal the next ``boundary_bytes``.
+* ``saved_bytes[option]``: what autograd keeps for the stage's backward when it runs
+  with grad under that option, *not counting its input and its output* (those are
+  boundaries, tracked once each by the simulator). ``keep`` is required; selective
+  options are optional; ``offload`` is the volume moved to the host and back (default:
+  the ``keep`` bytes plus the input).
+* transients: extra bytes alive at the peak of its forward (with saving, and without
+  saving) and of its backward, beyond input, output, saved bytes and gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from remat.errors import UsageError
+from remat.plan import parse_option
+from remat.units import parse_size
+
+__all__ = ["SCHEMA_VERSION", "Problem", "StageCost"]
+
+SCHEMA_VERSION = 1
+
+def _bytes(value: object, what: str) -> int:
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        value = int(value)
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        return parse_size(value, what=what)
+    raise UsageError(f"{what}={value!r} is not a byte count; give an int >= 0 or a size like 32MiB")
+
+
+def _seconds(value: object, what: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise UsageError(f"{what}={value!r} is not a time; give seconds as a number >= 0")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs in memory and time (see the module docstring for meanings)."""
+
+    name: str
+    boundary_bytes: int
+    output_bytes: int
+    saved_bytes: Mapping[str, int] = field(hash=False)
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    rebuild_s: float = 0.0
+    extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    fwd_transient_bytes: int = 0
+    bwd_transient_bytes: int = 0
+    # Peak extra bytes of a forward that saves nothing (inside a region), beyond input and
+    # output; None: not measured, charge it like a keep forward (saved + fwd transient).
+    nosave_transient_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"stage name {self.name!r} is not a module path; give a string")
+        where = f"stage {self.name!r}"
+        for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
+                     "bwd_transient_bytes"):
+            object.__setattr__(self, name, _bytes(getattr(self, name), f"{where} {name}"))
+        if self.nosave_transient_bytes is not None:
+            value = _bytes(self.nosave_transient_bytes, f"{where} nosave_transient_bytes")
+            object.__setattr__(self, "nosave_transient_bytes", value)
+        for name in ("fwd_s", "bwd_s", "rebuild_s"):
+            object.__setattr__(self, name, _seconds(getattr(self, name), f"{where} {name}"))
+        if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
+            raise UsageError(
+                f"{where} saved_bytes={self.saved_bytes!r} has no 'keep' entry; give at least "
+                "{'keep': <bytes>}"
+            )
+        saved: dict[str, int] = {}
+        for option, nbytes in self.saved_bytes.items():
+            _check_option(option, where, "saved_bytes")
+            saved[option] = _bytes(nbytes, f"{where} saved_bytes[{option!r}]")
+        extra: dict[str, float] = {}
+        if not isinstance(self.extra_bwd_s, Mapping):
+            raise UsageError(f"{where} extra_bwd_s={self.extra_bwd_s!r} is not a mapping")
+        for option, seconds in self.extra_bwd_s.items():
+            _check_option(option, where, "extra_bwd_s")
+            if option != "offload" and option not in saved:
+                raise UsageError(
+                    f"{where} has extra_bwd_s for {option!r} but no saved_bytes for it; "
+                    "add saved_bytes for that option or drop the entry"
+                )
+            extra[option] = _seconds(seconds, f"{where} extra_bwd_s[{option!r}]")
+        object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
+        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
+
+    @property
+    def selective_options(self) -> tuple[str, ...]:
+        """The selective options measured for this stage, in the order given."""
+        return tuple(o for o in self.saved_bytes if o.startswith("selective:"))
+
+    @property
+    def offload_bytes(self) -> int:
+        """Bytes moved to the host in forward and back in backward when offloaded."""
+        if "offload" in self.saved_bytes:
+            return self.saved_bytes["offload"]
+        return self.saved_bytes["keep"] + self.boundary_bytes
+
+    @property
+    def nosave_peak_extra_bytes(self) -> int:
+        """Extra bytes at the peak of a forward that saves nothing (beyond input, output)."""
+        if self.nosave_transient_bytes is not None:
+            return self.nosave_transient_bytes
+        return self.saved_bytes["keep"] + self.fwd_transient_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "boundary_bytes": self.boundary_bytes,
+            "output_bytes": self.output_bytes,
+            "saved_bytes": dict(self.saved_bytes),
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "rebuild_s": self.rebuild_s,
+            "extra_bwd_s": dict(self.extra_bwd_s),
+            "fwd_transient_bytes": self.fwd_transient_bytes,
+            "bwd_transient_bytes": self.bwd_transient_bytes,
+            "nosave_transient_bytes": self.nosave_transient_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], index: int = 0) -> StageCost:
+        if not isinstance(data, Mapping):
+            raise UsageError(f"stage {index} must be a JSON object, got {type(data).__name__}")
+        where = f"stage {data.get('name', index)!r}"
+        _check_keys(data, _STAGE_REQUIRED, _STAGE_KEYS, where)
+        return cls(**{key: data[key] for key in _STAGE_KEYS if key in data})
+
+
+def _check_option(option: object, where: str, what: str) -> None:
+    try:
+        parse_option(option)
+    except UsageError as err:
+        raise UsageError(f"{where} {what}: {err}") from None
+
+
+_STAGE_REQUIRED = ("name", "boundary_bytes", "output_bytes", "saved_bytes")
+_STAGE_KEYS = (
+    *_STAGE_REQUIRED,
+    "fwd_s",
+    "bwd_s",
+    "rebuild_s",
+    "extra_bwd_s",
+    "fwd_transient_bytes",
+    "bwd_transient_bytes",
+    "nosave_transient_bytes",
+)
+_FIXED_BYTES = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "pre_chain_bytes",
+    "post_chain_bytes",
+    "input_bytes",
+    "region_overhead_bytes",
+)
+_PROBLEM_KEYS = (
+    "schema_version",
+    "description",
+    "stages",
+    *_FIXED_BYTES,
+    "region_overhead_s",
+    "outside_chain_s",
+    "offload_bandwidth_bytes_per_s",
+    "measured_no_checkpoint_peak_bytes",
+    "early_stop",
+    "slots",
+)
+
+
+def _check_keys(data: Mapping[str, Any], required: tuple[str, ...], known: tuple[str, ...],
+                where: str) -> None:
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise UsageError(f"{where} is missing key(s) {', '.join(missing)}; add them")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise UsageError(f"{where} has unknown key(s) {', '.join(unknown)}; remove them")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A chain of stages plus everything else one training step keeps on the device.
+
+    ``early_stop``: the runtime lets torch end a region's rebuild as soon as it has what
+    backward needs (torch's default). ``slots``: how finely the optimal solver divides the
+    memory left for the chain.
+    """
+
+    stages: tuple[StageCost, ...]
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    pre_chain_bytes: int = 0
+    post_chain_bytes: int = 0
+    input_bytes: int = 0
+    region_overhead_bytes: int = 0
+    region_overhead_s: float = 0.0
+    outside_chain_s: float = 0.0
+    offload_bandwidth_bytes_per_s: float | None = None
+    measured_no_checkpoint_peak_bytes: int | None = None
+    early_stop: bool = True
+    slots: int = 500
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        if not stages:
+            raise UsageError("the problem has no stages; give at least one stage")
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, StageCost):
+                raise UsageError(f"stage {i} is {type(stage).__name__}, not a StageCost")
+        object.__setattr__(self, "stages", stages)
+        names = [s.name for s in stages]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise UsageError(f"stage {name!r} is listed twice; each stage must be distinct")
+        for a, b in itertools.pairwise(stages):
+            if a.output_bytes != b.boundary_bytes:
+                raise UsageError(
+                    f"stage {a.name!r} has output_bytes={a.output_bytes} but the next stage "
+                    f"{b.name!r} has boundary_bytes={b.boundary_bytes}; one stage's output is "
+                    "the next one's input, so give them the same size"
+                )
+        for name in _FIXED_BYTES:
+            object.__setattr__(self, name, _bytes(getattr(self, name), name))
+        for name in ("region_overhead_s", "outside_chain_s"):
+            object.__setattr__(self, name, _seconds(getattr(self, name), name))
+        bandwidth = self.offload_bandwidth_bytes_per_s
+        if bandwidth is not None:
+            if _seconds(bandwidth, "offload_bandwidth_bytes_per_s") <= 0:
+                raise UsageError(
+                    "offload_bandwidth_bytes_per_s must be above zero, or null when the "
+                    "device has no host link"
+                )
+            object.__setattr__(self, "offload_bandwidth_bytes_per_s", float(bandwidth))
+        if self.measured_no_checkpoint_peak_bytes is not None:
+            value = _bytes(self.measured_no_checkpoint_peak_bytes,
+                           "measured_no_checkpoint_peak_bytes")
+            object.__setattr__(self, "measured_no_checkpoint_peak_bytes", value)
+        if not isinstance(self.early_stop, bool):
+            raise UsageError(f"early_stop={self.early_stop!r} must be true or false")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise UsageError(f"slots={self.slots!r} must be a whole number of at least 1")
+        if not isinstance(self.description, str):
+            raise UsageError(f"description={self.description!r} must be a string")
+
+    # -- views ------------------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    @property
+    def output_bytes(self) -> int:
+        """The chain's output ``x_n`` (what the post-chain receives)."""
+        return self.stages[-1].output_bytes
+
+    @property
+    def forward_base_bytes(self) -> int:
+        """Bytes alive through the whole forward whatever the plan (no gradients yet)."""
+        return self.params_bytes + self.optimizer_bytes + self.input_bytes + self.pre_chain_bytes
+
+    @property
+    def backward_base_bytes(self) -> int:
+        """Bytes alive through the whole chain backward whatever the plan (with gradients)."""
+        return self.forward_base_bytes + self.grads_bytes
+
+    def options(self, i: int) -> tuple[str, ...]:
+        """The options stage ``i`` may take: keep, its measured selective ones, offload."""
+        stage = self.stages[i]
+        found = ("keep", *stage.selective_options)
+        return (*found, "offload") if self.offload_bandwidth_bytes_per_s is not None else found
+
+    def check_option(self, i: int, option: str) -> None:
+        """Raise UsageError if stage ``i`` cannot take ``option`` in this problem."""
+        stage = self.stages[i]
+        if option in self.options(i):
+            return
+        if option == "offload":
+            raise UsageError(
+                f"stage {stage.name!r} is set to offload but the problem has no host link "
+                "(offload_bandwidth_bytes_per_s is null); use keep or a selective option"
+            )
+        raise UsageError(
+            f"stage {stage.name!r} has no measured saved bytes for option {option!r}; "
+            f"profile it with that option or use one of {', '.join(self.options(i))}"
+        )
+
+    # -- building and serializing -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        if self.description:
+            data["description"] = self.description
+        data["stages"] = [s.to_dict() for s in self.stages]
+        for name in (*_FIXED_BYTES, "region_overhead_s", "outside_chain_s",
+                     "offload_bandwidth_bytes_per_s", "measured_no_checkpoint_peak_bytes",
+                     "early_stop", "slots"):
+            data[name] = getattr(self, name)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Problem:
+        """Build from ``to_dict()`` output; byte fields also accept sizes such as ``"32MiB"``."""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a problem must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise UsageError(
+                f"problem schema version {version!r} is not supported (this remat reads "
+                f"version {SCHEMA_VERSION}); regenerate the problem with this version of remat"
+            )
+        _check_keys(data, ("stages",), _PROBLEM_KEYS, "the problem")
+        if not isinstance(data["stages"], list):
+            raise UsageError(f"problem key 'stages' must be a list, got {data['stages']!r}")
+        stages = tuple(StageCost.from_dict(s, i) for i, s in enumerate(data["stages"]))
+        rest = {k: v for k, v in data.items() if k not in ("schema_version", "stages")}
+        return cls(stages=stages, **rest)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Problem:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"the problem is not valid JSON ({err}); check the file") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Problem:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise UsageError(f"cannot read problem file {str(path)!r} ({err.strerror})") from None
+        return cls.from_json(text)
+
+    @classmethod
+    def from_profile(cls, profile: Any, *, slots: int = 500) -> Problem:
+        """The problem a measured ``remat.profile_format.Profile`` describes.
+
+        Delegates to :func:`remat.solve.from_profile.problem_from_profile`, imported here
+        so that reading problem files never needs the profile format.
+        """
+        from remat.solve.from_profile import problem_from_profile
+
+        return problem_from_profile(profile, slots=slots)

@@ -1,0 +1,334 @@
+"""The cost model: one training step of a plan, event by event (torch-free).
+
+This is the one place where memory and time are added up. Solvers, reports and
+benchmarks ask :func:`simulate`; the optimal solver's dynamic program
+(:mod:`remat.solve.dp`) restates the same arithmetic as a recursion, and the tests prove
+the two agree on every plan of small chains. ``docs/cost-model.md`` explains each choice.
+
+What is alive (``a_i`` = ``boundary_bytes`` of stage i, ``a_n`` the chain's output):
+
+* always: parameters, optimizer state, the input batch, the pre-chain's saved bytes;
+  gradients from the first backward event (the post-chain's) to the optimizer step, all
+  at once (an upper bound: autograd fills them in as backward goes).
+* boundaries ``x_i``, each counted once however many things hold it: the current
+  activation; a region whose input it is; a stage that ran with grad under ``keep`` or
+  ``selective`` (it keeps its input). Offloaded stages keep nothing on the device.
+* each stage that ran with grad: its ``saved_bytes[option]`` until its backward.
+* during backward: the incoming gradient of ``x_{i+1}`` and the outgoing one of ``x_i``
+  (gradients have the size of what they differentiate).
+* per event, the transient peak of that step of work (see :class:`~remat.solve.problem.StageCost`).
+
+Note [Nested non-reentrant regions]
+-----------------------------------
+Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
+
+* forward: outside regions a stage runs with grad under its option. A top-level region
+  keeps only its input; everything inside it (child regions too) runs without saving.
+* backward walks the top level last to first. A bare stage's backward frees what it
+  saved. A region R is rebuilt from its input when backward reaches it: R's own items
+  run again with grad, bare stages saving under their option, child regions keeping
+  only their inputs and running their insides without saving; then backward recurses
+  into R's items last to first, rebuilding each child the same way.
+* early stop (torch's default): a rebuild ends as soon as R holds everything its
+  backward will ask it for. Stages that keep (keep, selective) and child regions hand R
+  something (a selective stage and a child region hand over their input when they open,
+  before running); offloaded stages hand R nothing. So R's rebuild runs its items up to
+  the last one that hands it something; that item runs only if it is a keep stage; a
+  selective stage that did not run is rebuilt in full at its backward instead.
+* a region's fixed cost: ``region_overhead_s`` once per step, and
+  ``region_overhead_bytes`` from its rebuild to the end of its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from remat.errors import UsageError
+from remat.plan import Plan, Region
+from remat.solve.problem import Problem
+
+__all__ = ["Event", "Item", "Simulation", "StepTime", "plan_tree", "simulate"]
+
+
+class Event(NamedTuple):
+    """One step of the timeline and the bytes alive at its peak."""
+
+    label: str
+    live_bytes: int
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted step time, by kind of work (all in seconds)."""
+
+    forward_s: float
+    backward_s: float
+    rebuild_s: float
+    option_s: float  # selective stages' partial rebuilds and offload transfers
+    overhead_s: float  # the fixed cost of each region
+    outside_chain_s: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.forward_s + self.backward_s + self.rebuild_s + self.option_s
+                + self.overhead_s + self.outside_chain_s)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The memory timeline, peak and step time of one training step under a plan."""
+
+    events: tuple[Event, ...]
+    peak_bytes: int
+    peak_event: str
+    time: StepTime
+    forward_runs: tuple[int, ...]  # how many times each stage's forward ran in full
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total_s
+
+
+@dataclass(frozen=True)
+class Item:
+    """One entry of a level of the region tree: a bare stage, or a region and its items."""
+
+    start: int
+    stop: int
+    region: Region | None = None
+    items: tuple[Item, ...] = ()
+
+
+def plan_tree(plan: Plan) -> tuple[Item, ...]:
+    """The top level of ``plan`` as items in stage order (regions carry their inside)."""
+    regions = list(plan.regions)  # sorted by (start, -stop): parents before children
+    pos = 0
+
+    def level(start: int, stop: int) -> tuple[Item, ...]:
+        nonlocal pos
+        items: list[Item] = []
+        i = start
+        while i < stop:
+            if pos < len(regions) and regions[pos].start == i and regions[pos].stop <= stop:
+                r = regions[pos]
+                pos += 1
+                items.append(Item(r.start, r.stop, r, level(r.start, r.stop)))
+                i = r.stop
+            else:
+                items.append(Item(i, i + 1))
+                i += 1
+        return tuple(items)
+
+    return level(0, len(plan.stages))
+
+
+_CUR = "current"
+
+
+class _Walker:
+    """Walks one step, keeping the live bytes (boundaries deduplicated by holder)."""
+
+    def __init__(self, problem: Problem, options: Sequence[str]) -> None:
+        self.p = problem
+        self.options = options
+        stages = problem.stages
+        self.a = [s.boundary_bytes for s in stages] + [problem.output_bytes]
+        self.holders: dict[int, set[Hashable]] = {}
+        self.blocks: dict[Hashable, int] = {}
+        self.live = 0
+        self.events: list[Event] = []
+        self.runs = [0] * problem.n
+        self.fwd_s = self.bwd_s = self.rebuild_s = self.option_s = self.overhead_s = 0.0
+        self.rebuilt_in_full: set[int] = set()  # selective stages whose rebuild stopped early
+
+    # -- the live set ------------------------------------------------------------------------
+
+    def hold(self, i: int, holder: Hashable) -> None:
+        holders = self.holders.setdefault(i, set())
+        if not holders:
+            self.live += self.a[i]
+        holders.add(holder)
+
+    def release(self, i: int, holder: Hashable) -> None:
+        holders = self.holders[i]
+        holders.remove(holder)
+        if not holders:
+            self.live -= self.a[i]
+
+    def add(self, key: Hashable, nbytes: int) -> None:
+        assert key not in self.blocks, key
+        self.blocks[key] = nbytes
+        self.live += nbytes
+
+    def drop(self, key: Hashable) -> int:
+        nbytes = self.blocks.pop(key)
+        self.live -= nbytes
+        return nbytes
+
+    def event(self, label: str, extra: int = 0) -> None:
+        self.events.append(Event(label, self.live + extra))
+
+    # -- one stage ---------------------------------------------------------------------------
+
+    def taped(self, i: int, label: str) -> None:
+        """Stage i runs with grad under its option; its input is the current activation."""
+        stage, option = self.p.stages[i], self.options[i]
+        self.runs[i] += 1
+        self.hold(i + 1, _CUR)
+        if option == "offload":  # copies leave as they are packed: peak like no saving
+            self.event(label, stage.nosave_peak_extra_bytes)
+        else:
+            self.event(label, stage.saved_bytes[option] + stage.fwd_transient_bytes)
+            self.hold(i, ("stage", i))
+        self.add(("saved", i), 0 if option == "offload" else stage.saved_bytes[option])
+        self.release(i, _CUR)
+
+    def not_saved(self, i: int, label: str) -> None:
+        """Stage i runs inside a region's forward (or a child's, in a rebuild): nothing kept."""
+        self.runs[i] += 1
+        self.hold(i + 1, _CUR)
+        self.event(label, self.p.stages[i].nosave_peak_extra_bytes)
+        self.release(i, _CUR)
+
+    def backward_stage(self, i: int) -> None:
+        stage, option = self.p.stages[i], self.options[i]
+        # During its backward a keep or selective stage holds everything keep saves (a
+        # selective one rebuilds the rest first); an offloaded one has its saved tensors
+        # back from the host. That replaces what it held since its forward.
+        self.drop(("saved", i))
+        during = stage.offload_bytes if option == "offload" else stage.saved_bytes["keep"]
+        self.add(("grad", i), self.a[i])
+        self.event(f"backward {stage.name}", during + stage.bwd_transient_bytes)
+        self.bwd_s += stage.bwd_s
+        if option == "offload":
+            bandwidth = self.p.offload_bandwidth_bytes_per_s
+            assert bandwidth is not None
+            self.option_s += 2 * stage.offload_bytes / bandwidth
+        if i in self.rebuilt_in_full:
+            self.runs[i] += 1
+            self.rebuild_s += stage.rebuild_s
+        else:
+            self.option_s += stage.extra_bwd_s.get(option, 0.0)
+        if option != "offload":
+            self.release(i, ("stage", i))
+        self.drop(("grad", i + 1))
+
+    # -- levels ------------------------------------------------------------------------------
+
+    def forward_level(self, items: Sequence[Item]) -> None:
+        for item in items:
+            if item.region is None:
+                self.fwd_s += self.p.stages[item.start].fwd_s
+                self.taped(item.start, f"forward {self.p.stages[item.start].name}")
+                continue
+            self.hold(item.start, item.region)
+            for i in range(item.start, item.stop):
+                self.fwd_s += self.p.stages[i].fwd_s
+                self.not_saved(i, f"forward {self.p.stages[i].name} (in {item.region}, not saved)")
+
+    def rebuild(self, region: Region, items: Sequence[Item]) -> None:
+        """Region's rebuild: its items run again, with early stop as in the module note."""
+        run, opener = len(items), None  # items[:run] run; items[opener] only opens
+        if self.p.early_stop:
+            packers = [k for k, it in enumerate(items)
+                       if it.region is not None or self.options[it.start] != "offload"]
+            run = 0
+            if packers:
+                last = packers[-1]
+                keeps = items[last].region is None and self.options[items[last].start] == "keep"
+                run, opener = (last + 1, None) if keeps else (last, last)
+        cur = region.start
+        self.hold(cur, _CUR)
+        for item in items[:run]:
+            if item.region is None:
+                stage = self.p.stages[item.start]
+                self.rebuild_s += stage.rebuild_s
+                self.taped(item.start, f"rebuild {stage.name} (for {region})")
+            else:
+                self.hold(item.start, item.region)
+                for i in range(item.start, item.stop):
+                    self.rebuild_s += self.p.stages[i].rebuild_s
+                    self.not_saved(i, f"rebuild {self.p.stages[i].name} (for {region}, "
+                                   f"in {item.region}, not saved)")
+            cur = item.stop
+        for k in range(run, len(items)):
+            item = items[k]
+            if k == opener and item.region is not None:
+                self.hold(item.start, item.region)
+            elif k == opener:  # a selective stage: hands over its input, caches nothing
+                self.hold(item.start, ("stage", item.start))
+                self.add(("saved", item.start), 0)
+                self.rebuilt_in_full.add(item.start)
+            else:  # an offloaded stage after the last hand-over: nothing on the device
+                self.add(("saved", item.start), 0)
+        self.release(cur, _CUR)
+
+    def backward_level(self, items: Sequence[Item]) -> None:
+        for item in reversed(items):
+            if item.region is None:
+                self.backward_stage(item.start)
+                continue
+            self.overhead_s += self.p.region_overhead_s
+            self.add(("overhead", item.region), self.p.region_overhead_bytes)
+            self.rebuild(item.region, item.items)
+            self.backward_level(item.items)
+            self.drop(("overhead", item.region))
+            self.release(item.start, item.region)
+
+
+def simulate(plan: Plan, problem: Problem) -> Simulation:
+    """The memory timeline, peak and step time of one training step of ``plan``.
+
+    The plan must name the problem's stages in order, and each option must be available
+    for its stage (measured selective bytes; offload only with a host link).
+    """
+    names = problem.stage_names
+    if len(plan.stages) != len(names):
+        raise UsageError(
+            f"the plan has {len(plan.stages)} stages but the problem has {len(names)}; "
+            "plan and problem must list the same stages in the same order"
+        )
+    for i, (ours, theirs) in enumerate(zip(plan.stages, names, strict=True)):
+        if ours != theirs:
+            raise UsageError(
+                f"the plan's stage {i} is {ours!r} but the problem's is {theirs!r}; plan and "
+                "problem must list the same stages in the same order"
+            )
+    for i, option in enumerate(plan.options):
+        problem.check_option(i, option)
+    p = problem
+    w = _Walker(problem, plan.options)
+    w.add("params", p.params_bytes)
+    w.add("optimizer", p.optimizer_bytes)
+    w.add("input", p.input_bytes)
+    w.add("pre-chain", p.pre_chain_bytes)
+    w.hold(0, _CUR)
+    w.event("forward pre-chain")
+    top = plan_tree(plan)
+    w.forward_level(top)
+    n = p.n
+    w.event("forward post-chain", p.post_chain_bytes)
+    w.add("grads", p.grads_bytes)
+    # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
+    w.event("backward post-chain", p.post_chain_bytes)
+    w.release(n, _CUR)
+    w.add(("grad", n), w.a[n])
+    w.backward_level(top)
+    w.event("backward pre-chain")
+    w.drop(("grad", 0))
+    w.drop("pre-chain")
+    w.event("optimizer step")
+    assert not any(w.holders.values()) and set(w.blocks) == {
+        "params", "optimizer", "input", "grads"}, (w.holders, w.blocks)
+    peak = max(w.events, key=lambda e: e.live_bytes)
+    time = StepTime(
+        forward_s=w.fwd_s,
+        backward_s=w.bwd_s,
+        rebuild_s=w.rebuild_s,
+        option_s=w.option_s,
+        overhead_s=w.overhead_s,
+        outside_chain_s=p.outside_chain_s,
+    )
+    return Simulation(tuple(w.events), peak.live_bytes, peak.label, time, tuple(w.runs))

@@ -1,0 +1,213 @@
+"""Solvers: each turns a Problem (and a budget) into a Plan with its predicted costs.
+
+The classic recipes (``none``, ``per-stage``, ``every-k``, ``segments-k``,
+``megatron-uniform``, ``megatron-block``, ``selective-everywhere``) ignore the budget
+except to record it; ``optimal`` finds the fastest plan whose predicted peak fits it and
+raises CheckFailed, naming the smallest feasible budget, when none does. Every plan's
+peak and time come from the simulator.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from remat.errors import CheckFailed, UsageError
+from remat.plan import Plan, Region
+from remat.solve import dp
+from remat.solve.budget import parse_budget
+from remat.solve.minimum import min_peak_plan
+from remat.solve.problem import Problem
+from remat.solve.simulate import simulate
+from remat.units import format_bytes
+
+__all__ = [
+    "SOLVERS",
+    "every",
+    "megatron_block",
+    "megatron_uniform",
+    "min_peak",
+    "minimum_budget",
+    "none",
+    "optimal",
+    "per_stage",
+    "segments",
+    "selective_everywhere",
+    "solve",
+]
+
+Budget = int | str | float | None
+
+
+def _budget(budget: Budget, problem: Problem) -> int | None:
+    return None if budget is None else parse_budget(budget, problem)
+
+
+def _finish(
+    problem: Problem,
+    regions: Sequence[tuple[int, int]],
+    options: Sequence[str] | None,
+    solver: str,
+    budget: int | None,
+    started: float,
+) -> Plan:
+    names = problem.stage_names
+    plan = Plan(names, tuple(Region(*r) for r in regions),
+                tuple(options) if options else ("keep",) * len(names))
+    sim = simulate(plan, problem)
+    baseline = simulate(Plan(names), problem).step_time_s
+    return Plan(
+        stages=plan.stages,
+        regions=plan.regions,
+        options=plan.options,
+        solver=solver,
+        budget_bytes=budget,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_step_time_s=sim.step_time_s,
+        baseline_step_time_s=baseline,
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _whole(value: object, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
+    return value
+
+
+def none(problem: Problem, budget: Budget = None) -> Plan:
+    """No checkpointing: every stage keeps what autograd saves."""
+    t0 = time.perf_counter()
+    return _finish(problem, [], None, "none", _budget(budget, problem), t0)
+
+
+def per_stage(problem: Problem, budget: Budget = None) -> Plan:
+    """One region per stage (transformers' ``gradient_checkpointing_enable``)."""
+    t0 = time.perf_counter()
+    regions = [(i, i + 1) for i in range(problem.n)]
+    return _finish(problem, regions, None, "per-stage", _budget(budget, problem), t0)
+
+
+def every(problem: Problem, k: int = 2, budget: Budget = None) -> Plan:
+    """Single-stage regions on stages 0, k, 2k, ...; the others keep."""
+    t0 = time.perf_counter()
+    k = _whole(k, "k", 1, max(1, problem.n))
+    regions = [(i, i + 1) for i in range(0, problem.n, k)]
+    return _finish(problem, regions, None, f"every-{k}", _budget(budget, problem), t0)
+
+
+def segments(problem: Problem, k: int | None = None, budget: Budget = None) -> Plan:
+    """``k`` regions of near-equal length covering the chain (default ``round(sqrt(n))``)."""
+    t0 = time.perf_counter()
+    n = problem.n
+    k = max(1, round(math.sqrt(n))) if k is None else _whole(k, "the number of segments k", 1, n)
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    regions = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    return _finish(problem, regions, None, f"segments-{k}", _budget(budget, problem), t0)
+
+
+def megatron_uniform(problem: Problem, num_layers: int = 1, budget: Budget = None) -> Plan:
+    """Megatron's uniform method: groups of ``num_layers`` consecutive stages, one region each."""
+    t0 = time.perf_counter()
+    n = problem.n
+    size = _whole(num_layers, "num_layers", 1, n)
+    regions = [(i, min(i + size, n)) for i in range(0, n, size)]
+    return _finish(problem, regions, None, f"megatron-uniform-{size}", _budget(budget, problem), t0)
+
+
+def megatron_block(problem: Problem, num_layers: int = 1, budget: Budget = None) -> Plan:
+    """Megatron's block method: the first ``num_layers`` stages each alone, the rest keep."""
+    t0 = time.perf_counter()
+    count = _whole(num_layers, "num_layers", 1, problem.n)
+    regions = [(i, i + 1) for i in range(count)]
+    return _finish(problem, regions, None, f"megatron-block-{count}", _budget(budget, problem), t0)
+
+
+def selective_everywhere(
+    problem: Problem, policy: str = "save-matmuls", budget: Budget = None
+) -> Plan:
+    """No regions; every stage measured under ``selective:<policy>`` uses it, others keep."""
+    t0 = time.perf_counter()
+    option = f"selective:{policy}"
+    options = [option if option in s.saved_bytes else "keep" for s in problem.stages]
+    return _finish(problem, [], options, "selective-everywhere", _budget(budget, problem), t0)
+
+
+def minimum_budget(problem: Problem) -> int:
+    """The smallest budget any plan fits: the least predicted peak over all plans (exact)."""
+    return min_peak_plan(problem)[0]
+
+
+def min_peak(problem: Problem, budget: Budget = None) -> Plan:
+    """The plan with the smallest predicted peak (ignores time)."""
+    t0 = time.perf_counter()
+    _, regions, options = min_peak_plan(problem)
+    return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0)
+
+
+def optimal(problem: Problem, budget: Budget, *, path: str = "numpy") -> Plan:
+    """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
+
+    Memory is divided into ``problem.slots`` slots; ``path`` is ``numpy`` (fast) or
+    ``python`` (the reference loops; same tables). When rounding to slots leaves no plan
+    although one fits (budgets within a few slots of the minimum), the plan with the
+    smallest peak is returned. Raises CheckFailed when no plan fits at all.
+    """
+    t0 = time.perf_counter()
+    limit = _budget(budget, problem)
+    if limit is None:
+        raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
+    fill = {"numpy": dp.numpy_tables, "python": dp.python_tables}.get(path)
+    if fill is None:
+        raise UsageError(f"path={path!r} is not known; use 'numpy' or 'python'")
+    avail = limit - problem.backward_base_bytes
+    found: tuple[list[tuple[int, int]], list[str]] | None = None
+    if avail >= 0:
+        slot = max(1, -(-avail // problem.slots))
+        m = avail // slot
+        gs = (limit - problem.forward_base_bytes) // slot - m
+        tables = fill(dp.Model(problem, slot, gs), m)
+        if math.isfinite(tables.top[0, m]):
+            found = dp.reconstruct(tables, m)
+    if found is None:
+        least, regions, options = min_peak_plan(problem)
+        if limit < least:
+            fixed = problem.backward_base_bytes
+            raise CheckFailed(
+                f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes): the smallest "
+                f"peak any plan reaches is {format_bytes(least)} ({least} bytes, of which "
+                f"{format_bytes(fixed)} is fixed), so give a budget of at least that"
+            )
+        found = regions, options
+    plan = _finish(problem, found[0], found[1], "optimal", limit, t0)
+    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+    return plan
+
+
+SOLVERS: dict[str, Callable[..., Plan]] = {
+    "none": none,
+    "per-stage": per_stage,
+    "every-k": every,
+    "segments-k": segments,
+    "megatron-uniform": megatron_uniform,
+    "megatron-block": megatron_block,
+    "selective-everywhere": selective_everywhere,
+    "min-peak": min_peak,
+    "optimal": optimal,
+}
+
+
+def solve(name: str, problem: Problem, budget: Budget = None, **params: Any) -> Plan:
+    """Run the solver called ``name`` (a key of :data:`SOLVERS`) with its ``params``."""
+    solver = SOLVERS.get(name)
+    if solver is None:
+        raise UsageError(f"solver {name!r} is not known; choose one of {', '.join(SOLVERS)}")
+    try:
+        inspect.signature(solver).bind(problem, budget=budget, **params)
+    except TypeError as err:
+        raise UsageError(f"solver {name!r} does not take these parameters ({err})") from None
+    return solver(problem, budget=budget, **params)

@@ -1,0 +1,599 @@
+"""The planning core: problem files, the simulator, budgets and solvers.
+
+The optimal solver is checked against brute force: every nested region plan with every
+option per stage is scored by the simulator, on random heterogeneous chains, at every
+budget (one-byte slots, so the DP's table covers them all at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat import theory
+from remat.errors import CheckFailed, UsageError
+from remat.plan import Plan, Region
+from remat.solve import Problem, Simulation, StageCost, dp, parse_budget, simulate, solvers
+from remat.solve.simulate import plan_tree
+from remat.units import format_bytes
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MiB = 1 << 20
+
+
+def load(name: str) -> Problem:
+    return Problem.load(FIXTURES / f"chain_{name}.json")
+
+
+def peak(plan: Plan) -> int:
+    assert plan.predicted_peak_bytes is not None
+    return plan.predicted_peak_bytes
+
+
+def seconds(plan: Plan) -> float:
+    assert plan.predicted_step_time_s is not None
+    return plan.predicted_step_time_s
+
+
+def scaled(problem: Problem, factor: int) -> Problem:
+    """The same problem with every byte count (and the host bandwidth) times ``factor``."""
+    data = problem.to_dict()
+    for key, value in data.items():
+        if key.endswith("_bytes") and value is not None:
+            data[key] = value * factor
+    for s in data["stages"]:
+        for key, value in s.items():
+            if key.endswith("_bytes") and isinstance(value, int):
+                s[key] = value * factor
+        s["saved_bytes"] = {o: v * factor for o, v in s["saved_bytes"].items()}
+    if problem.offload_bandwidth_bytes_per_s is not None:
+        data["offload_bandwidth_bytes_per_s"] = problem.offload_bandwidth_bytes_per_s * factor
+    return Problem.from_dict(data)
+
+
+# -- brute force ------------------------------------------------------------------------------
+
+
+def _levels(start: int, stop: int, inside: bool) -> Iterator[list[tuple[int, int]]]:
+    """Every region list for one level over [start, stop) (``inside``: not the parent again)."""
+    if start == stop:
+        yield []
+        return
+    yield from _levels(start + 1, stop, False)  # the first stage is bare
+    for end in range(start + 1, stop + 1):
+        if inside and end == stop:
+            continue
+        for inner in _levels(start, end, True):
+            for rest in _levels(end, stop, False):
+                yield [(start, end), *inner, *rest]
+
+
+def all_plans(problem: Problem) -> Iterator[Plan]:
+    for regions in _levels(0, problem.n, False):
+        rs = tuple(Region(*r) for r in regions)
+        for options in itertools.product(*(problem.options(i) for i in range(problem.n))):
+            yield Plan(problem.stage_names, rs, options)
+
+
+def brute_force(problem: Problem) -> list[tuple[int, float]]:
+    """(peak, step time) of every plan."""
+    out = []
+    for plan in all_plans(problem):
+        sim = simulate(plan, problem)
+        out.append((sim.peak_bytes, sim.step_time_s))
+    return out
+
+
+def test_brute_force_counts_every_laminar_family() -> None:
+    # Level arrangements L(n) = 2, 8, 48, 352, 2880, 25216 (a region's inside is half of L).
+    counts = [sum(1 for _ in _levels(0, n, False)) for n in range(1, 7)]
+    assert counts == [2, 8, 48, 352, 2880, 25216]
+
+
+# -- random chains ------------------------------------------------------------------------------
+
+_LEVELS = [1, 2, 8, 48, 352, 2880]  # region arrangements of n stages
+_MAX_PLANS = 6000  # keeps one brute force under half a second
+
+
+@st.composite
+def chains(draw: st.DrawFn, max_n: int = 5) -> Problem:
+    """Random heterogeneous chains with small integer sizes and integer times."""
+    n = draw(st.integers(1, max_n))
+    small = st.integers(0, 6)
+    a = [draw(small) for _ in range(n + 1)]
+    offload = draw(st.booleans())
+    selective = [draw(st.booleans()) for _ in range(n)]
+
+    def count() -> int:
+        return _LEVELS[n] * math.prod(1 + sel + offload for sel in selective)
+
+    while count() > _MAX_PLANS and any(selective):
+        selective[max(i for i, sel in enumerate(selective) if sel)] = False
+    if count() > _MAX_PLANS:
+        offload = False
+    stages = []
+    for i in range(n):
+        keep = draw(st.integers(0, 10))
+        saved: dict[str, int] = {"keep": keep}
+        extra: dict[str, float] = {}
+        if selective[i]:
+            saved["selective:save-matmuls"] = draw(st.integers(0, keep))
+            extra["selective:save-matmuls"] = float(draw(st.integers(0, 2)))
+        if offload and draw(st.booleans()):
+            saved["offload"] = draw(st.integers(0, 12))  # else keep + input
+        stages.append(StageCost(
+            f"s{i}", a[i], a[i + 1], saved,
+            fwd_s=float(draw(st.integers(1, 3))), bwd_s=2.0,
+            rebuild_s=float(draw(st.integers(0, 3))), extra_bwd_s=extra,
+            fwd_transient_bytes=draw(st.integers(0, 3)),
+            bwd_transient_bytes=draw(st.integers(0, 3)),
+            nosave_transient_bytes=draw(st.none() | st.integers(0, 8)),
+        ))
+    return Problem(
+        tuple(stages),
+        params_bytes=draw(st.integers(0, 3)),
+        grads_bytes=draw(st.integers(0, 4)),
+        optimizer_bytes=draw(st.integers(0, 2)),
+        pre_chain_bytes=draw(st.integers(0, 2)),
+        post_chain_bytes=draw(st.integers(0, 6)),
+        input_bytes=draw(st.integers(0, 2)),
+        region_overhead_s=float(draw(st.integers(0, 2))),
+        region_overhead_bytes=draw(st.integers(0, 2)),
+        # Powers of two keep every time an exact float, so sums compare exactly.
+        offload_bandwidth_bytes_per_s=draw(st.sampled_from([1.0, 2.0, 4.0])) if offload else None,
+        early_stop=draw(st.booleans()),
+    )
+
+
+def constant_s(problem: Problem) -> float:
+    return sum(s.fwd_s + s.bwd_s for s in problem.stages) + problem.outside_chain_s
+
+
+def check_against_brute_force(problem: Problem) -> None:
+    scores = brute_force(problem)
+    base = problem.backward_base_bytes
+    top = max(peak for peak, _ in scores) - base + 2
+    model = dp.Model(problem, 1, problem.grads_bytes)  # one-byte slots: exact
+    fast = dp.numpy_tables(model, top)
+    slow = dp.python_tables(model, top)
+    assert np.array_equal(fast.top, slow.top)
+    assert np.array_equal(fast.seg, slow.seg)
+    assert np.array_equal(fast.segp, slow.segp)
+    least = min(peak for peak, _ in scores)
+    assert solvers.minimum_budget(problem) == least
+    assert simulate(solvers.min_peak(problem), problem).peak_bytes == least
+    previous = math.inf
+    for m in range(top + 1):
+        best = min((t for peak, t in scores if peak <= base + m), default=math.inf)
+        got = fast.top[0, m] + constant_s(problem)
+        assert got == best or (math.isinf(got) and math.isinf(best)), (m, got, best)
+        assert got <= previous  # more budget is never slower
+        previous = got
+        if math.isfinite(got):
+            regions, options = dp.reconstruct(fast, m)
+            plan = Plan(problem.stage_names, tuple(Region(*r) for r in regions), tuple(options))
+            sim = simulate(plan, problem)
+            assert sim.peak_bytes <= base + m
+            assert sim.step_time_s == got
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains())
+def test_optimal_equals_brute_force_at_every_budget(problem: Problem) -> None:
+    check_against_brute_force(problem)
+
+
+@settings(max_examples=15, deadline=None)
+@given(chains(max_n=4), st.data())
+def test_optimal_solver_matches_brute_force_and_both_paths(problem: Problem, data: st.DataObject
+                                                           ) -> None:
+    scores = brute_force(problem)
+    least = solvers.minimum_budget(problem)
+    if least > 1:
+        with pytest.raises(CheckFailed):
+            solvers.optimal(problem, least - 1)
+    high = max(peak for peak, _ in scores) + 1
+    low = max(least, 1)  # a budget is above zero
+    budgets = sorted({low, high, *data.draw(st.lists(st.integers(low, high), max_size=4))})
+    times = []
+    for budget in budgets:
+        plan = solvers.optimal(problem, budget)  # budgets below 500 bytes: one-byte slots
+        assert plan == dataclasses.replace(
+            solvers.optimal(problem, budget, path="python"), solve_time_s=plan.solve_time_s)
+        best = min(t for peak, t in scores if peak <= budget)
+        assert plan.predicted_step_time_s == best
+        assert peak(plan) <= budget
+        times.append(plan.predicted_step_time_s)
+    assert times == sorted(times, reverse=True)
+
+
+def _six(selective: tuple[int, ...], early_stop: bool) -> Problem:
+    a = [3, 5, 2, 6, 1, 4, 2]
+    keeps = [7, 3, 9, 2, 8, 5]
+    stages = []
+    for i in range(6):
+        saved = {"keep": keeps[i]}
+        extra = {}
+        if i in selective:
+            saved["selective:save-matmuls"] = keeps[i] // 3
+            extra["selective:save-matmuls"] = 1.0
+        stages.append(StageCost(f"h.{i}", a[i], a[i + 1], saved, fwd_s=float(1 + i % 3), bwd_s=3.0,
+                                rebuild_s=float(1 + (i * 5) % 3), extra_bwd_s=extra,
+                                fwd_transient_bytes=i % 2, bwd_transient_bytes=(i * 7) % 3))
+    return Problem(tuple(stages), params_bytes=4, grads_bytes=4, optimizer_bytes=8,
+                   post_chain_bytes=5, region_overhead_s=0.5, region_overhead_bytes=1,
+                   early_stop=early_stop)
+
+
+@pytest.mark.parametrize(("selective", "early_stop"), [((), True), ((), False), ((1, 4), True)])
+def test_optimal_equals_brute_force_on_six_stages(selective: tuple[int, ...], early_stop: bool
+                                                  ) -> None:
+    check_against_brute_force(_six(selective, early_stop))
+
+
+# -- the simulator by hand ------------------------------------------------------------------------
+
+
+def test_simulator_walks_the_tiny_chain_as_computed_by_hand() -> None:
+    p = load("tiny_3")
+    sim = simulate(Plan(p.stage_names), p)
+    # Fixed 17 in forward (params 5, optimizer 10, input 1, pre-chain 1), 22 with grads.
+    # x = 2, 3, 1, 2; saved 4, 6, 3; forward transients 1, 0, 2; backward 1, 2, 0.
+    assert [e.live_bytes for e in sim.events] == [
+        19,  # forward pre-chain: fixed + x0
+        27,  # s0: x0 + x1 + saved 4 + transient 1
+        33,  # s1: kept (x0 + 4) + x1 + x2 + 6
+        40,  # s2: kept (x0+4, x1+6) + x2 + x3 + 3 + 2
+        42,  # post-chain forward: kept 16 + x3 + 4
+        47,  # post-chain backward: + grads 5
+        44,  # s2 backward: kept 16, gradients of x3 and x2, transient 0
+        43,  # s1 backward: x0+4, x1+6, gradients of x2 and x1, transient 2
+        34,  # s0 backward
+        24,  # pre-chain backward: gradient of x0
+        21,  # optimizer step: params, grads, optimizer state, input
+    ]
+    assert sim.peak_bytes == 47 == p.measured_no_checkpoint_peak_bytes
+    assert sim.peak_event == "backward post-chain"
+    assert sim.step_time_s == 4 + 8
+    assert sim.forward_runs == (1, 1, 1)
+
+
+def test_a_region_keeps_its_input_and_rebuilds_in_backward() -> None:
+    p = load("tiny_3")
+    sim = simulate(Plan(p.stage_names, (Region(0, 2),)), p)
+    live = dict(sim.events)
+    # Forward inside [0, 2): no-save peaks (transients 0 and 1) over the held x0.
+    assert live["forward s0 (in [0, 2), not saved)"] == 17 + 2 + 3 + 0
+    assert live["forward s1 (in [0, 2), not saved)"] == 17 + 2 + 3 + 1 + 1
+    # s2 keeps; post-chain backward holds x0 (region), x2 + 3 (s2), x3, post 4, grads.
+    assert live["backward post-chain"] == 22 + 2 + 1 + 3 + 2 + 4
+    # The rebuild of [0, 2) runs with the gradient of x2 (1) alive.
+    assert live["rebuild s1 (for [0, 2))"] == 22 + (2 + 4) + 3 + 1 + 6 + 0 + 1
+    assert sim.forward_runs == (2, 2, 1)
+    assert sim.time.rebuild_s == 1 + 2
+    assert sim.time.overhead_s == 0.125
+
+
+def _runs(regions: tuple[Region, ...], options: tuple[str, ...], early_stop: bool = True
+          ) -> Simulation:
+    saved = {"keep": 3, "selective:save-matmuls": 1}
+    stages = tuple(StageCost(f"b{i}", 2, 2, saved, 1.0, 2.0, 1.0) for i in range(4))
+    p = Problem(stages, early_stop=early_stop, offload_bandwidth_bytes_per_s=1.0)
+    return simulate(Plan(p.stage_names, regions, options), p)
+
+
+NESTED = (Region(0, 4), Region(0, 2), Region(2, 4))
+KEEP4 = ("keep",) * 4
+
+
+def test_stage_at_depth_d_runs_d_plus_one_times_without_early_stop() -> None:
+    assert _runs(NESTED, KEEP4, early_stop=False).forward_runs == (3, 3, 3, 3)
+
+
+def test_early_stop_skips_what_the_parent_does_not_need() -> None:
+    # [0, 4) needs only the input of its last child [2, 4): its rebuild stops there.
+    assert _runs(NESTED, KEEP4).forward_runs == (3, 3, 2, 2)
+    # A trailing selective stage hands over its input before running, so the rebuild
+    # stops before it; it is rebuilt in full at its own backward (rebuild time, not the
+    # partial-rebuild time).
+    sel = _runs((Region(0, 4),), ("keep", "keep", "keep", "selective:save-matmuls"))
+    assert sel.forward_runs == (2, 2, 2, 2)
+    assert sel.time.rebuild_s == 4 and sel.time.option_s == 0
+    # Offloaded stages hand over nothing: the rebuild ends at the last keep stage.
+    off = _runs((Region(0, 4),), ("keep", "keep", "offload", "offload"))
+    assert off.forward_runs == (2, 2, 1, 1)
+    assert off.time.rebuild_s == 2
+    assert off.time.option_s == 2 * 2 * (2 + 3)  # both ways, saved keep bytes + input
+    # Without early stop everything after the region's input runs again.
+    assert _runs((Region(0, 4),), ("keep", "keep", "offload", "offload"), False
+                 ).forward_runs == (2, 2, 2, 2)
+
+
+def test_plan_tree_nests_regions() -> None:
+    plan = Plan(tuple("abcde"), (Region(0, 4), Region(1, 3), Region(4, 5)))
+    top = plan_tree(plan)
+    assert [(i.start, i.stop, i.region is not None) for i in top] == [(0, 4, True), (4, 5, True)]
+    assert [(i.start, i.stop) for i in top[0].items] == [(0, 1), (1, 3), (3, 4)]
+
+
+def test_simulate_rejects_plans_that_do_not_fit_the_problem() -> None:
+    p = load("tiny_3")
+    with pytest.raises(UsageError, match="stage 0 is 'a' but the problem's is 's0'"):
+        simulate(Plan(("a", "b", "c")), p)
+    with pytest.raises(UsageError, match="2 stages but the problem has 3"):
+        simulate(Plan(("s0", "s1")), p)
+    with pytest.raises(UsageError, match="no host link"):
+        simulate(Plan(p.stage_names, options=("offload", "keep", "keep")), p)
+    with pytest.raises(UsageError, match="'s1' has no measured saved bytes"):
+        simulate(Plan(p.stage_names, options=("keep", "selective:save-matmuls", "keep")), p)
+
+
+def test_offload_moves_saved_bytes_off_the_device_at_bandwidth_cost() -> None:
+    p = load("hetero_6")
+    keep = simulate(Plan(p.stage_names), p)
+    off = simulate(Plan(p.stage_names, options=("offload",) + ("keep",) * 5), p)
+    s0 = p.stages[0]
+    assert off.time.option_s == pytest.approx(2 * s0.offload_bytes / 2.0e10)
+    assert off.peak_bytes == keep.peak_bytes - s0.boundary_bytes - s0.saved_bytes["keep"]
+
+
+# -- closed forms ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", range(1, 13))
+def test_uniform_segments_match_the_textbook_bound(n: int) -> None:
+    """Exact peak = textbook + one boundary when the last segment is full, else textbook.
+
+    The textbook counts ``ceil(n/k)`` boundaries plus ``k`` stages of ``A_i = S + A``.
+    Exactly: the rebuilt segment's first input is its boundary (counted once, -A) and
+    the stage in backward has its incoming and outgoing gradients (+2A). When the last
+    segment is shorter it is processed first, and by the time a full segment is rebuilt
+    the last boundary is freed: the two effects cancel.
+    """
+    A, S = 3 * MiB, 5 * MiB
+    stages = tuple(StageCost(f"h.{i}", A, A, {"keep": S}, 1.0, 2.0, 1.0, {}, 0, 0, 0)
+                   for i in range(n))
+    p = Problem(stages)
+    for k in range(1, n + 1):
+        plan = solvers.megatron_uniform(p, num_layers=k)
+        peak = simulate(plan, p).peak_bytes  # no fixed bytes: all activations
+        row = theory.segment_row(n, k, A, S + A)
+        last = n - (row.segments - 1) * k
+        assert peak == row.total_bytes + (A if last == min(k, n) else 0), (n, k)
+
+
+def test_per_stage_and_none_on_a_uniform_chain() -> None:
+    n, A, S = 8, 2 * MiB, 7 * MiB
+    stages = tuple(StageCost(f"h.{i}", A, A, {"keep": S}, 1.0, 2.0, 1.5, {}, 0, 0, 0)
+                   for i in range(n))
+    p = Problem(stages, region_overhead_s=0.25)
+    none = simulate(Plan(p.stage_names), p)
+    # Everything kept, plus the gradients in and out of the last stage's backward.
+    assert none.peak_bytes == n * (A + S) + 2 * A
+    per = solvers.per_stage(p)
+    assert per.predicted_peak_bytes == n * A + (S + A) + A
+    assert per.predicted_step_time_s == none.step_time_s + n * (1.5 + 0.25)
+    assert per.baseline_step_time_s == none.step_time_s
+
+
+# -- solvers --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny_3", "uniform_8", "hetero_6", "gpt2_12"])
+def test_every_solver_returns_a_valid_plan_with_predictions(name: str) -> None:
+    p = load(name)
+    measured = p.measured_no_checkpoint_peak_bytes
+    assert measured is not None
+    least = solvers.minimum_budget(p)
+    budget = max(least, math.floor(0.6 * measured))
+    none_time = simulate(Plan(p.stage_names), p).step_time_s
+    plans = [
+        solvers.none(p), solvers.per_stage(p), solvers.every(p, 2), solvers.segments(p),
+        solvers.megatron_uniform(p, 2), solvers.megatron_block(p, 2),
+        solvers.selective_everywhere(p), solvers.min_peak(p), solvers.optimal(p, budget),
+    ]
+    for plan in plans:
+        roundtrip = Plan.from_json(plan.to_json())
+        assert roundtrip == plan
+        sim = simulate(plan, p)
+        assert plan.predicted_peak_bytes == sim.peak_bytes
+        assert plan.predicted_step_time_s == sim.step_time_s
+        assert plan.baseline_step_time_s == none_time
+        assert plan.solve_time_s is not None and plan.solve_time_s >= 0
+    assert [p.solver for p in plans] == [
+        "none", "per-stage", "every-2", f"segments-{round(math.sqrt(p.n))}",
+        "megatron-uniform-2", "megatron-block-2", "selective-everywhere", "min-peak", "optimal"]
+    assert plans[-1].budget_bytes == budget
+    assert peak(plans[-1]) <= budget
+    fitting = [seconds(q) for q in plans[:-1] if peak(q) <= budget]
+    assert all(seconds(plans[-1]) <= t for t in fitting)
+    assert plans[-2].predicted_peak_bytes == least
+
+
+def test_recipe_shapes() -> None:
+    saved = {"keep": 1, "selective:save-matmuls": 0}
+    p = Problem(tuple(StageCost(f"h.{i}", 1, 1, saved) for i in range(7)))
+    R = Region
+    assert solvers.every(p, 3).regions == (R(0, 1), R(3, 4), R(6, 7))
+    assert solvers.segments(p, 3).regions == (R(0, 2), R(2, 5), R(5, 7))
+    assert solvers.segments(p).regions == (R(0, 2), R(2, 5), R(5, 7))  # round(sqrt(7)) = 3
+    assert solvers.megatron_uniform(p, 3).regions == (R(0, 3), R(3, 6), R(6, 7))
+    assert solvers.megatron_block(p, 2).regions == (R(0, 1), R(1, 2))
+    assert solvers.megatron_block(p, 2).options == ("keep",) * 7
+    assert solvers.selective_everywhere(p).options == ("selective:save-matmuls",) * 7
+    by_name = dataclasses.replace(solvers.solve("every-k", p, k=3), solve_time_s=None)
+    assert by_name == dataclasses.replace(solvers.every(p, 3), solve_time_s=None)
+    with pytest.raises(UsageError, match="from 1 to 7"):
+        solvers.segments(p, 8)
+    with pytest.raises(UsageError, match="not known"):
+        solvers.solve("rotor", p)
+    with pytest.raises(UsageError, match="does not take"):
+        solvers.solve("none", p, k=2)
+
+
+def test_infeasible_budget_names_the_minimum() -> None:
+    p = load("gpt2_12")
+    least = solvers.minimum_budget(p)
+    with pytest.raises(CheckFailed) as info:
+        solvers.optimal(p, least - 1)
+    assert format_bytes(least) in str(info.value) and str(least) in str(info.value)
+    assert info.value.exit_code == 1
+    assert solvers.optimal(p, least).predicted_peak_bytes == least
+
+
+@settings(max_examples=25, deadline=None)
+@given(chains(max_n=4), st.integers(2, 40), st.data())
+def test_coarse_slots_stay_within_budget(problem: Problem, slots: int, data: st.DataObject
+                                         ) -> None:
+    """With slots larger than a byte the plan still fits, and is never better than exact."""
+    scale = 1 << 20
+    big = dataclasses.replace(scaled(problem, scale), slots=slots)
+    least = solvers.minimum_budget(big)
+    assert least == scale * solvers.minimum_budget(problem)
+    low = max(least, scale)
+    budgets = [low + scale * i for i in range(12)] + [low + data.draw(st.integers(0, 12 * scale))]
+    for budget in budgets:
+        plan = solvers.optimal(big, budget)  # never raises at or above the minimum
+        assert peak(plan) <= budget
+        exact = solvers.optimal(problem, budget // scale)
+        assert seconds(plan) >= seconds(exact)
+
+
+def test_numpy_dp_on_64_stages_is_fast() -> None:
+    a = 24 * MiB
+    stages = tuple(StageCost(
+        f"h.{i}", a, a,
+        {"keep": 17 * a + i * 4096, "selective:save-matmuls": 10 * a,
+         "selective:save-attention": 14 * a},
+        0.01, 0.02, 0.01, {"selective:save-matmuls": 0.002, "selective:save-attention": 0.001},
+        4 * a, 6 * a) for i in range(64))
+    p = Problem(stages, params_bytes=500 * MiB, grads_bytes=500 * MiB, optimizer_bytes=1000 * MiB,
+                post_chain_bytes=800 * MiB, region_overhead_s=1e-4,
+                offload_bandwidth_bytes_per_s=2e10)
+    budget = (solvers.minimum_budget(p) + simulate(Plan(p.stage_names), p).peak_bytes) // 2
+    started = time.perf_counter()
+    plan = solvers.optimal(p, budget)
+    elapsed = time.perf_counter() - started
+    assert peak(plan) <= budget
+    assert elapsed < 30  # about 1 s on two cores; a guard against a complexity blow-up
+
+
+# -- budgets --------------------------------------------------------------------------------------
+
+
+def test_parse_budget() -> None:
+    p = dataclasses.replace(load("tiny_3"), measured_no_checkpoint_peak_bytes=1000)
+    assert parse_budget("6GiB", p) == 6 << 30
+    assert parse_budget("512MiB", p) == 512 << 20
+    assert parse_budget("1e9", p) == 10**9
+    assert parse_budget(4096, p) == 4096
+    assert parse_budget("50%", p) == 500
+    assert parse_budget("0.5", p) == 500
+    assert parse_budget(0.25, p) == 250
+    assert parse_budget("1.0", p) == 1000
+    assert parse_budget("150%", p) == 1500
+    for bad in ("0%", "abc", "-5", 0, True, "0.0"):
+        with pytest.raises(UsageError):
+            parse_budget(bad, p)
+    no_peak = dataclasses.replace(p, measured_no_checkpoint_peak_bytes=None)
+    with pytest.raises(UsageError, match="fraction of the measured peak"):
+        parse_budget("50%", no_peak)
+
+
+# -- problem files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("chain_*.json")), ids=lambda p: p.name)
+def test_fixtures_load_and_round_trip(path: Path) -> None:
+    p = Problem.load(path)
+    assert Problem.from_json(p.to_json()) == p
+    assert p.measured_no_checkpoint_peak_bytes == simulate(Plan(p.stage_names), p).peak_bytes
+
+
+def _tiny() -> dict:
+    return json.loads((FIXTURES / "chain_tiny_3.json").read_text())
+
+
+def test_problem_accepts_sizes_as_text() -> None:
+    data = _tiny()
+    data["params_bytes"] = "1KiB"
+    data["stages"][0]["saved_bytes"]["keep"] = "2KiB"
+    p = Problem.from_dict(data)
+    assert p.params_bytes == 1024 and p.stages[0].saved_bytes["keep"] == 2048
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["stages"][1]["saved_bytes"].pop("keep"), "stage 's1' saved_bytes=.* no 'keep'"),
+    (lambda d: d["stages"][0].update(output_bytes=7), "'s0' has output_bytes=7 .* 's1'"),
+    (lambda d: d["stages"][2].update(fwd_s=-1), "stage 's2' fwd_s=-1"),
+    (lambda d: d["stages"][2].update(bwd_transient_bytes=-3), "stage 's2' bwd_transient_bytes"),
+    (lambda d: d["stages"][0]["saved_bytes"].update({"fast": 1}), "stage 's0' saved_bytes"),
+    (lambda d: d["stages"][1].update(extra_bwd_s={"selective:save-matmuls": 1.0}),
+     "'s1' has extra_bwd_s for 'selective:save-matmuls' but no saved_bytes"),
+    (lambda d: d["stages"][1].update(color="red"), "stage 's1' has unknown key.*color"),
+    (lambda d: d["stages"][1].pop("boundary_bytes"), "stage 's1' is missing key.*boundary_bytes"),
+    (lambda d: d.update(schema_version=9), "schema version 9"),
+    (lambda d: d.update(budget="3GiB"), "unknown key.*budget"),
+    (lambda d: d.update(offload_bandwidth_bytes_per_s=0), "above zero"),
+    (lambda d: d.update(slots=0), "slots=0"),
+    (lambda d: d.update(stages=[]), "no stages"),
+    (lambda d: d["stages"][1].update(name="s0"), "'s0' is listed twice"),
+])
+def test_problem_validation_names_the_field(edit: Callable[[dict], object], message: str
+                                            ) -> None:
+    data = _tiny()
+    edit(data)
+    with pytest.raises(UsageError, match=message):
+        Problem.from_dict(data)
+
+
+def test_problem_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot read problem file"):
+        Problem.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        Problem.load(tmp_path / "bad.json")
+    p = load("tiny_3")
+    p.save(tmp_path / "p.json")
+    assert Problem.load(tmp_path / "p.json") == p
+
+
+def test_options_follow_measurements_and_the_host_link() -> None:
+    p = load("hetero_6")
+    assert p.options(0) == ("keep", "selective:save-matmuls", "selective:save-attention", "offload")
+    assert load("uniform_8").options(0) == ("keep",)
+    s = p.stages[0]
+    assert s.offload_bytes == s.saved_bytes["keep"] + s.boundary_bytes
+
+
+# -- torch stays out ------------------------------------------------------------------------------
+
+
+def test_the_planning_core_never_imports_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import remat.solve, remat.solve.dp, remat.solve.solvers, remat.solve.budget\n"
+        "from remat.solve import Problem, minimum_budget, optimal\n"
+        f"p = Problem.load({str(FIXTURES / 'chain_hetero_6.json')!r})\n"
+        "optimal(p, minimum_budget(p) + 1)\n"
+        "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules"
+        " if sys.modules[m] is not None)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=False)
+    assert result.returncode == 0, result.stderr
