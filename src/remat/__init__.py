@@ -21,22 +21,28 @@ _LAZY: dict[str, str] = {
     "Handle": "remat.runtime",
     "Plan": "remat.plan",
     "Region": "remat.plan",
+    "profile": "remat.profiler",
+    "Profile": "remat.profile_format",
 }
 
 if TYPE_CHECKING:
     from remat.plan import Plan, Region
+    from remat.profile_format import Profile
+    from remat.profiler import profile
     from remat.runtime import Handle, applied, apply, remove
 
 __all__ = [
     "CheckFailed",
     "Handle",
     "Plan",
+    "Profile",
     "Region",
     "RematError",
     "UsageError",
     "__version__",
     "applied",
     "apply",
+    "profile",
     "remove",
 ]
 

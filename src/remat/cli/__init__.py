@@ -14,6 +14,7 @@ from remat.errors import RematError
 COMMANDS: dict[str, str] = {
     "estimate": "remat.cli.estimate",
     "demo": "remat.cli.demo",
+    "profile": "remat.cli.profile",
 }
 
 

@@ -1,0 +1,203 @@
+"""``remat profile``: measure a model's chain of stages and print what each one costs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from remat.cli.output import add_json_option, console_for, write_json
+from remat.errors import UsageError
+from remat.units import format_bytes
+
+_OPTION_COLUMNS = (
+    ("keep", "keep"),
+    ("selective:save-matmuls", "matmuls"),
+    ("selective:save-attention", "attn"),
+    ("selective:save-nothing", "nothing"),
+)
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="measure what each stage of a model saves, its boundary and its times",
+        description=(
+            "Profile one training step of a model: per stage its input (boundary), what it "
+            "saves for backward when kept and under each selective policy, its forward, "
+            "backward and rebuild times; outside the chain parameters, gradients, optimizer "
+            "state and the pre- and post-chain; and the peak of a step without "
+            "checkpointing, measured and as the cost model predicts it."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt, mlp-hetero, convnet-bn or package.module:factory (default gpt)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model option, e.g. --set n_layer=4 (repeatable)",
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="the model's batch_size option")
+    p.add_argument(
+        "--stages",
+        default=None,
+        metavar="PATH,...",
+        help="module paths of the stages, comma-separated (default: discovered)",
+    )
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps of each kind (default 2)")
+    add_json_option(p)
+    p.set_defaults(run=run)
+
+
+def _stage_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    stages = [s.strip() for s in text.split(",")]
+    if not all(stages):
+        raise UsageError(
+            f"--stages {text!r} has an empty entry; give module paths separated by commas, "
+            "e.g. --stages blocks.0,blocks.1"
+        )
+    return stages
+
+
+def _description(spec: str, options: dict[str, Any]) -> str:
+    return " ".join([spec, *(f"{k}={v}" for k, v in options.items())])
+
+
+def _unit(data: dict[str, Any]) -> tuple[str, int]:
+    """One byte unit for the whole table, so the columns stay narrow and comparable."""
+    largest = max(max(s["boundary_bytes"], *s["saved_bytes"].values()) for s in data["stages"])
+    for name, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if largest >= scale:
+            return name, scale
+    return "B", 1
+
+
+def _table(data: dict[str, Any]) -> Table:
+    unit, scale = _unit(data)
+
+    def size(n: int) -> str:
+        return f"{n / scale:.2f}" if scale > 1 else str(n)
+
+    table = Table(
+        title=(
+            f"Stages of {data['model']}, batch size {data['batch_size']}: "
+            f"bytes in {unit}, times in ms"
+        ),
+        caption=(
+            "keep, matmuls, attn, nothing: bytes saved for backward beyond the stage's "
+            "input and output, kept and under selective:save-matmuls, save-attention, "
+            "save-nothing; * the output stays referenced outside the chain"
+        ),
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("stage", no_wrap=True)
+    table.add_column("boundary", justify="right")
+    for _, title in _OPTION_COLUMNS:
+        table.add_column(title, justify="right")
+    for title in ("fwd", "bwd", "rebuild"):
+        table.add_column(title, justify="right")
+    for s in data["stages"]:
+        saved = s["saved_bytes"]
+        table.add_row(
+            s["name"] + (" *" if s["output_kept_outside"] else ""),
+            size(s["boundary_bytes"]),
+            *(size(saved[o]) if o in saved else "-" for o, _ in _OPTION_COLUMNS),
+            f"{s['fwd_s'] * 1e3:.2f}",
+            f"{s['bwd_s'] * 1e3:.2f}",
+            f"{s['rebuild_s'] * 1e3:.2f}",
+        )
+    return table
+
+
+def _summary(console: Console, data: dict[str, Any]) -> None:
+    f = data["fixed_bytes"]
+    console.print(
+        f"outside the chain: parameters {format_bytes(f['params'])}, buffers "
+        f"{format_bytes(f['buffers'])}, gradients {format_bytes(f['grads'])}, optimizer "
+        f"state ({data['optimizer']}) {format_bytes(f['optimizer_state'])}, batch "
+        f"{format_bytes(f['inputs'])}, pre-chain {format_bytes(f['pre_chain'])}, "
+        f"post-chain {format_bytes(f['post_chain'])}"
+    )
+    console.print(
+        f"one checkpoint region: {data['region_overhead_s'] * 1e6:.0f} us, "
+        f"{format_bytes(data['region_overhead_bytes'])}; step without checkpointing "
+        f"{data['step_s'] * 1e3:.2f} ms; profiling took {data['profile_s']:.1f} s"
+    )
+    measured, predicted = data["measured_peak_bytes"], data["predicted_peak_bytes"]
+    error = f" ({predicted / measured - 1:+.1%})" if measured else ""
+    console.print(
+        f"peak of a step without checkpointing: measured {format_bytes(measured)}, "
+        f"predicted {format_bytes(predicted)}{error}"
+    )
+    kept = [s["name"] for s in data["stages"] if s["output_kept_outside"]]
+    if kept:
+        console.print(
+            f"note: the outputs of {', '.join(kept)} stay referenced outside the chain, so "
+            "checkpointing those stages frees less than planned"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that other subcommands (remat estimate) never import torch.
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from remat.models import load_model, parse_set_options
+    from remat.profiler import profile
+    from remat.stages import resolve_stages
+
+    options = parse_set_options(args.sets)
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise UsageError(f"--batch-size {args.batch_size} is below 1; give 1 or more")
+        options["batch_size"] = args.batch_size
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats} is below 1; give 1 or more")
+    model, batch, loss_fn = load_model(args.model, **options)
+    stages = _stage_list(args.stages)
+    if stages is not None:
+        resolve_stages(model, stages)  # a wrong path fails before any measuring
+
+    status = Console(stderr=True)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=status,
+        transient=True,
+        disable=not status.is_terminal,
+    )
+    with bar:
+        task = bar.add_task("profiling", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=f"profiling: {what}", completed=done, total=total)
+
+        result = profile(
+            model,
+            batch,
+            loss_fn,
+            stages,
+            args.optimizer,
+            repeats=args.repeats,
+            description=_description(args.model, options),
+            progress=progress,
+        )
+    data = result.to_dict()
+    console = console_for(args.json)
+    console.print(_table(data))
+    _summary(console, data)
+    write_json(data, args.json)
+    return 0

@@ -1,0 +1,495 @@
+"""The profile: what one model's chain of stages costs, as a torch-free JSON artifact.
+
+``remat.profile`` measures it (torch); everything downstream (``problem_from_profile``,
+solvers, the simulator, the CLI's plan command) reads it without importing torch.
+
+Conventions (they are the simulator's, see :mod:`remat.solve.problem`):
+
+* ``boundary_bytes`` is stage i's input ``x_i``, ``output_bytes`` its output ``x_{i+1}``,
+  both by storage.
+* ``saved_bytes[option]`` is what the stage keeps for its backward when it runs with grad
+  under ``option``, counted by storage, parameters excluded, *not counting its input and
+  its output* (the simulator tracks boundaries once each).
+* transients are extra bytes at a peak, beyond what the simulator already counts there:
+  ``fwd_transient_bytes`` above what is live right after a ``keep`` forward;
+  ``nosave_transient_bytes`` above input and output for a forward that saves nothing;
+  ``bwd_transient_bytes`` above what is live when its backward starts, its input's
+  gradient and the parameter gradients it creates (``grad_bytes``), plus its output when
+  it saved that (``saves_output``: the simulator no longer counts it there).
+
+Quantities that grow with the batch carry a linear fit ``a + b * batch_size``
+(:class:`Scaling`), fitted from profiles at two batch sizes; :meth:`Profile.at_batch_size`
+evaluates them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from remat.errors import UsageError
+
+__all__ = [
+    "OPTIONS",
+    "SCHEMA_VERSION",
+    "FixedBytes",
+    "LinearFit",
+    "Profile",
+    "Scaling",
+    "StageProfile",
+]
+
+SCHEMA_VERSION = 1
+
+#: The options every profile measures for every stage.
+OPTIONS = (
+    "keep",
+    "selective:save-matmuls",
+    "selective:save-attention",
+    "selective:save-nothing",
+)
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"profile {what}={value!r} is not a byte count; give an int >= 0")
+    return value
+
+
+def _float(value: object, what: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise UsageError(f"profile {what}={value!r} is not a time; give seconds >= 0")
+    return float(value)
+
+
+def _check_keys(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
+    if not isinstance(data, Mapping):
+        raise UsageError(f"{where} must be a JSON object, got {type(data).__name__}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise UsageError(
+            f"{where} is missing key(s) {', '.join(missing)}; regenerate it with remat profile"
+        )
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise UsageError(f"{where} has unknown key(s) {', '.join(unknown)}; remove them")
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One stage's measured costs (see the module docstring for what each counts)."""
+
+    name: str
+    boundary_bytes: int
+    output_bytes: int
+    saved_bytes: Mapping[str, int] = field(hash=False)
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    rebuild_s: float = 0.0
+    fwd_transient_bytes: int = 0
+    bwd_transient_bytes: int = 0
+    nosave_transient_bytes: int = 0
+    grad_bytes: int = 0  # parameter gradients first created by this stage's backward
+    # The output stays referenced from outside the chain (a list of hidden states, a skip
+    # connection), so a region cannot free it: checkpointing saves less than predicted.
+    output_kept_outside: bool = False
+    # Whether autograd keeps the stage's input / output for its backward (a stage that
+    # keeps neither lets the chain free its input early; one that ends in a ReLU keeps
+    # its output into its own backward).
+    saves_input: bool = True
+    saves_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"profile stage name {self.name!r} is not a module path")
+        where = f"stage {self.name!r}"
+        for name in (
+            "boundary_bytes",
+            "output_bytes",
+            "fwd_transient_bytes",
+            "bwd_transient_bytes",
+            "nosave_transient_bytes",
+            "grad_bytes",
+        ):
+            object.__setattr__(self, name, _int(getattr(self, name), f"{where} {name}"))
+        for name in ("fwd_s", "bwd_s", "rebuild_s"):
+            object.__setattr__(self, name, _float(getattr(self, name), f"{where} {name}"))
+        if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
+            raise UsageError(f"profile {where} saved_bytes has no 'keep' entry")
+        saved = {
+            str(k): _int(v, f"{where} saved_bytes[{k!r}]") for k, v in self.saved_bytes.items()
+        }
+        object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
+        for flag in ("output_kept_outside", "saves_input", "saves_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError(f"profile {where} {flag} must be true or false")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "boundary_bytes": self.boundary_bytes,
+            "output_bytes": self.output_bytes,
+            "saved_bytes": dict(self.saved_bytes),
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "rebuild_s": self.rebuild_s,
+            "fwd_transient_bytes": self.fwd_transient_bytes,
+            "bwd_transient_bytes": self.bwd_transient_bytes,
+            "nosave_transient_bytes": self.nosave_transient_bytes,
+            "grad_bytes": self.grad_bytes,
+            "output_kept_outside": self.output_kept_outside,
+            "saves_input": self.saves_input,
+            "saves_output": self.saves_output,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageProfile:
+        where = f"profile stage {data.get('name', '?')!r}" if isinstance(data, Mapping) else ""
+        _check_keys(data, _STAGE_KEYS, where or "a profile stage")
+        return cls(**{k: data[k] for k in _STAGE_KEYS})
+
+
+_STAGE_KEYS = (
+    "name",
+    "boundary_bytes",
+    "output_bytes",
+    "saved_bytes",
+    "fwd_s",
+    "bwd_s",
+    "rebuild_s",
+    "fwd_transient_bytes",
+    "bwd_transient_bytes",
+    "nosave_transient_bytes",
+    "grad_bytes",
+    "output_kept_outside",
+    "saves_input",
+    "saves_output",
+)
+
+
+@dataclass(frozen=True)
+class FixedBytes:
+    """Bytes outside the chain, measured by the tracker.
+
+    ``pre_chain_bytes``: what the part before the first stage (embeddings) keeps for
+    backward, beyond the first stage's input. ``post_chain_bytes``: the larger extra peak
+    of the part after the last stage (head, logits, loss) in forward and in backward,
+    beyond what is live when it starts and the gradients it creates. ``*_grads_bytes``:
+    parameter gradients created by the pre- and post-chain backward. ``optimizer_step_bytes``:
+    the optimizer step's own temporaries above parameters, gradients and state.
+    """
+
+    params_bytes: int
+    buffers_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    inputs_bytes: int
+    pre_chain_bytes: int
+    post_chain_bytes: int
+    pre_chain_grads_bytes: int = 0
+    post_chain_grads_bytes: int = 0
+    optimizer_step_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name, _ in _FIXED_FIELDS:
+            object.__setattr__(self, name, _int(getattr(self, name), f"fixed_bytes {name}"))
+
+    def to_dict(self) -> dict[str, int]:
+        return {key: getattr(self, name) for name, key in _FIXED_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FixedBytes:
+        _check_keys(data, tuple(key for _, key in _FIXED_FIELDS), "profile fixed_bytes")
+        return cls(**{name: data[key] for name, key in _FIXED_FIELDS})
+
+
+# field name -> JSON key inside "fixed_bytes" (the object's name carries the unit)
+_FIXED_FIELDS = (
+    ("params_bytes", "params"),
+    ("buffers_bytes", "buffers"),
+    ("grads_bytes", "grads"),
+    ("optimizer_state_bytes", "optimizer_state"),
+    ("inputs_bytes", "inputs"),
+    ("pre_chain_bytes", "pre_chain"),
+    ("post_chain_bytes", "post_chain"),
+    ("pre_chain_grads_bytes", "pre_chain_grads"),
+    ("post_chain_grads_bytes", "post_chain_grads"),
+    ("optimizer_step_bytes", "optimizer_step"),
+)
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``a + b * batch_size``: ``a`` what does not grow with the batch, ``b`` per sample."""
+
+    a: float
+    b: float
+
+    def __call__(self, batch_size: int) -> float:
+        return self.a + self.b * batch_size
+
+    @classmethod
+    def through(cls, n1: int, y1: float, n2: int, y2: float) -> LinearFit:
+        """The line through ``(n1, y1)`` and ``(n2, y2)``."""
+        b = (y2 - y1) / (n2 - n1)
+        return cls(y1 - b * n1, b)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Per-quantity linear fits in the batch size, from profiles at ``batch_sizes``.
+
+    ``fits`` maps a quantity's path in :meth:`Profile.to_dict` (``"measured_peak_bytes"``,
+    ``"fixed_bytes.inputs"``, ``"stages.3.saved_bytes.keep"``, ``"stages.0.fwd_s"``) to
+    its fit; quantities not listed do not depend on the batch size.
+    """
+
+    batch_sizes: tuple[int, int]
+    fits: Mapping[str, LinearFit] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.batch_sizes)
+        if (
+            len(sizes) != 2
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+            or sizes[0] == sizes[1]
+        ):
+            raise UsageError(
+                f"scaling batch_sizes={self.batch_sizes!r} must be two different whole numbers >= 1"
+            )
+        object.__setattr__(self, "batch_sizes", sizes)
+        object.__setattr__(self, "fits", MappingProxyType(dict(self.fits)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "fits": {path: {"a": f.a, "b": f.b} for path, f in self.fits.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Scaling:
+        _check_keys(data, ("batch_sizes", "fits"), "profile scaling")
+        fits = {}
+        for path, fit in data["fits"].items():
+            _check_keys(fit, ("a", "b"), f"profile scaling fit {path!r}")
+            fits[path] = LinearFit(float(fit["a"]), float(fit["b"]))
+        sizes = data["batch_sizes"]
+        if not isinstance(sizes, list) or len(sizes) != 2:
+            raise UsageError(f"profile scaling batch_sizes={sizes!r} must be a pair of sizes")
+        return cls((sizes[0], sizes[1]), fits)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model's chain profiled at one batch size (module docstring: conventions)."""
+
+    model: str
+    batch_size: int | None
+    stages: tuple[StageProfile, ...]
+    fixed: FixedBytes
+    region_overhead_s: float = 0.0
+    region_overhead_bytes: int = 0
+    outside_chain_s: float = 0.0  # pre-chain, post-chain and optimizer step
+    step_s: float = 0.0  # one training step without checkpointing (median)
+    measured_peak_bytes: int | None = None  # one step without checkpointing, by the tracker
+    predicted_peak_bytes: int | None = None  # the simulator's figure for that step
+    optimizer: str = "adamw"
+    device: str = "cpu"
+    torch_version: str = ""
+    dtype: str = "float32"
+    profile_s: float = 0.0  # wall time the profiling took
+    scaling: Scaling | None = None
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        if not stages or not all(isinstance(s, StageProfile) for s in stages):
+            raise UsageError("a profile needs at least one stage, each a StageProfile")
+        object.__setattr__(self, "stages", stages)
+        if self.batch_size is not None:
+            _int(self.batch_size, "batch_size")
+        for name in ("region_overhead_s", "outside_chain_s", "step_s", "profile_s"):
+            object.__setattr__(self, name, _float(getattr(self, name), name))
+        object.__setattr__(
+            self, "region_overhead_bytes", _int(self.region_overhead_bytes, "region_overhead_bytes")
+        )
+        for name in ("measured_peak_bytes", "predicted_peak_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _int(value, name))
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """``predicted / measured - 1`` for the step without checkpointing, if both exist."""
+        if not self.measured_peak_bytes or self.predicted_peak_bytes is None:
+            return None
+        return self.predicted_peak_bytes / self.measured_peak_bytes - 1
+
+    # -- batch scaling ---------------------------------------------------------------------
+
+    def at_batch_size(self, batch_size: int) -> Profile:
+        """This profile with every fitted quantity evaluated at ``batch_size``.
+
+        The no-checkpoint peak is predicted again by the simulator; ``measured_peak_bytes``
+        is kept only at a batch size that was measured.
+        """
+        if self.scaling is None:
+            raise UsageError(
+                "this profile has no batch scaling; profile it with remat.profile_scaling "
+                "at two batch sizes first"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UsageError(f"batch_size={batch_size!r} must be a whole number >= 1")
+        data = self.to_dict()
+        for path, fit in self.scaling.fits.items():
+            _set_path(data, path, fit(batch_size))
+        data["batch_size"] = batch_size
+        if batch_size != self.batch_size:
+            data["measured_peak_bytes"] = None
+        scaled = Profile.from_dict(data)
+        from remat.solve.from_profile import predict_no_checkpoint_peak
+
+        return replace(scaled, predicted_peak_bytes=predict_no_checkpoint_peak(scaled))
+
+    # -- serialization ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "device": self.device,
+            "torch_version": self.torch_version,
+            "dtype": self.dtype,
+            "stages": [s.to_dict() for s in self.stages],
+            "fixed_bytes": self.fixed.to_dict(),
+            "region_overhead_s": self.region_overhead_s,
+            "region_overhead_bytes": self.region_overhead_bytes,
+            "outside_chain_s": self.outside_chain_s,
+            "step_s": self.step_s,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "profile_s": self.profile_s,
+            "scaling": None if self.scaling is None else self.scaling.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        """Build a profile from ``to_dict()`` output; UsageError on a schema or key problem."""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a profile must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise UsageError(
+                f"profile schema version {version!r} is not supported (this remat reads "
+                f"version {SCHEMA_VERSION}); profile the model again with this remat"
+            )
+        _check_keys(data, _PROFILE_KEYS, "the profile")
+        if not isinstance(data["stages"], list):
+            raise UsageError("profile key 'stages' must be a list of stage objects")
+        scaling = data["scaling"]
+        return cls(
+            model=data["model"],
+            batch_size=data["batch_size"],
+            stages=tuple(StageProfile.from_dict(s) for s in data["stages"]),
+            fixed=FixedBytes.from_dict(data["fixed_bytes"]),
+            scaling=None if scaling is None else Scaling.from_dict(scaling),
+            **{k: data[k] for k in _PROFILE_SCALARS},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"the profile is not valid JSON ({err}); check the file") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise UsageError(
+                f"cannot read profile file {str(path)!r} ({err.strerror}); give the path "
+                "remat profile --json wrote"
+            ) from None
+        return cls.from_json(text)
+
+
+_PROFILE_SCALARS = (
+    "optimizer",
+    "device",
+    "torch_version",
+    "dtype",
+    "region_overhead_s",
+    "region_overhead_bytes",
+    "outside_chain_s",
+    "step_s",
+    "measured_peak_bytes",
+    "predicted_peak_bytes",
+    "profile_s",
+)
+_PROFILE_KEYS = (
+    "schema_version",
+    "model",
+    "batch_size",
+    "stages",
+    "fixed_bytes",
+    "scaling",
+    *_PROFILE_SCALARS,
+)
+
+
+def _set_path(data: dict[str, Any], path: str, value: float) -> None:
+    """Set the number at dotted ``path`` (list indices as numbers), keeping its type."""
+    *parents, last = path.split(".")
+    node: Any = data
+    try:
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        old = node[last]
+    except (KeyError, IndexError, ValueError, TypeError):
+        raise UsageError(
+            f"profile scaling names {path!r}, which the profile does not have; "
+            "regenerate the profile"
+        ) from None
+    if isinstance(old, bool) or not isinstance(old, (int, float)):
+        raise UsageError(f"profile scaling names {path!r}, which is not a number")
+    value = max(0.0, value)
+    node[last] = round(value) if isinstance(old, int) else value
+
+
+def numeric_paths(data: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every number in a ``to_dict()`` tree by dotted path (bools and the schema excluded)."""
+    found: dict[str, float] = {}
+    items = enumerate(data) if isinstance(data, list) else data.items()
+    for key, value in items:
+        path = f"{prefix}{key}"
+        if isinstance(value, (dict, list)):
+            found.update(numeric_paths(value, path + "."))  # type: ignore[arg-type]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[path] = value
+    return found

@@ -1,0 +1,240 @@
+"""``remat.profile``: measure what each stage of a model's chain costs, into a Profile.
+
+The measuring is in :mod:`remat.profiling` (what runs, in which order, and what it costs
+is described in :mod:`remat.profiling.run`); this module checks the arguments, builds the
+:class:`~remat.profile_format.Profile` and asks the simulator for its prediction of the
+step without checkpointing. The model's parameters are trained by the profiling steps
+(as by ``measure_step``); buffers changed by the extra forwards, the model's training
+mode and the caller's RNG state are put back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import UsageError
+from remat.measure.step import make_optimizer
+from remat.measure.tracker import iter_tensors
+from remat.plan import parse_option
+from remat.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
+from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
+from remat.profiling.run import measure_all, part_names
+from remat.solve.from_profile import predict_no_checkpoint_peak
+from remat.stages import discover_stages, resolve_stages
+
+__all__ = ["Progress", "fit_scaling", "profile", "profile_scaling"]
+
+#: ``progress(what, done, total)``: called before each part of a profile and at the end.
+Progress = Callable[[str, int, int], None]
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model's output if it is a scalar, else the sum of its main output."""
+    out = model(batch)
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise UsageError(
+            f"the model returned {type(out).__name__}; pass loss_fn(model, batch) that "
+            "runs the forward and returns the scalar loss"
+        )
+    return out if out.numel() == 1 else out.sum()
+
+
+def _no_progress(_what: str, _done: int, _total: int) -> None:
+    return None
+
+
+def _check_options(options: Sequence[str]) -> tuple[str, ...]:
+    found = tuple(dict.fromkeys(options))
+    if "keep" not in found:
+        raise UsageError("options must include 'keep'; the simulator needs it for every stage")
+    for option in found:
+        if option != "keep" and parse_option(option).kind != "selective":
+            raise UsageError(
+                f"option {option!r} cannot be profiled; give keep or selective:<policy>"
+            )
+    return found
+
+
+def _device_name(device: torch.device | None) -> str:
+    if device is None:
+        return "cpu"
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def profile(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    stages: Sequence[str] | None = None,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    *,
+    repeats: int = 2,
+    options: Sequence[str] = OPTIONS,
+    batch_size: int | None = None,
+    description: str | None = None,
+    lr: float = 1e-3,
+    progress: Progress | None = None,
+) -> Profile:
+    """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` runs the forward and returns the scalar loss;
+            by default the model's output (summed if it is not a scalar).
+        stages: module paths of the chain, in call order; by default the repeated-block
+            container the forward runs (:func:`remat.stages.discover_stages`).
+        optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9) or an optimizer of the model.
+        repeats: timed steps of each kind after the warm-up step; times are medians.
+        options: ``keep`` and the selective options to measure saved bytes for.
+        batch_size: recorded in the profile; by default the first tensor's first dimension.
+        description: the model's name in the profile (default: its class name).
+        progress: ``progress(what, done, total)`` before each part and once at the end.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"repeats={repeats!r} is invalid; give a whole number >= 1")
+    options = _check_options(options)
+    loss_fn = loss_fn or _default_loss
+    names = (
+        resolve_stages(model, stages)
+        if stages is not None
+        else discover_stages(model, batch, loss_fn)
+    )
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+    dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
+    if batch_size is None:
+        tensor = next(iter_tensors(batch), None)
+        batch_size = int(tensor.shape[0]) if tensor is not None and tensor.dim() else None
+    progress = progress or _no_progress
+
+    began = time.perf_counter()
+    with ExitStack() as stack:
+        devices = [device] if device is not None and device.type == "cuda" else []
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.callback(model.train, model.training)
+        model.train()
+        opt = make_optimizer(model, optimizer, lr=lr)
+        m = measure_all(
+            model,
+            batch,
+            loss_fn,
+            names,
+            opt,
+            options=options,
+            repeats=repeats,
+            device=device,
+            dtype=dtype,
+            progress=progress,
+        )
+    profile_s = time.perf_counter() - began
+
+    post_grads, grads, pre_grads = gradient_owners(model, names, m.spans.post_modules)
+    stage_list = stage_profiles(m, grads)
+    result = Profile(
+        model=description or type(model).__name__,
+        batch_size=batch_size,
+        stages=tuple(stage_list),
+        fixed=fixed_bytes(m, stage_list[0].boundary_bytes, post_grads, pre_grads),
+        region_overhead_s=m.overhead.time_s,
+        region_overhead_bytes=m.overhead.memory_bytes,
+        outside_chain_s=max(0.0, m.times.step_s - sum(m.times.fwd_s) - sum(m.times.bwd_s)),
+        step_s=m.times.step_s,
+        measured_peak_bytes=m.step.peak_bytes,
+        optimizer=optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower(),
+        device=_device_name(device),
+        torch_version=str(torch.__version__),
+        dtype=str(dtype).removeprefix("torch."),
+        profile_s=profile_s,
+    )
+    result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
+    total = len(part_names(options))
+    progress("done", total, total)
+    return result
+
+
+# -- batch scaling -------------------------------------------------------------------------
+
+# Not fitted: bookkeeping, the prediction (recomputed), and the region's fixed cost, which
+# a micro-benchmark independent of the model measures (its two figures differ by noise).
+_NOT_FITTED = frozenset(
+    {
+        "schema_version",
+        "batch_size",
+        "predicted_peak_bytes",
+        "profile_s",
+        "region_overhead_s",
+        "region_overhead_bytes",
+    }
+)
+
+
+def fit_scaling(first: Profile, second: Profile) -> Scaling:
+    """Lines through every quantity of two profiles of one model at two batch sizes."""
+    if first.stage_names != second.stage_names:
+        raise UsageError(
+            "the two profiles have different stages; profile the same model at both sizes"
+        )
+    n1, n2 = first.batch_size, second.batch_size
+    if n1 is None or n2 is None or n1 == n2:
+        raise UsageError(
+            f"batch sizes {n1} and {n2} cannot be fitted; profile at two different batch sizes"
+        )
+    y1, y2 = numeric_paths(first.to_dict()), numeric_paths(second.to_dict())
+    fits = {
+        path: LinearFit.through(n1, y1[path], n2, y2[path])
+        for path in y1
+        if path in y2
+        and path not in _NOT_FITTED
+        and not path.startswith("scaling.")
+        and y1[path] != y2[path]
+    }
+    return Scaling((n1, n2), fits)
+
+
+def profile_scaling(
+    factory: Callable[[int], tuple[nn.Module, Any, LossFn]],
+    batch_sizes: Sequence[int],
+    stages: Sequence[str] | None = None,
+    optimizer: str = "adamw",
+    *,
+    progress: Progress | None = None,
+    **kwargs: Any,
+) -> Profile:
+    """Profile at two batch sizes and fit every quantity linearly in the batch size.
+
+    ``factory(batch_size)`` returns ``(model, batch, loss_fn)``, a fresh model each time.
+    The result is the profile at ``batch_sizes[0]`` with :class:`Scaling` fits through
+    both, so ``result.at_batch_size(n)`` predicts other batch sizes. Other keyword
+    arguments go to :func:`profile`.
+    """
+    sizes = list(batch_sizes)
+    if len(sizes) != 2 or len(set(sizes)) != 2:
+        raise UsageError(f"batch_sizes={batch_sizes!r} must be two different batch sizes")
+    report = progress or _no_progress
+    found = []
+    for k, n in enumerate(sizes):
+        model, batch, loss_fn = factory(n)
+
+        def part(what: str, done: int, total: int, k: int = k, n: int = n) -> None:
+            report(f"batch {n}: {what}", k * total + done, 2 * total)
+
+        found.append(
+            profile(model, batch, loss_fn, stages, optimizer, batch_size=n, progress=part, **kwargs)
+        )
+        del model, batch, loss_fn
+    return replace(found[0], scaling=fit_scaling(found[0], found[1]))

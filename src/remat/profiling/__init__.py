@@ -1,0 +1,5 @@
+"""The pieces of ``remat.profile``: forward passes, step timelines, timings, region overhead.
+
+Each module measures one thing; :mod:`remat.profiler` puts them together into a
+:class:`~remat.profile_format.Profile`.
+"""

@@ -1,0 +1,112 @@
+"""From raw measurements to the profile's fields, in the simulator's conventions.
+
+Each figure is read off the measured no-checkpoint step where it can be (so the pieces
+add up to what that step really did), in the terms ``remat.solve.simulate`` counts:
+
+* saved (keep): how much the live total grew across the stage's forward, less its new
+  output; the input was alive before and the output is the next stage's input.
+* forward transient: the stage forward's peak above the live total when it returned.
+* backward transient: the stage backward's peak above the live total when it began, less
+  its input's gradient and the parameter gradients it creates (the simulator counts both),
+  plus its output when it saved that (the simulator no longer counts it there).
+* pre-chain: what is alive when the first stage starts, beyond the step's start and the
+  first stage's input. Post-chain: its larger rise in forward and in backward above the
+  live total at the chain's end (backward less the parameter gradients it creates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from remat.profile_format import FixedBytes, StageProfile
+from remat.profiling._tensors import storage_bytes
+from remat.profiling.run import Measurements
+
+__all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]
+
+
+def gradient_owners(
+    model: nn.Module, names: Sequence[str], post_modules: frozenset[str]
+) -> tuple[int, list[int], int]:
+    """Parameter-gradient bytes first created by the post-chain, each stage, the pre-chain.
+
+    Backward meets the post-chain first, then the stages last to first, then the rest;
+    a parameter used in several places (tied embeddings) gets its gradient at the first.
+    """
+    seen: set[int] = set()
+
+    def take(params: Any) -> int:
+        total = 0
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                total += storage_bytes(p)
+        return total
+
+    post = take(
+        p for path in sorted(post_modules) for p in model.get_submodule(path).parameters(False)
+    )
+    stages = [take(model.get_submodule(name).parameters()) for name in reversed(names)][::-1]
+    pre = take(model.parameters())
+    return post, stages, pre
+
+
+def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
+    found = []
+    for i, name in enumerate(m.names):
+        fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
+        saved = {"keep": max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)}
+        for option, stages in m.measured_in.items():
+            if i in stages:
+                saved[option] = m.selective[option].stages[i].kept_bytes
+        # An option whose ops the stage never runs saves what saving nothing saves.
+        for option in m.selective_options:
+            saved.setdefault(option, nosave.kept_bytes)
+        input_grad = nosave.boundary_bytes if nosave.input_requires_grad else 0
+        # A stage that saves its own output (ends in a ReLU) holds it into its backward;
+        # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
+        held_output = nosave.output_bytes if nosave.saves_output else 0
+        found.append(
+            StageProfile(
+                name=name,
+                boundary_bytes=nosave.boundary_bytes,
+                output_bytes=nosave.output_bytes,
+                saved_bytes=saved,
+                fwd_s=m.times.fwd_s[i],
+                bwd_s=m.times.bwd_s[i],
+                rebuild_s=m.rebuild.rebuild_s[i],
+                fwd_transient_bytes=fwd.peak_bytes - fwd.exit_bytes,
+                bwd_transient_bytes=max(
+                    0, bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad - grads[i]
+                ),
+                nosave_transient_bytes=nosave.over_io_bytes,
+                grad_bytes=grads[i],
+                output_kept_outside=m.nosave.kept_outside[i],
+                saves_input=nosave.saves_input,
+                saves_output=nosave.saves_output,
+            )
+        )
+    return found
+
+
+def fixed_bytes(
+    m: Measurements, first_boundary_bytes: int, post_grads: int, pre_grads: int
+) -> FixedBytes:
+    spans = m.spans
+    chain_end = spans.stage_forward[-1].exit_bytes
+    pre_chain = spans.stage_forward[0].entry_bytes - spans.start_bytes - first_boundary_bytes
+    return FixedBytes(
+        **m.counts,
+        pre_chain_bytes=max(0, pre_chain),
+        post_chain_bytes=max(
+            0,
+            spans.post_forward.peak_bytes - chain_end,
+            spans.post_backward.peak_bytes - chain_end - post_grads,
+        ),
+        pre_chain_grads_bytes=pre_grads,
+        post_chain_grads_bytes=post_grads,
+        optimizer_step_bytes=spans.optimizer.rise_bytes,
+    )

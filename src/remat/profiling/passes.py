@@ -1,0 +1,191 @@
+"""Forward passes under the live-storage tracker: per-stage bytes for one saving option.
+
+A pass runs ``loss_fn(model, batch)`` once with grad, reads the tracker's live and peak
+bytes at every stage's call and return, and drops the graph without a backward. The
+option is applied the way a plan applies it (``remat.runtime.apply``), so what a
+selective policy keeps (torch's selective-checkpoint cache plus the input the checkpoint
+saves) is what the runtime will keep. A no-save pass drops every saved tensor, which is
+what a stage costs inside a region's forward, and shows which stage outputs stay
+referenced from outside the chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import UsageError
+from remat.measure import LiveMemoryTracker
+from remat.measure.tracker import iter_tensors
+from remat.plan import Plan
+from remat.profiling._tensors import (
+    buffers_restored,
+    main_input,
+    main_output,
+    same_storage,
+    stage_hooks,
+    storage_bytes,
+)
+
+__all__ = ["ForwardPass", "StageForward", "forward_pass"]
+
+
+@dataclass(frozen=True)
+class StageForward:
+    """Live bytes around one stage call of a forward pass."""
+
+    entry_bytes: int  # live when the stage was called (its input included)
+    exit_bytes: int  # live when it returned (its output included)
+    peak_bytes: int  # highest live while it ran
+    boundary_bytes: int
+    output_bytes: int
+    output_is_new: bool  # the output's storage was made by the stage, not passed through
+    input_requires_grad: bool  # backward computes a gradient for the input
+    # What autograd would save among the stage's input and output; known only from a
+    # pass that saves nothing (its hook sees every tensor autograd offers to save).
+    saves_input: bool = False
+    saves_output: bool = False
+
+    @property
+    def new_output_bytes(self) -> int:
+        return self.output_bytes if self.output_is_new else 0
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the stage left alive beyond its input and output (what it saved)."""
+        return max(0, self.exit_bytes - self.entry_bytes - self.new_output_bytes)
+
+    @property
+    def over_exit_bytes(self) -> int:
+        """Peak above what was live when the stage returned."""
+        return max(0, self.peak_bytes - self.exit_bytes)
+
+    @property
+    def over_io_bytes(self) -> int:
+        """Peak above what was live when it was called plus its output."""
+        return max(0, self.peak_bytes - self.entry_bytes - self.new_output_bytes)
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    stages: tuple[StageForward, ...]
+    # Per stage: its output was still referenced after the chain moved past it (two
+    # stages later, or after the forward) although nothing was saved.
+    kept_outside: tuple[bool, ...]
+
+
+def _never(_packed: None) -> torch.Tensor:
+    raise AssertionError("remat profile: a no-save pass was run backward")
+
+
+def forward_pass(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    names: Sequence[str],
+    *,
+    device: torch.device | None,
+    plan: Plan | None = None,
+    save: bool = True,
+) -> ForwardPass:
+    """Run one forward under the tracker with ``plan`` applied (or none) and read each stage.
+
+    ``save=False`` drops everything autograd saves (no backward is possible).
+    """
+    from remat.runtime import apply
+
+    modules = [model.get_submodule(name) for name in names]
+    n = len(modules)
+    found: list[StageForward | None] = [None] * n
+    entries: dict[int, tuple[int, torch.Tensor | None]] = {}
+    outputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
+    kept = [False] * n
+    # Saved tensors need no classifying here: the live bytes are the same either way.
+    tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
+
+    def alive(j: int) -> bool:
+        ref = outputs[j]
+        return ref is not None and ref() is not None
+
+    order: list[int] = []
+    current: list[int] = []  # the stage running now, if any
+    offered: list[weakref.ref[torch.UntypedStorage]] = []  # what it asked autograd to save
+
+    def drop(t: torch.Tensor) -> None:
+        if current:
+            # a tensor without one storage is neither the input nor the output
+            with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                offered.append(weakref.ref(t.untyped_storage()))
+
+    def offered_any(t: torch.Tensor | None) -> bool:
+        if t is None:
+            return False
+        storage = t.untyped_storage()
+        return any(ref() is storage for ref in offered)
+
+    def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        order.append(i)
+        for j in range(i - 1):  # the loop holds only the previous stage's output now
+            kept[j] = kept[j] or alive(j)
+        tracker.reset_peak()
+        entries[i] = (tracker.live_bytes, main_input(args, kwargs))
+        current[:] = [i]
+        offered.clear()
+
+    def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        live, peak = tracker.live_bytes, tracker.peak_bytes
+        entry, x = entries.pop(i)
+        y = main_output(out)
+        found[i] = StageForward(
+            entry_bytes=entry,
+            exit_bytes=live,
+            peak_bytes=max(peak, live),
+            boundary_bytes=storage_bytes(x),
+            output_bytes=storage_bytes(y),
+            output_is_new=y is not None and not same_storage(x, y),
+            input_requires_grad=x is not None and x.requires_grad,
+            saves_input=offered_any(x),
+            saves_output=offered_any(y),
+        )
+        current.clear()
+        offered.clear()
+        if y is not None:
+            outputs[i] = weakref.ref(y.untyped_storage())
+
+    with buffers_restored(model):
+        tracker.register_existing(model)
+        tracker.register_existing(list(iter_tensors(batch)))
+        handle = apply(model, plan) if plan is not None else None
+        try:
+            with stage_hooks(modules, pre, post), tracker:
+                if save:
+                    loss = loss_fn(model, batch)
+                else:
+                    with torch.autograd.graph.saved_tensors_hooks(drop, _never):
+                        loss = loss_fn(model, batch)
+                del loss
+                if not save:
+                    for j in range(n):
+                        kept[j] = kept[j] or alive(j)
+        finally:
+            if handle is not None:
+                handle.remove()
+    missing = [i for i, f in enumerate(found) if f is None]
+    if missing:
+        raise UsageError(
+            f"the forward never called stage {names[missing[0]]!r}; list only stages that "
+            "loss_fn(model, batch) runs"
+        )
+    if order != list(range(n)):
+        called = ", ".join(repr(names[i]) for i in order[:4])
+        raise UsageError(
+            f"the forward calls the stages as {called}, ..., not once each in the order "
+            "given; list the stages in the order the forward calls them, once each"
+        )
+    return ForwardPass(tuple(f for f in found if f is not None), tuple(kept))

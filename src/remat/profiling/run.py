@@ -1,0 +1,188 @@
+"""One profiling run: every measurement a Profile is built from, in a fixed order.
+
+It costs ``2 * repeats`` training steps, one step measured by the tracker and up to three
+tracked forwards (on the built-in models at their defaults, 8 to 10 plain steps in all):
+
+1. a forward that saves nothing (what a stage costs inside a region; which outputs stay
+   referenced outside the chain; what ``selective:save-nothing`` keeps);
+2. ``repeats`` training steps with one region per stage, timing each stage's rebuild; the
+   first creates the optimizer state, and right after it the tracker counts parameters,
+   buffers, gradients, optimizer state and the batch;
+3. ``repeats`` plain training steps, timing each stage's forward and backward;
+4. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
+5. for each selective option, one forward with the option applied to the stages that run
+   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps);
+6. the fixed cost of one region (:mod:`.overhead`).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat import plans
+from remat.measure import LiveMemoryTracker, StepMemory, measure_step
+from remat.measure.tracker import iter_tensors
+from remat.plan import Plan
+from remat.profiling.overhead import RegionOverhead, region_overhead
+from remat.profiling.passes import ForwardPass, forward_pass
+from remat.profiling.timeline import StepSpans, split_step
+from remat.profiling.timing import StepTimes, median_times, timed_steps
+
+__all__ = ["Measurements", "measure_all", "part_names"]
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Measurements:
+    names: tuple[str, ...]
+    options: tuple[str, ...]  # keep and the selective options asked for
+    nosave: ForwardPass
+    times: StepTimes  # medians of the plain steps
+    rebuild: StepTimes  # medians of the steps with a region per stage
+    step: StepMemory
+    spans: StepSpans
+    selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs)
+    measured_in: dict[str, frozenset[int]]  # option -> stages measured in its pass
+    counts: dict[str, int]  # params_bytes, buffers_bytes, grads_bytes, ... by the tracker
+    overhead: RegionOverhead
+
+    @property
+    def selective_options(self) -> tuple[str, ...]:
+        return tuple(o for o in self.options if o != "keep")
+
+
+def part_names(options: Sequence[str]) -> list[str]:
+    """The parts of a run, as reported to ``progress``."""
+    selective = [o for o in options if o != "keep"]
+    return [
+        "no-save forward",
+        "rebuild timing",
+        "timed steps",
+        "measured step",
+        *(f"saved bytes, {o}" for o in selective),
+        "region overhead",
+    ]
+
+
+def _op_names(option: str, stage: str) -> frozenset[str]:
+    from remat.runtime.policies import resolve
+
+    return frozenset(str(op) for op in resolve(option, stage).ops)
+
+
+def _fixed_counts(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device | None
+) -> dict[str, int]:
+    tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
+    tracker.register_existing(model)
+    tracker.register_existing(optimizer)
+    tracker.register_existing(list(iter_tensors(batch)))
+    live = tracker.live_by_category
+    return {
+        "params_bytes": live.parameters_bytes,
+        "buffers_bytes": live.buffers_bytes,
+        "grads_bytes": live.gradients_bytes,
+        "optimizer_state_bytes": live.optimizer_state_bytes,
+        "inputs_bytes": live.inputs_bytes,
+    }
+
+
+def measure_all(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    names: Sequence[str],
+    optimizer: torch.optim.Optimizer,
+    *,
+    options: Sequence[str],
+    repeats: int,
+    device: torch.device | None,
+    dtype: torch.dtype,
+    progress: Progress,
+) -> Measurements:
+    """Run every measurement (module docstring); the model must be in training mode."""
+    names = tuple(names)
+    modules = [model.get_submodule(name) for name in names]
+    parts = part_names(options)
+    tell = iter(range(len(parts)))
+
+    def part(what: str) -> None:
+        progress(what, next(tell), len(parts))
+
+    part(parts[0])
+    nosave = forward_pass(model, batch, loss_fn, names, device=device, save=False)
+
+    part(parts[1])
+    counts: dict[str, int] = {}
+
+    def count_fixed() -> None:
+        if not counts:
+            counts.update(_fixed_counts(model, optimizer, batch, device))
+
+    # The first of these steps also creates the optimizer state, so no step is spent on
+    # warming up alone: the forward already ran in the no-save pass, and the rebuild
+    # (a forward) is what these steps time.
+    rebuilt = timed_steps(
+        model,
+        batch,
+        loss_fn,
+        optimizer,
+        modules,
+        steps=repeats,
+        plan=plans.per_stage(model, stages=names),
+        device=device,
+        on_step=count_fixed,
+    )
+    part(parts[2])
+    plain = timed_steps(model, batch, loss_fn, optimizer, modules, steps=repeats, device=device)
+
+    part(parts[3])
+    # measure_step collects garbage first; freezing what exists now makes that collection
+    # cheap (a full one costs about a step here) and nothing frozen is freed while it
+    # measures, which is what the collection is for.
+    gc.freeze()
+    try:
+        step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True)
+    finally:
+        gc.unfreeze()
+    spans = split_step(step, names)
+
+    selective: dict[str, ForwardPass] = {}
+    measured_in: dict[str, frozenset[int]] = {}
+    for option in (o for o in options if o != "keep"):
+        part(f"saved bytes, {option}")
+        wanted = frozenset(
+            i for i, name in enumerate(names) if spans.stage_ops[i] & _op_names(option, name)
+        )
+        if not wanted:
+            continue
+        plan = Plan(
+            stages=names,
+            options=tuple(option if i in wanted else "keep" for i in range(len(names))),
+            solver="profile",
+        )
+        selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
+        measured_in[option] = wanted
+
+    part(parts[-1])
+    overhead = region_overhead(dtype=dtype, device=device)
+    return Measurements(
+        names=names,
+        options=tuple(options),
+        nosave=nosave,
+        times=median_times(plain),
+        rebuild=median_times(rebuilt),
+        step=step,
+        spans=spans,
+        selective=selective,
+        measured_in=measured_in,
+        counts=counts,
+        overhead=overhead,
+    )

@@ -1,0 +1,126 @@
+"""Cutting the tracker's timeline of a whole training step into chain pieces.
+
+``measure_step(..., timeline=True)`` records every op, free and registration with the
+live bytes after it, its phase and the module that ran it (in backward: the module whose
+forward made the autograd node). A stage's forward is the run of forward events inside its
+module; its backward the run of backward events tagged with it. What lies before the first
+stage is the pre-chain (embeddings), what follows the last one the post-chain (head, loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.errors import RematError, UsageError
+from remat.measure import Event, Phase, StepMemory
+
+__all__ = ["Span", "StepSpans", "split_step"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """A run of consecutive events: live bytes before it, at its highest, and after it."""
+
+    entry_bytes: int
+    peak_bytes: int
+    exit_bytes: int
+
+    @property
+    def rise_bytes(self) -> int:
+        """How far the span rose above what was live when it began."""
+        return max(0, self.peak_bytes - self.entry_bytes)
+
+
+@dataclass(frozen=True)
+class StepSpans:
+    start_bytes: int
+    pre_forward: Span
+    stage_forward: tuple[Span, ...]
+    post_forward: Span
+    post_backward: Span
+    stage_backward: tuple[Span, ...]
+    pre_backward: Span
+    optimizer: Span
+    # modules that ran ops in the pre- and post-chain forward
+    pre_modules: frozenset[str]
+    post_modules: frozenset[str]
+    stage_ops: tuple[frozenset[str], ...]  # aten ops each stage's forward ran
+
+
+def _inside(path: str, stage: str) -> bool:
+    return path == stage or path.startswith(stage + ".")
+
+
+def _span(events: Sequence[Event], start: int, stop: int, before: int) -> Span:
+    """Events ``start..stop-1``; ``before`` is the live total when ``start`` began."""
+    if stop <= start:
+        return Span(before, before, before)
+    lives = [e.live_bytes for e in events[start:stop]]
+    return Span(before, max(before, *lives), lives[-1])
+
+
+def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
+    """Cut a measured step (with timeline) into pre-chain, stages, post-chain and optimizer."""
+    events = step.timeline
+    if events is None:
+        raise RematError("internal error: the step was measured without a timeline")
+
+    def live_before(k: int) -> int:
+        return events[k - 1].live_bytes if k > 0 else step.start_bytes
+
+    n_events = len(events)
+    bwd_start = next((k for k, e in enumerate(events) if e.phase is Phase.BACKWARD), n_events)
+    opt_start = next((k for k, e in enumerate(events) if e.phase is Phase.OPTIMIZER), n_events)
+
+    owner: dict[str, int] = {}
+
+    def stage_of(path: str) -> int:
+        if path not in owner:
+            owner[path] = next((i for i, s in enumerate(stages) if _inside(path, s)), -1)
+        return owner[path]
+
+    def windows(lo: int, hi: int, phase: Phase) -> list[tuple[int, int]]:
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for k in range(lo, hi):
+            if events[k].phase is phase:
+                i = stage_of(events[k].module_path)
+                if i >= 0:
+                    first.setdefault(i, k)
+                    last[i] = k + 1
+        for i, name in enumerate(stages):
+            if i not in first:
+                raise UsageError(
+                    f"stage {name!r} ran no {phase.value} op in the measured step; "
+                    "list only stages the forward runs with grad"
+                )
+        return [(first[i], last[i]) for i in range(len(stages))]
+
+    fwd = windows(0, bwd_start, Phase.FORWARD)
+    bwd = windows(bwd_start, opt_start, Phase.BACKWARD)
+    first_fwd, last_fwd = fwd[0][0], fwd[-1][1]
+    first_bwd, last_bwd = bwd[-1][0], bwd[0][1]
+
+    def spans(win: list[tuple[int, int]]) -> tuple[Span, ...]:
+        return tuple(_span(events, a, b, live_before(a)) for a, b in win)
+
+    def ops(lo: int, hi: int) -> frozenset[str]:
+        return frozenset(e.name for e in events[lo:hi] if e.name not in ("free", "register"))
+
+    def modules(lo: int, hi: int) -> frozenset[str]:
+        return frozenset(events[k].module_path for k in range(lo, hi) if events[k].name != "free")
+
+    return StepSpans(
+        start_bytes=step.start_bytes,
+        pre_forward=_span(events, 0, first_fwd, step.start_bytes),
+        stage_forward=spans(fwd),
+        post_forward=_span(events, last_fwd, bwd_start, live_before(last_fwd)),
+        post_backward=_span(events, bwd_start, first_bwd, live_before(bwd_start)),
+        stage_backward=spans(bwd),
+        pre_backward=_span(events, last_bwd, opt_start, live_before(last_bwd)),
+        optimizer=_span(events, opt_start, n_events, live_before(opt_start)),
+        pre_modules=modules(0, first_fwd),
+        post_modules=modules(last_fwd, bwd_start),
+        stage_ops=tuple(ops(a, b) for a, b in fwd),
+    )

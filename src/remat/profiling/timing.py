@@ -1,0 +1,153 @@
+"""Timed training steps: each stage's forward, backward and rebuild, by hooks.
+
+A stage's forward is timed from its forward pre-hook to its forward hook. Its backward
+runs from the moment its output's gradient is ready (a tensor hook on the output) to the
+moment its input's gradient is ready or, for a stage whose input needs no gradient, its
+last parameter gradient is accumulated. With a plan applied whose regions each hold one
+stage, backward calls the stage's forward again to rebuild it: the forward hooks then
+time the rebuild, which torch may stop early once backward has what it needs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.plan import Plan
+from remat.profiling._tensors import main_input, main_output, stage_hooks
+
+__all__ = ["StepTimes", "median_times", "timed_steps"]
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of one timed step, in total and per stage."""
+
+    step_s: float
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]  # includes the rebuild when the stage was checkpointed
+    rebuild_s: tuple[float, ...]
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def timed_steps(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    optimizer: torch.optim.Optimizer,
+    modules: Sequence[nn.Module],
+    *,
+    steps: int,
+    plan: Plan | None = None,
+    device: torch.device | None = None,
+    on_step: Callable[[], None] | None = None,
+) -> list[StepTimes]:
+    """Run ``steps`` training steps (forward, backward, optimizer) and time each.
+
+    ``on_step()`` runs after each step while gradients and optimizer state exist.
+    """
+    from remat.runtime import apply
+
+    sync = device is not None and device.type == "cuda"
+
+    def clock() -> float:
+        if sync:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    n = len(modules)
+    fwd = [0.0] * n
+    rebuild = [0.0] * n
+    started: dict[int, float] = {}
+    bwd_start = [0.0] * n
+    bwd_end = [0.0] * n
+
+    def grad_ready(slot: list[float], i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            slot[i] = max(slot[i], clock())
+
+        return hook
+
+    def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not _in_backward():
+            x = main_input(args, kwargs)
+            if x is not None and x.requires_grad:
+                x.register_hook(grad_ready(bwd_end, i))
+        started[i] = clock()
+
+    def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        elapsed = clock() - started.pop(i)
+        if _in_backward():
+            rebuild[i] += elapsed
+            return
+        fwd[i] += elapsed
+        y = main_output(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(grad_ready(bwd_start, i))
+
+    handles = []
+    for i, module in enumerate(modules):
+        for p in module.parameters():
+            if p.requires_grad:
+                handles.append(
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, i=i: bwd_end.__setitem__(i, max(bwd_end[i], clock()))
+                    )
+                )
+    applied = apply(model, plan) if plan is not None else None
+    results = []
+    try:
+        with stage_hooks(modules, pre, post):
+            for _ in range(steps):
+                for slot in (fwd, rebuild, bwd_start, bwd_end):
+                    slot[:] = [0.0] * n
+                t0 = clock()
+                loss = loss_fn(model, batch)
+                loss.backward()
+                del loss
+                optimizer.step()
+                step_s = clock() - t0
+                if on_step is not None:
+                    on_step()  # gradients and optimizer state exist right now
+                optimizer.zero_grad(set_to_none=True)
+                results.append(
+                    StepTimes(
+                        step_s=step_s,
+                        fwd_s=tuple(fwd),
+                        bwd_s=tuple(
+                            max(0.0, e - s) if s else 0.0
+                            for s, e in zip(bwd_start, bwd_end, strict=True)
+                        ),
+                        rebuild_s=tuple(rebuild),
+                    )
+                )
+    finally:
+        if applied is not None:
+            applied.remove()
+        for handle in handles:
+            handle.remove()
+    return results
+
+
+def median_times(steps: Sequence[StepTimes]) -> StepTimes:
+    """Per-quantity medians over ``steps``."""
+
+    def med(values: Sequence[float]) -> float:
+        return float(statistics.median(values))
+
+    n = len(steps[0].fwd_s)
+    return StepTimes(
+        step_s=med([s.step_s for s in steps]),
+        fwd_s=tuple(med([s.fwd_s[i] for s in steps]) for i in range(n)),
+        bwd_s=tuple(med([s.bwd_s[i] for s in steps]) for i in range(n)),
+        rebuild_s=tuple(med([s.rebuild_s[i] for s in steps]) for i in range(n)),
+    )
