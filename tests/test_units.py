@@ -38,3 +38,5 @@ def test_format_bytes() -> None:
     assert format_bytes(2 << 30) == "2 GiB"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(100) == "100 B"
+    assert format_bytes(68 * (1 << 20) + 1) == "68 MiB"  # rounds to 68.00: no trailing point
+    assert format_bytes(-(3 << 30)) == "-3 GiB"

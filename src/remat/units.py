@@ -55,6 +55,6 @@ def format_bytes(n: float) -> str:
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             value = n / scale
-            text = f"{value:.0f}" if value == int(value) else f"{value:.2f}".rstrip("0")
+            text = f"{value:.2f}".rstrip("0").rstrip(".")
             return f"{sign}{text} {unit}"
     return f"{sign}{n:.0f} B"

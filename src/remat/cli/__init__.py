@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "estimate": "remat.cli.estimate",
     "demo": "remat.cli.demo",
     "profile": "remat.cli.profile",
+    "plan": "remat.cli.plan",
 }
 
 

@@ -9,8 +9,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from remat.cli.common import add_model_options, load, profile_with_progress
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import UsageError
 from remat.units import format_bytes
 
 _OPTION_COLUMNS = (
@@ -33,46 +33,11 @@ def add_parser(sub: Any, name: str) -> None:
             "checkpointing, measured and as the cost model predicts it."
         ),
     )
-    p.add_argument(
-        "--model",
-        default="gpt",
-        help="gpt, mlp-hetero, convnet-bn or package.module:factory (default gpt)",
-    )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a model option, e.g. --set n_layer=4 (repeatable)",
-    )
-    p.add_argument("--batch-size", type=int, default=None, help="the model's batch_size option")
-    p.add_argument(
-        "--stages",
-        default=None,
-        metavar="PATH,...",
-        help="module paths of the stages, comma-separated (default: discovered)",
-    )
+    add_model_options(p)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
     p.add_argument("--repeats", type=int, default=2, help="timed steps of each kind (default 2)")
     add_json_option(p)
     p.set_defaults(run=run)
-
-
-def _stage_list(text: str | None) -> list[str] | None:
-    if text is None:
-        return None
-    stages = [s.strip() for s in text.split(",")]
-    if not all(stages):
-        raise UsageError(
-            f"--stages {text!r} has an empty entry; give module paths separated by commas, "
-            "e.g. --stages blocks.0,blocks.1"
-        )
-    return stages
-
-
-def _description(spec: str, options: dict[str, Any]) -> str:
-    return " ".join([spec, *(f"{k}={v}" for k, v in options.items())])
 
 
 def _unit(data: dict[str, Any]) -> tuple[str, int]:
@@ -151,50 +116,16 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here so that other subcommands (remat estimate) never import torch.
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from remat.models import load_model, parse_set_options
-    from remat.profiler import profile
-    from remat.stages import resolve_stages
-
-    options = parse_set_options(args.sets)
-    if args.batch_size is not None:
-        if args.batch_size < 1:
-            raise UsageError(f"--batch-size {args.batch_size} is below 1; give 1 or more")
-        options["batch_size"] = args.batch_size
-    if args.repeats < 1:
-        raise UsageError(f"--repeats {args.repeats} is below 1; give 1 or more")
-    model, batch, loss_fn = load_model(args.model, **options)
-    stages = _stage_list(args.stages)
-    if stages is not None:
-        resolve_stages(model, stages)  # a wrong path fails before any measuring
-
-    status = Console(stderr=True)
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=status,
-        transient=True,
-        disable=not status.is_terminal,
+    model, batch, loss_fn, stages, description = load(args)
+    result = profile_with_progress(
+        model,
+        batch,
+        loss_fn,
+        stages,
+        optimizer=args.optimizer,
+        repeats=args.repeats,
+        description=description,
     )
-    with bar:
-        task = bar.add_task("profiling", total=None)
-
-        def progress(what: str, done: int, total: int) -> None:
-            bar.update(task, description=f"profiling: {what}", completed=done, total=total)
-
-        result = profile(
-            model,
-            batch,
-            loss_fn,
-            stages,
-            args.optimizer,
-            repeats=args.repeats,
-            description=_description(args.model, options),
-            progress=progress,
-        )
     data = result.to_dict()
     console = console_for(args.json)
     console.print(_table(data))

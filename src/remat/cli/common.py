@@ -1,0 +1,123 @@
+"""Options and steps several subcommands share: naming a model, profiling it with a bar."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from remat.errors import UsageError
+
+if TYPE_CHECKING:
+    from remat.profile_format import Profile
+
+
+def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt") -> None:
+    p.add_argument(
+        "--model",
+        default=default,
+        help=(
+            "gpt, mlp-hetero, convnet-bn or package.module:factory"
+            + (f" (default {default})" if default else "")
+        ),
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model option, e.g. --set n_layer=4 (repeatable)",
+    )
+    p.add_argument("--batch-size", type=int, default=None, help="the model's batch_size option")
+    p.add_argument(
+        "--stages",
+        default=None,
+        metavar="PATH,...",
+        help="module paths of the stages, comma-separated (default: discovered)",
+    )
+
+
+def stage_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    stages = [s.strip() for s in text.split(",")]
+    if not all(stages):
+        raise UsageError(
+            f"--stages {text!r} has an empty entry; give module paths separated by commas, "
+            "e.g. --stages blocks.0,blocks.1"
+        )
+    return stages
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The factory options from ``--set`` and ``--batch-size``."""
+    from remat.models import parse_set_options
+
+    options = parse_set_options(args.sets)
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise UsageError(f"--batch-size {args.batch_size} is below 1; give 1 or more")
+        options["batch_size"] = args.batch_size
+    return options
+
+
+def describe(spec: str, options: dict[str, Any]) -> str:
+    return " ".join([spec, *(f"{k}={v}" for k, v in options.items())])
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str] | None, str]:
+    """``(model, batch, loss_fn, stages, description)`` from the model options."""
+    from remat.models import load_model
+    from remat.stages import resolve_stages
+
+    options = model_options(args)
+    model, batch, loss_fn = load_model(args.model, **options)
+    stages = stage_list(args.stages)
+    if stages is not None:
+        resolve_stages(model, stages)  # a wrong path fails before any measuring
+    return model, batch, loss_fn, stages, describe(args.model, options)
+
+
+def profile_with_progress(
+    model: Any,
+    batch: Any,
+    loss_fn: Any,
+    stages: list[str] | None,
+    *,
+    optimizer: str = "adamw",
+    repeats: int = 2,
+    description: str | None = None,
+) -> Profile:
+    """``remat.profile`` with a progress bar on stderr (shown only on a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from remat.profiler import profile
+
+    if repeats < 1:
+        raise UsageError(f"--repeats {repeats} is below 1; give 1 or more")
+    status = Console(stderr=True)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=status,
+        transient=True,
+        disable=not status.is_terminal,
+    )
+    with bar:
+        task = bar.add_task("profiling", total=None)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, description=f"profiling: {what}", completed=done, total=total)
+
+        return profile(
+            model,
+            batch,
+            loss_fn,
+            stages,
+            optimizer,
+            repeats=repeats,
+            description=description,
+            progress=progress,
+        )

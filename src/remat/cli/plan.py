@@ -1,0 +1,117 @@
+"""``remat plan``: the fastest checkpoint plan under a memory budget, from a model or profile."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from remat.cli.common import add_model_options, load, profile_with_progress
+from remat.cli.output import add_json_option, console_for, write_json
+from remat.errors import UsageError
+from remat.units import format_bytes
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="choose the fastest checkpoint plan that fits a memory budget",
+        description=(
+            "Profile a model (or read a profile written by `remat profile --json`) and choose "
+            "its checkpoint plan under a memory budget: the peak of a whole training step, "
+            "in bytes (6GiB, 512MiB) or as a fraction of the measured peak without "
+            "checkpointing (50%%, 0.5). Exits 1 when no plan fits, naming the smallest "
+            "budget that does."
+        ),
+    )
+    add_model_options(p, default=None)
+    p.add_argument("--profile", default=None, metavar="PATH", help="a profile JSON to plan from")
+    p.add_argument("--budget", default=None, help="memory budget: bytes or a fraction (e.g. 50%%)")
+    p.add_argument(
+        "--solver",
+        default="optimal",
+        help=(
+            "optimal (default), none, per-stage, every-k, segments-k, megatron-uniform, "
+            "megatron-block, selective-everywhere, min-peak"
+        ),
+    )
+    p.add_argument("--k", type=int, default=None, help="k for every-k and segments-k")
+    p.add_argument("--num-layers", type=int, default=None, help="layers for megatron-*")
+    p.add_argument("--slots", type=int, default=None, help="memory slots of the optimal solver")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    add_json_option(p)
+    p.set_defaults(run=run)
+
+
+def _problem_source(args: argparse.Namespace) -> Any:
+    if args.profile is not None:
+        if args.model is not None or args.sets or args.stages or args.batch_size:
+            raise UsageError(
+                "--profile already fixes the model; drop --model, --set, --stages and --batch-size"
+            )
+        from remat.profile_format import Profile
+
+        return Profile.load(args.profile)
+    if args.model is None:
+        args.model = "gpt"
+    model, batch, loss_fn, stages, description = load(args)
+    return profile_with_progress(
+        model, batch, loss_fn, stages, optimizer=args.optimizer, description=description
+    )
+
+
+def _solver_params(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    if args.k is not None:
+        if args.solver not in ("every-k", "segments-k"):
+            raise UsageError("--k only applies to --solver every-k or segments-k")
+        params["k"] = args.k
+    if args.num_layers is not None:
+        if not args.solver.startswith("megatron-"):
+            raise UsageError("--num-layers only applies to --solver megatron-uniform or -block")
+        params["num_layers"] = args.num_layers
+    return params
+
+
+def plan_table(plan: Any) -> Table:
+    """Stages with their option and the regions that hold them, outermost first."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right")
+    table.add_column("stage", no_wrap=True)
+    table.add_column("option")
+    table.add_column("regions (outermost first)")
+    for i, (name, option) in enumerate(zip(plan.stages, plan.options, strict=True)):
+        holding = [str(r) for r in plan.regions if r.start <= i < r.stop]
+        table.add_row(str(i), name, option, " ".join(holding) or "-")
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    from remat.planner import plan as make_plan
+    from remat.planner import to_problem
+
+    source = _problem_source(args)
+    params = _solver_params(args)
+    if args.budget is None and args.solver in ("optimal",):
+        raise UsageError("--solver optimal needs --budget, e.g. --budget 50% or --budget 6GiB")
+    problem = to_problem(source, slots=args.slots)
+    result = make_plan(problem, args.budget, args.solver, **params)
+    console = console_for(args.json)
+    console.print(plan_table(result))
+    peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
+    line = f"solver {result.solver}: predicted peak {format_bytes(peak)}"
+    if result.budget_bytes is not None:
+        line += f" against a budget of {format_bytes(result.budget_bytes)}"
+    if base:
+        line += f" (measured without checkpointing: {format_bytes(base)})"
+    console.print(line)
+    t, t0 = result.predicted_step_time_s, result.baseline_step_time_s
+    if t and t0:
+        console.print(
+            f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "
+            f"checkpointing ({t / t0 - 1:+.1%}); solved in {result.solve_time_s:.3f} s"
+        )
+    write_json(result.to_dict(), args.json)
+    return 0
