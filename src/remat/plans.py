@@ -7,12 +7,11 @@ paths given as ``stages=``).
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 
 from torch import nn
 
+from remat import recipes
 from remat.errors import UsageError
 from remat.plan import Plan, Region
 from remat.stages import resolve_stages
@@ -20,19 +19,15 @@ from remat.stages import resolve_stages
 __all__ = ["every", "none", "per_stage", "segments", "selective", "uniform_groups"]
 
 
-def _plan(stages: list[str], regions: Sequence[Region], solver: str, option: str = "keep") -> Plan:
+def _plan(
+    stages: list[str], regions: Sequence[tuple[int, int]], solver: str, option: str = "keep"
+) -> Plan:
     return Plan(
         stages=tuple(stages),
-        regions=tuple(regions),
+        regions=tuple(Region(a, b) for a, b in regions),
         options=(option,) * len(stages),
         solver=solver,
     )
-
-
-def _positive(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{name} must be a whole number of at least 1, got {value!r}")
-    return value
 
 
 def none(model: nn.Module, *, stages: Sequence[str] | None = None) -> Plan:
@@ -43,7 +38,7 @@ def none(model: nn.Module, *, stages: Sequence[str] | None = None) -> Plan:
 def per_stage(model: nn.Module, *, stages: Sequence[str] | None = None) -> Plan:
     """One region per stage: what ``gradient_checkpointing_enable`` does in transformers."""
     names = resolve_stages(model, stages)
-    return _plan(names, [Region(i, i + 1) for i in range(len(names))], "per-stage")
+    return _plan(names, recipes.per_stage(len(names)), "per-stage")
 
 
 def every(model: nn.Module, k: int, *, stages: Sequence[str] | None = None) -> Plan:
@@ -53,17 +48,13 @@ def every(model: nn.Module, k: int, *, stages: Sequence[str] | None = None) -> P
     memory/time midpoint many training recipes use.
     """
     names = resolve_stages(model, stages)
-    k = _positive(k, "k")
-    return _plan(names, [Region(i, i + 1) for i in range(0, len(names), k)], f"every-{k}")
+    return _plan(names, recipes.every(len(names), k), f"every-{k}")
 
 
 def uniform_groups(model: nn.Module, size: int, *, stages: Sequence[str] | None = None) -> Plan:
     """Regions of ``size`` consecutive stages (the last may be shorter)."""
     names = resolve_stages(model, stages)
-    size = _positive(size, "the group size")
-    n = len(names)
-    regions = [Region(i, min(i + size, n)) for i in range(0, n, size)]
-    return _plan(names, regions, f"groups-{size}")
+    return _plan(names, recipes.groups(len(names), size), f"groups-{size}")
 
 
 def segments(
@@ -75,13 +66,8 @@ def segments(
     that the last segment is checkpointed too.
     """
     names = resolve_stages(model, stages)
-    n = len(names)
-    k = max(1, round(math.sqrt(n))) if k is None else _positive(k, "the number of segments k")
-    if k > n:
-        raise UsageError(f"cannot split {n} stages into {k} segments; choose k between 1 and {n}")
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    regions = [Region(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-    return _plan(names, regions, f"segments-{k}")
+    regions = recipes.segments(len(names), k)
+    return _plan(names, regions, f"segments-{len(regions)}")
 
 
 def selective(

@@ -10,12 +10,12 @@ peak and time come from the simulator.
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from remat import recipes
 from remat.errors import CheckFailed, UsageError
 from remat.plan import Plan, Region
 from remat.solve import dp
@@ -73,12 +73,6 @@ def _finish(
     )
 
 
-def _whole(value: object, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise UsageError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
-    return value
-
-
 def none(problem: Problem, budget: Budget = None) -> Plan:
     """No checkpointing: every stage keeps what autograd saves."""
     t0 = time.perf_counter()
@@ -88,42 +82,38 @@ def none(problem: Problem, budget: Budget = None) -> Plan:
 def per_stage(problem: Problem, budget: Budget = None) -> Plan:
     """One region per stage (transformers' ``gradient_checkpointing_enable``)."""
     t0 = time.perf_counter()
-    regions = [(i, i + 1) for i in range(problem.n)]
+    regions = recipes.per_stage(problem.n)
     return _finish(problem, regions, None, "per-stage", _budget(budget, problem), t0)
 
 
 def every(problem: Problem, k: int = 2, budget: Budget = None) -> Plan:
     """Single-stage regions on stages 0, k, 2k, ...; the others keep."""
     t0 = time.perf_counter()
-    k = _whole(k, "k", 1, max(1, problem.n))
-    regions = [(i, i + 1) for i in range(0, problem.n, k)]
+    regions = recipes.every(problem.n, k)
     return _finish(problem, regions, None, f"every-{k}", _budget(budget, problem), t0)
 
 
 def segments(problem: Problem, k: int | None = None, budget: Budget = None) -> Plan:
     """``k`` regions of near-equal length covering the chain (default ``round(sqrt(n))``)."""
     t0 = time.perf_counter()
-    n = problem.n
-    k = max(1, round(math.sqrt(n))) if k is None else _whole(k, "the number of segments k", 1, n)
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    regions = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+    regions = recipes.segments(problem.n, k)
+    k = len(regions)
     return _finish(problem, regions, None, f"segments-{k}", _budget(budget, problem), t0)
 
 
 def megatron_uniform(problem: Problem, num_layers: int = 1, budget: Budget = None) -> Plan:
     """Megatron's uniform method: groups of ``num_layers`` consecutive stages, one region each."""
     t0 = time.perf_counter()
-    n = problem.n
-    size = _whole(num_layers, "num_layers", 1, n)
-    regions = [(i, min(i + size, n)) for i in range(0, n, size)]
+    regions = recipes.groups(problem.n, num_layers)
+    size = num_layers
     return _finish(problem, regions, None, f"megatron-uniform-{size}", _budget(budget, problem), t0)
 
 
 def megatron_block(problem: Problem, num_layers: int = 1, budget: Budget = None) -> Plan:
     """Megatron's block method: the first ``num_layers`` stages each alone, the rest keep."""
     t0 = time.perf_counter()
-    count = _whole(num_layers, "num_layers", 1, problem.n)
-    regions = [(i, i + 1) for i in range(count)]
+    regions = recipes.block(problem.n, num_layers)
+    count = num_layers
     return _finish(problem, regions, None, f"megatron-block-{count}", _budget(budget, problem), t0)
 
 
