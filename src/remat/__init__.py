@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # Public name -> module that defines it, imported on first access (PEP 562).
 _LAZY: dict[str, str] = {
     "apply": "remat.runtime",
+    "verify": "remat.verify",
     "remove": "remat.runtime",
     "applied": "remat.runtime",
     "Handle": "remat.runtime",

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "demo": "remat.cli.demo",
     "profile": "remat.cli.profile",
     "plan": "remat.cli.plan",
+    "verify": "remat.cli.verify",
 }
 
 

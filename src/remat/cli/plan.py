@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     console = console_for(args.json)
     console.print(plan_table(result))
     peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
+    assert peak is not None  # every solver fills in its prediction
     line = f"solver {result.solver}: predicted peak {format_bytes(peak)}"
     if result.budget_bytes is not None:
         line += f" against a budget of {format_bytes(result.budget_bytes)}"

@@ -23,8 +23,10 @@ effects of a stage (e.g. appending to a key/value cache object); remove the plan
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +36,10 @@ from torch.utils.hooks import RemovableHandle
 from remat.errors import UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
-from remat.runtime.engine import Engine
+from remat.runtime.engine import Engine, StageObserver
 from remat.runtime.policies import resolve
 
-__all__ = ["Handle", "applied", "apply", "remove"]
+__all__ = ["Handle", "applied", "apply", "observe", "remove"]
 
 _MISSING = object()
 
@@ -112,17 +114,25 @@ class Handle:
         )
 
 
-def apply(model: nn.Module, plan: Plan) -> Handle:
+def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> Handle:
     """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
 
     Training-mode forwards with grad enabled then run the plan's regions and options;
     eval or no-grad forwards call each stage's own forward directly.
+
+    ``preserve_rng_state=False`` is a debugging switch, never for training: rebuilds then
+    draw fresh random numbers (another dropout mask), so gradients are wrong; it exists
+    so that ``remat.verify`` can be shown catching exactly that.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     if not isinstance(plan, Plan):
         raise UsageError(
             f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
+        )
+    if not isinstance(preserve_rng_state, bool):
+        raise UsageError(
+            f"preserve_rng_state={preserve_rng_state!r} is not a bool; pass True or False"
         )
     if model in _APPLIED:
         raise UsageError(
@@ -135,7 +145,7 @@ def apply(model: nn.Module, plan: Plan) -> Handle:
     policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
 
     # Everything is checked: from here on nothing can fail half-way.
-    engine = Engine(plan, stages, policies)
+    engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state)
     previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
     for i, module in enumerate(stages):
         module.forward = engine.wrap(i, module.forward)
@@ -201,6 +211,26 @@ def _unknown_path_message(model: nn.Module, path: str) -> str:
         else "list the paths with model.named_modules()"
     )
     return f"the model has no submodule {path!r}; {hint}"
+
+
+@contextlib.contextmanager
+def observe(model: nn.Module, observer: StageObserver) -> Iterator[None]:
+    """Within the block, tell ``observer`` about every stage call of the applied plan.
+
+    A debugging aid for ``remat.verify`` (see Note [Observing stage calls] in
+    ``engine.py``); one observer per model at a time.
+    """
+    installation = _APPLIED.get(model)
+    if installation is None:
+        raise UsageError("no remat plan is applied to this model; apply one before observing it")
+    engine = installation.engine
+    if engine.observer is not None:
+        raise UsageError("this model's stages are already observed; end that observation first")
+    engine.observer = observer
+    try:
+        yield
+    finally:
+        engine.observer = None
 
 
 def applied(model: nn.Module) -> bool:

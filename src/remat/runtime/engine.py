@@ -71,6 +71,18 @@ whenever its ``num_batches_tracked`` did; another kernel that hides an in-place 
 the same way would go unnoticed. The rebuild sees the post-step values: code that reads a buffer
 it also updates (BatchNorm in training reads batch statistics, not running ones) would
 compute something else in the rebuild.
+
+Note [Observing stage calls]
+----------------------------
+``remat.verify`` needs to see each stage's code run, in forward and in every rebuild
+(the region rebuilds here, and the replays torch runs for selective frames), to compare
+what the rebuild computes with what the forward computed. With an observer set,
+:meth:`Engine.call` wraps the stage's own forward so that the observer hears
+``stage_started`` / ``stage_finished`` around exactly the stage's code: not the frames
+the engine opens, nor the buffer restores. Whether a call is a rebuild is read when the
+call runs: only the forward of a pass runs in phase FORWARD; region rebuilds run in
+REBUILD, and a selective frame's replay runs from backward, after the pass ended (IDLE).
+Without an observer the only cost is one attribute test per stage call.
 """
 
 from __future__ import annotations
@@ -81,7 +93,7 @@ import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -97,7 +109,22 @@ from remat.runtime.policies import (
     wants_offload,
 )
 
-__all__ = ["Engine", "main_output"]
+__all__ = ["Engine", "StageObserver", "main_output"]
+
+
+class StageObserver(Protocol):
+    """Told when a stage's own code starts and ends (Note [Observing stage calls]).
+
+    ``rebuild`` is False for the forward call and True for every rebuild of it. An
+    exception inside the stage (including torch's early stop) still ends the call,
+    with ``output`` None.
+    """
+
+    def stage_started(
+        self, stage: int, rebuild: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None: ...
+
+    def stage_finished(self, stage: int, rebuild: bool, output: Any) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -226,7 +253,12 @@ class Engine:
     """Per-model runtime state and the logic run at every stage call."""
 
     def __init__(
-        self, plan: Plan, modules: Sequence[nn.Module], policies: Sequence[StagePolicy]
+        self,
+        plan: Plan,
+        modules: Sequence[nn.Module],
+        policies: Sequence[StagePolicy],
+        *,
+        preserve_rng_state: bool = True,
     ) -> None:
         n = len(plan.stages)
         self.names = plan.stages
@@ -262,6 +294,9 @@ class Engine:
         self.current: CallRecord | None = None  # the call a rebuild is replaying
         self.rebuilds = 0
         self.offload_noop: dict[int, str] = {}  # stage -> device of its input
+        # Debugging switches, off in normal training (Note [Observing stage calls]).
+        self.preserve_rng_state = preserve_rng_state
+        self.observer: StageObserver | None = None
 
     # -- installation -------------------------------------------------------------------
 
@@ -319,6 +354,8 @@ class Engine:
     # -- stage calls --------------------------------------------------------------------
 
     def call(self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+        if self.observer is not None:
+            orig = functools.partial(self._observed, i, orig)
         if self.phase is Phase.REBUILD:
             return self._call_in_rebuild(i, orig, args, kwargs)
         if i != self.next_stage:
@@ -425,6 +462,20 @@ class Engine:
             top.frame.close()
         return out
 
+    def _observed(self, i: int, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``orig(*args, **kwargs)`` announced to the observer (Note [Observing ...])."""
+        observer = self.observer
+        if observer is None:  # dropped while a selective replay was still pending
+            return orig(*args, **kwargs)
+        rebuild = self.phase is not Phase.FORWARD
+        observer.stage_started(i, rebuild, args, kwargs)
+        out = None
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            observer.stage_finished(i, rebuild, out)
+        return out
+
     def _open(self, k: int, boundary: object, kind: Kind) -> None:
         if not isinstance(boundary, torch.Tensor):
             r = self.regions[k]
@@ -435,7 +486,9 @@ class Engine:
             )
         entry = _Entry(k, kind, None)
         fn = functools.partial(self._rebuild, entry) if kind is Kind.OPEN else _never_rebuilt
-        entry.frame = CheckpointFrame.open(fn, boundary)
+        entry.frame = CheckpointFrame.open(
+            fn, boundary, preserve_rng_state=self.preserve_rng_state
+        )
         self.stack.append(entry)
 
     def _rebuild(self, entry: _Entry, boundary: torch.Tensor) -> None:
@@ -497,7 +550,9 @@ class Engine:
             return contextlib.nullcontext(), _RecomputeContext(record)
 
         replay = functools.partial(_call_with, orig, kwargs)
-        frame = CheckpointFrame.open(replay, *args, context_fn=context_fn)
+        frame = CheckpointFrame.open(
+            replay, *args, context_fn=context_fn, preserve_rng_state=self.preserve_rng_state
+        )
         return _run_in(frame, orig, args, kwargs)
 
     def _order_error(self, i: int) -> UsageError:

@@ -1,0 +1,206 @@
+"""``remat verify``: prove a plan changes memory and time only, never the training."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+from remat.cli.common import add_model_options, load, profile_with_progress
+from remat.cli.output import add_json_option, console_for, write_json
+from remat.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from remat.plan import Plan
+    from remat.verify.report import Hazard, VerifyReport
+
+PLAN_BUILDERS = "none, per-stage, every:K, segments[:K], groups:SIZE, selective[:POLICY]"
+
+
+def add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        name,
+        help="prove a plan changes memory and time only: gradients, steps, rebuilt values, hazards",
+        description=(
+            "Train a plain copy and a copy with the plan from one state and compare the loss, "
+            "input and parameter gradients, one SGD and one AdamW step and a short trajectory; "
+            "check every rebuilt tensor against its forward fingerprint and look for hazards "
+            "(randomness, mutated buffers, in-place changes, control flow, side effects). "
+            "Exits 0 only when equivalent and hazard-free, 1 otherwise."
+        ),
+    )
+    add_model_options(p)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--plan", metavar="PLAN",
+        help=f"a plan JSON file, or a builder: {PLAN_BUILDERS}",
+    )
+    which.add_argument(
+        "--budget", metavar="B",
+        help="profile and plan under this memory budget first: bytes (6GiB) or a fraction of "
+        "the peak without checkpointing (50%%, 0.5)",
+    )
+    p.add_argument("--steps", type=int, default=3, help="training steps per copy (default 3)")
+    p.add_argument(
+        "--optimizer", default="adamw", choices=("adamw", "sgd"),
+        help="optimizer of the trajectory and of the profile for --budget (default adamw)",
+    )
+    p.add_argument(
+        "--tolerance", default="auto",
+        help="auto (by dtype), exact, or a number used as rtol and atol (default auto)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of every step's RNG (default 0)")
+    p.add_argument(
+        "--no-preserve-rng-state", action="store_true",
+        help="debugging: apply the plan with RNG preservation off (rebuilds draw other "
+        "dropout masks), to see verify catch it",
+    )
+    add_json_option(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def _whole(text: str, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{what} {text!r} is not a whole number; write e.g. every:2") from None
+    return value
+
+
+def build_plan(text: str, model: nn.Module, stages: list[str] | None = None) -> Plan:
+    """A plan from a JSON file or a builder name (``per-stage``, ``segments:3``, ...)."""
+    from remat import plans
+    from remat.plan import Plan
+
+    name, _, arg = text.partition(":")
+    if name == "none" and not arg:
+        return plans.none(model, stages=stages)
+    if name == "per-stage" and not arg:
+        return plans.per_stage(model, stages=stages)
+    if name == "every" and arg:
+        return plans.every(model, _whole(arg, "every:K"), stages=stages)
+    if name == "segments":
+        return plans.segments(model, _whole(arg, "segments:K") if arg else None, stages=stages)
+    if name == "groups" and arg:
+        return plans.uniform_groups(model, _whole(arg, "groups:SIZE"), stages=stages)
+    if name == "selective":
+        return plans.selective(model, arg or "save-matmuls", stages=stages)
+    path = Path(text)
+    if path.suffix == ".json" or path.exists():
+        return Plan.load(path)
+    raise UsageError(
+        f"--plan {text!r} is neither a plan file nor a builder; give a .json path or one of "
+        f"{PLAN_BUILDERS}"
+    )
+
+
+def _plan_for_budget(
+    args: argparse.Namespace, model: nn.Module, batch: Any, loss_fn: Any,
+    stages: list[str] | None, description: str,
+) -> Plan:
+    import copy
+
+    from remat.planner import plan as make_plan
+
+    # Profiling trains the model it measures; verify must start from the untouched state.
+    profile = profile_with_progress(
+        copy.deepcopy(model), batch, loss_fn, stages,
+        optimizer=args.optimizer, description=description,
+    )
+    return make_plan(profile, args.budget)
+
+
+def _error(value: float | None) -> str:
+    return "" if value is None else f"{value:.2g}"
+
+
+def render(report: VerifyReport, console: Any) -> None:
+    """The checks table, one line per hazard found, where it diverged, and the verdict."""
+    table = Table(title="checks", title_justify="left")
+    for column in ("check", "result", "abs err", "rel err", "detail"):
+        table.add_column(column, justify="right" if column.endswith("err") else "left")
+    styles = {"pass": "green", "skip": "dim", "fail": "bold red", "error": "bold red"}
+    for c in report.checks:
+        table.add_row(
+            c.name, Text(c.status.upper(), style=styles[c.status]),
+            _error(c.max_abs_error), _error(c.max_rel_error), c.message,
+        )
+    console.print(table)
+    groups: dict[tuple[str, bool, tuple[str, ...]], list[Hazard]] = {}
+    for h in report.hazards:  # one line per kind of finding, not one per stage
+        groups.setdefault((h.kind, h.covered, h.details), []).append(h)
+    for (kind, covered, _), hazards in groups.items():
+        line = Text("note " if covered else "HAZARD ", style="dim" if covered else "bold red")
+        first = hazards[0]
+        where = f" {first.stage} {first.region or ''}".rstrip() if first.stage else ""
+        line.append(f"{kind}{where} (x{first.count}): ", style="bold")
+        line.append(first.message)
+        if len(hazards) > 1:
+            others = ", ".join(h.stage or "?" for h in hazards[1:])
+            line.append(f"; the same in {others}")
+        console.print(line)
+    d = report.first_divergence
+    if d is not None and d.quantity == "rebuilt-value":
+        console.print(f"first divergence: {d.message}")
+    elif d is not None:
+        where = f"stage {d.stage!r}" if d.stage is not None else "outside the stages"
+        console.print(
+            f"first divergence: {where}, {d.quantity} {d.tensor!r}: max abs error "
+            f"{d.max_abs_error:.3g}, relative {d.max_rel_error:.3g}; {d.message}"
+        )
+    first_mismatch = report.value_check.first if report.value_check is not None else None
+    if first_mismatch is not None and (d is None or d.quantity != "rebuilt-value"):
+        console.print(f"first rebuilt mismatch: {first_mismatch.message}")
+    blocking = len(report.blocking_hazards)
+    if report.ok:
+        verdict = Text("OK: equivalent and hazard-free", style="bold green")
+    else:
+        failed = sum(not c.passed for c in report.checks)
+        verdict = Text(
+            f"FAILED: {failed} check(s) failed, {blocking} hazard(s) found", style="bold red"
+        )
+    verdict.append(
+        f" ({report.steps} step(s), {report.optimizer}, tolerance {report.tolerance}, "
+        f"{report.elapsed_s:.1f} s)",
+        style="default",
+    )
+    console.print(verdict)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so building the parser for other subcommands never imports torch.
+    from remat.cli.common import model_options
+    from remat.verify.harness import verify
+
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} is below 1; give at least one step")
+    model, batch, loss_fn, stages, description = load(args)
+    if args.plan is not None:
+        plan = build_plan(args.plan, model, stages)
+        source = args.plan
+    else:
+        plan = _plan_for_budget(args, model, batch, loss_fn, stages, description)
+        source = f"budget {args.budget}"
+    report = verify(
+        model, batch, plan, loss_fn,
+        steps=args.steps,
+        optimizer=args.optimizer,
+        tolerance=args.tolerance,
+        seed=args.seed,
+        preserve_rng_state=not args.no_preserve_rng_state,
+    )
+    render(report, console_for(args.json))
+    write_json(
+        {
+            "model": args.model, "options": model_options(args), "plan_source": source,
+            **report.to_dict(),
+        },
+        args.json,
+    )
+    return 0 if report.ok else 1
