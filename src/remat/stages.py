@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from remat.errors import UsageError
 
-__all__ = ["discover_stages", "resolve_stages"]
+__all__ = ["discover_stages", "resolve_stages", "unknown_path_message"]
 
 
 def _candidates(model: nn.Module) -> list[tuple[str, list[str]]]:
@@ -103,23 +104,20 @@ def resolve_stages(model: nn.Module, stages: Sequence[str] | None = None) -> lis
     known = dict(model.named_modules())
     for path in stages:
         if not isinstance(path, str) or path not in known or path == "":
-            hint = _similar(path, list(known))
-            raise UsageError(
-                f"the model has no submodule {path!r}"
-                + (
-                    f"; did you mean {hint!r}?"
-                    if hint
-                    else "; check the path with model.named_modules()"
-                )
-            )
+            raise UsageError(unknown_path_message(model, path))
     if len(set(stages)) != len(stages):
         dup = next(p for p in stages if stages.count(p) > 1)
         raise UsageError(f"stage {dup!r} is named twice; each stage must be a distinct module")
     return stages
 
 
-def _similar(path: object, known: list[str]) -> str | None:
-    import difflib
-
-    matches = difflib.get_close_matches(str(path), [k for k in known if k], n=1)
-    return matches[0] if matches else None
+def unknown_path_message(model: nn.Module, path: object) -> str:
+    """One sentence naming a module path the model lacks, with the closest real ones."""
+    known = [name for name, _ in model.named_modules() if name]
+    close = difflib.get_close_matches(str(path), known, n=3)
+    hint = (
+        "did you mean " + " or ".join(repr(c) for c in close) + "?"
+        if close
+        else "list the paths with model.named_modules()"
+    )
+    return f"the model has no submodule {path!r}; {hint}"

@@ -24,7 +24,6 @@ effects of a stage (e.g. appending to a key/value cache object); remove the plan
 from __future__ import annotations
 
 import contextlib
-import difflib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.engine import Engine, StageObserver
 from remat.runtime.policies import resolve
+from remat.stages import unknown_path_message
 
 __all__ = ["Handle", "applied", "apply", "observe", "remove"]
 
@@ -174,7 +174,7 @@ def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
         try:
             module = model.get_submodule(path)
         except AttributeError:
-            raise UsageError(_unknown_path_message(model, path)) from None
+            raise UsageError(unknown_path_message(model, path)) from None
         if module is model:
             raise UsageError(f"stage {path!r} is the model itself; stages must be submodules")
         if module in _WRAPPED:
@@ -200,17 +200,6 @@ def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
                     "stages must not contain each other"
                 )
     return tuple(modules)
-
-
-def _unknown_path_message(model: nn.Module, path: str) -> str:
-    known = [name for name, _ in model.named_modules() if name]
-    close = difflib.get_close_matches(path, known, n=3)
-    hint = (
-        "did you mean " + " or ".join(repr(c) for c in close) + "?"
-        if close
-        else "list the paths with model.named_modules()"
-    )
-    return f"the model has no submodule {path!r}; {hint}"
 
 
 @contextlib.contextmanager
