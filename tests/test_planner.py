@@ -129,3 +129,21 @@ def test_cli_plan_json_dash_keeps_stdout_pure(
         main(["plan", "--profile", str(profile_path), "--solver", "per-stage", "--json", "-"]) == 0
     )
     assert json.loads(capsys.readouterr().out)["solver"] == "per-stage"
+
+
+def test_remat_plan_is_the_documented_call_and_stays_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import remat\n"
+        "from remat.solve import Problem\n"
+        f"p = Problem.load({str(FIXTURES / 'chain_hetero_6.json')!r})\n"
+        "result = remat.plan(p, '60%')\n"
+        "from remat.plan import Plan\n"
+        "assert isinstance(result, Plan) and result.solver == 'optimal'\n"
+        "print(remat.plan(p, None, 'per-stage').solver)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "per-stage"

@@ -22,6 +22,7 @@ _LAZY: dict[str, str] = {
     "Handle": "remat.runtime",
     "Plan": "remat.plan",
     "Region": "remat.plan",
+    "plan": "remat.plan",
     "profile": "remat.profiler",
     "Profile": "remat.profile_format",
 }
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from remat.plan import Plan, Region
     from remat.profile_format import Profile
     from remat.profiler import profile
-    from remat.runtime import Handle, applied, apply, remove
+    from remat.runtime.apply import Handle, applied, apply, remove
 
 __all__ = [
     "CheckFailed",
@@ -43,6 +44,7 @@ __all__ = [
     "__version__",
     "applied",
     "apply",
+    "plan",
     "profile",
     "remove",
 ]
@@ -52,6 +54,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'remat' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    # remat.plan and remat.verify are callable modules: the module is the value.
+    value = imported if module == f"remat.{name}" else getattr(imported, name)
     globals()[name] = value
     return value

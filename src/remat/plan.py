@@ -21,6 +21,8 @@ import itertools
 import json
 import math
 import re
+import sys
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,3 +299,20 @@ def _as_region(value: object) -> Region:
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return Region(*value)
     raise UsageError(f"region {value!r} is not a Region or a (start, stop) pair")
+
+
+class _CallableModule(types.ModuleType):
+    """``remat.plan(profile, budget, solver)`` runs the planner (see remat.planner.plan).
+
+    The module ``remat.plan`` holds the Plan type, and importing it rebinds the package
+    attribute ``remat.plan`` to the module; making the module callable keeps both the
+    documented call and ``from remat.plan import Plan`` working.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
+        from remat.planner import plan
+
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
