@@ -153,12 +153,12 @@ def report(rows: list[Row], steps: int) -> str:
         )
     lines += [
         "",
-        "The cost model charges every parameter gradient from the post-chain's backward on "
-        "(docs/cost-model.md, assumption 4, an upper bound), while at the measured peak only "
-        "the gradients in the last column exist. Where the error misses the target it is "
-        "about the gradients not yet created at the peak: the profile measures the gradients "
-        "each stage creates (`grad_bytes`, `pre_chain_grads`, `post_chain_grads`), but the "
-        "solver's Problem has no field to take them.",
+        "The cost model adds each part's parameter gradients right after its backward's "
+        "peak (`grad_bytes` per stage, `post_chain_grads`, `pre_chain_grads`; those created "
+        "before the peak are inside its measured transient), the optimizer step's "
+        "temporaries at its event, and lets a stage that does not save its input "
+        "(`saves_input`) free it after its forward (docs/cost-model.md). The last column is "
+        "what the tracker saw alive of the gradients at the measured peak.",
         "",
         "## Profiling time in training steps (target <= 10)",
         "",
@@ -191,8 +191,8 @@ def report(rows: list[Row], steps: int) -> str:
         )
     lines += [
         "",
-        "The prediction at 2b goes through the same simulator, so it carries the same "
-        "early-gradient over-count, smaller relative to the doubled activations.",
+        "The prediction at 2b goes through the same simulator on the fitted profile; "
+        "what remains is the linear fit of each measured quantity in the batch size.",
         "",
     ]
     return "\n".join(lines)

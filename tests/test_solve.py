@@ -142,11 +142,18 @@ def chains(draw: st.DrawFn, max_n: int = 5) -> Problem:
             fwd_transient_bytes=draw(st.integers(0, 3)),
             bwd_transient_bytes=draw(st.integers(0, 3)),
             nosave_transient_bytes=draw(st.none() | st.integers(0, 8)),
+            grad_bytes=draw(st.integers(0, 4)),
+            saves_input=draw(st.booleans()),
         ))
+    pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
+    attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads
     return Problem(
         tuple(stages),
         params_bytes=draw(st.integers(0, 3)),
-        grads_bytes=draw(st.integers(0, 4)),
+        grads_bytes=attributed + draw(st.integers(0, 4)),  # the rest: unattributed
+        pre_chain_grads_bytes=pre_grads,
+        post_chain_grads_bytes=post_grads,
+        optimizer_step_bytes=draw(st.integers(0, 12)),
         optimizer_bytes=draw(st.integers(0, 2)),
         pre_chain_bytes=draw(st.integers(0, 2)),
         post_chain_bytes=draw(st.integers(0, 6)),
@@ -167,7 +174,7 @@ def check_against_brute_force(problem: Problem) -> None:
     scores = brute_force(problem)
     base = problem.backward_base_bytes
     top = max(peak for peak, _ in scores) - base + 2
-    model = dp.Model(problem, 1, problem.grads_bytes)  # one-byte slots: exact
+    model = dp.Model(problem, 1)  # one-byte slots: exact
     fast = dp.numpy_tables(model, top)
     slow = dp.python_tables(model, top)
     assert np.array_equal(fast.top, slow.top)
@@ -221,7 +228,7 @@ def test_optimal_solver_matches_brute_force_and_both_paths(problem: Problem, dat
     assert times == sorted(times, reverse=True)
 
 
-def _six(selective: tuple[int, ...], early_stop: bool) -> Problem:
+def _six(selective: tuple[int, ...], early_stop: bool, grads: bool = False) -> Problem:
     a = [3, 5, 2, 6, 1, 4, 2]
     keeps = [7, 3, 9, 2, 8, 5]
     stages = []
@@ -233,16 +240,25 @@ def _six(selective: tuple[int, ...], early_stop: bool) -> Problem:
             extra["selective:save-matmuls"] = 1.0
         stages.append(StageCost(f"h.{i}", a[i], a[i + 1], saved, fwd_s=float(1 + i % 3), bwd_s=3.0,
                                 rebuild_s=float(1 + (i * 5) % 3), extra_bwd_s=extra,
-                                fwd_transient_bytes=i % 2, bwd_transient_bytes=(i * 7) % 3))
+                                fwd_transient_bytes=i % 2, bwd_transient_bytes=(i * 7) % 3,
+                                grad_bytes=(i * 3) % 5 if grads else 0,
+                                saves_input=not grads or i % 3 != 1))
+    if grads:  # gradients by position, and stages 1 and 4 that let their input go
+        return Problem(tuple(stages), params_bytes=4, grads_bytes=16, optimizer_bytes=8,
+                       pre_chain_grads_bytes=3, post_chain_grads_bytes=2, optimizer_step_bytes=6,
+                       post_chain_bytes=5, region_overhead_s=0.5, region_overhead_bytes=1,
+                       early_stop=early_stop)
     return Problem(tuple(stages), params_bytes=4, grads_bytes=4, optimizer_bytes=8,
                    post_chain_bytes=5, region_overhead_s=0.5, region_overhead_bytes=1,
                    early_stop=early_stop)
 
 
-@pytest.mark.parametrize(("selective", "early_stop"), [((), True), ((), False), ((1, 4), True)])
-def test_optimal_equals_brute_force_on_six_stages(selective: tuple[int, ...], early_stop: bool
-                                                  ) -> None:
-    check_against_brute_force(_six(selective, early_stop))
+@pytest.mark.parametrize(("selective", "early_stop", "grads"), [
+    ((), True, False), ((), False, False), ((1, 4), True, False), ((), True, True),
+    ((1, 4), False, True)])
+def test_optimal_equals_brute_force_on_six_stages(selective: tuple[int, ...], early_stop: bool,
+                                                  grads: bool) -> None:
+    check_against_brute_force(_six(selective, early_stop, grads))
 
 
 # -- the simulator by hand ------------------------------------------------------------------------
@@ -270,6 +286,46 @@ def test_simulator_walks_the_tiny_chain_as_computed_by_hand() -> None:
     assert sim.peak_event == "backward post-chain"
     assert sim.step_time_s == 4 + 8
     assert sim.forward_runs == (1, 1, 1)
+
+
+def _graded(saves_input: bool = True, optimizer_step_bytes: int = 9) -> Problem:
+    stages = (StageCost("s0", 2, 3, {"keep": 4}, grad_bytes=5),
+              StageCost("s1", 3, 1, {"keep": 6}, grad_bytes=7, saves_input=saves_input))
+    return Problem(stages, params_bytes=1, pre_chain_bytes=1, post_chain_bytes=2,
+                   grads_bytes=20, pre_chain_grads_bytes=3, post_chain_grads_bytes=2,
+                   optimizer_step_bytes=optimizer_step_bytes)
+
+
+def test_gradients_appear_at_the_backward_that_creates_them() -> None:
+    p = _graded()
+    assert p.unattributed_grads_bytes == 3 and p.backward_base_bytes == 2 + 3
+    sim = simulate(Plan(p.stage_names), p)
+    # F = params 1 + pre-chain 1; x = 2, 3, 1; saved 4, 6; gradients: unattributed 3 from
+    # the post-chain's backward, post-chain's 2 and each stage's (5, 7) right after their
+    # backward's peak (what a part creates before it is in its transient), pre-chain 3.
+    assert [e.live_bytes for e in sim.events] == [
+        4,  # forward pre-chain: F + x0
+        11,  # s0: x0 + x1 + 4
+        18,  # s1: (x0 + 4) + x1 + x2 + 6
+        20,  # forward post-chain: + 2
+        23,  # backward post-chain: + 3 unattributed gradients
+        26,  # s1: kept (x0 + 4, x1) + x2's and x1's gradients + 2 + 6 back in use
+        25,  # s0: x0 + 4, x1's and x0's gradients, 2 + 7 parameter gradients
+        24,  # pre-chain backward: F + all 20 gradients + x0's gradient
+        30,  # optimizer step: params 1 + gradients 20 + its temporaries 9
+    ]
+    # s1 does not keep its input: x1 goes when s1's forward is done.
+    loose = simulate(Plan(p.stage_names), _graded(saves_input=False))
+    assert [e.live_bytes for e in loose.events] == [4, 11, 18, 17, 20, 23, 25, 24, 30]
+    # selective stages keep their input whatever saves_input says (the checkpoint holds it)
+    assert not p.stages[0].keeps_input("offload") and _graded(False).stages[1].keeps_input(
+        "selective:save-matmuls")
+    # with large optimizer temporaries the step's peak is theirs, whatever the plan
+    heavy = _graded(optimizer_step_bytes=40)
+    assert simulate(Plan(p.stage_names), heavy).peak_event == "optimizer step"
+    assert solvers.minimum_budget(heavy) == 1 + 20 + 40
+    for problem in (p, _graded(saves_input=False), heavy):
+        check_against_brute_force(problem)
 
 
 def test_a_region_keeps_its_input_and_rebuilds_in_backward() -> None:
@@ -558,6 +614,35 @@ def test_problem_validation_names_the_field(edit: Callable[[dict], object], mess
     data = _tiny()
     edit(data)
     with pytest.raises(UsageError, match=message):
+        Problem.from_dict(data)
+
+
+def test_schema_version_1_files_read_as_before() -> None:
+    data = _tiny()
+    assert data["schema_version"] == 1
+    p = Problem.from_dict(data)
+    assert p.unattributed_grads_bytes == p.grads_bytes and p.backward_base_bytes == 22
+    assert all(s.grad_bytes == 0 and s.saves_input for s in p.stages)
+    written = p.to_dict()
+    assert written["schema_version"] == 2 and written["stages"][0]["grad_bytes"] == 0
+    assert Problem.from_dict(written) == p
+    data["stages"][0]["grad_bytes"] = 1  # not a version-1 key
+    with pytest.raises(UsageError, match=r"'s0' has unknown key.*grad_bytes"):
+        Problem.from_dict(data)
+    with pytest.raises(UsageError, match=r"schema version 1.*unknown key.*optimizer_step"):
+        Problem.from_dict({**_tiny(), "optimizer_step_bytes": 4})
+
+
+def test_gradient_parts_may_not_exceed_the_total() -> None:
+    data = load("tiny_3").to_dict()
+    data["stages"][1]["grad_bytes"] = 4
+    data["pre_chain_grads_bytes"] = 2  # 6 > grads_bytes 5
+    with pytest.raises(UsageError, match="add up to 6 bytes, more than grads_bytes=5"):
+        Problem.from_dict(data)
+    data["grads_bytes"] = 6
+    assert Problem.from_dict(data).unattributed_grads_bytes == 0
+    data["stages"][0]["saves_input"] = "no"
+    with pytest.raises(UsageError, match="stage 's0' saves_input='no'"):
         Problem.from_dict(data)
 
 

@@ -13,9 +13,19 @@ Conventions (they are the simulator's, see :mod:`remat.solve.problem`):
 * transients are extra bytes at a peak, beyond what the simulator already counts there:
   ``fwd_transient_bytes`` above what is live right after a ``keep`` forward;
   ``nosave_transient_bytes`` above input and output for a forward that saves nothing;
-  ``bwd_transient_bytes`` above what is live when its backward starts, its input's
-  gradient and the parameter gradients it creates (``grad_bytes``), plus its output when
-  it saved that (``saves_output``: the simulator no longer counts it there).
+  ``bwd_transient_bytes`` above what is live when its backward starts and its input's
+  gradient, plus its output when it saved that (``saves_output``: the simulator no
+  longer counts it there). The parameter gradients the stage has created by that peak
+  are part of it; the simulator adds all of them (``grad_bytes``) after the peak.
+* ``extra_bwd_s[option]``: what a selective option adds to the stage's backward (its
+  unsaved ops rebuilt, and its checkpoint frame); see :mod:`remat.profiling.optimes`.
+
+Schema version 2 added ``extra_bwd_s`` and counts the gradients created before a
+backward peak inside that peak's figure (``bwd_transient_bytes``, ``post_chain``);
+version 1 counted none there. A version-1 profile is still read: with no
+``extra_bwd_s`` (its selective options cost no time, as version 1 assumed) and with each
+part's gradients added to its backward figure (all of them before the peak: the upper
+bound version 1 predicted).
 
 Quantities that grow with the batch carry a linear fit ``a + b * batch_size``
 (:class:`Scaling`), fitted from profiles at two batch sizes; :meth:`Profile.at_batch_size`
@@ -44,7 +54,9 @@ __all__ = [
     "StageProfile",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions this remat reads (1: stages without ``extra_bwd_s``).
+READABLE_VERSIONS = (1, 2)
 
 #: The options every profile measures for every stage.
 OPTIONS = (
@@ -110,6 +122,8 @@ class StageProfile:
     # its output into its own backward).
     saves_input: bool = True
     saves_output: bool = False
+    # option -> seconds a selective option adds to the backward (its ops rebuilt)
+    extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -132,6 +146,12 @@ class StageProfile:
             str(k): _int(v, f"{where} saved_bytes[{k!r}]") for k, v in self.saved_bytes.items()
         }
         object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
+        if not isinstance(self.extra_bwd_s, Mapping):
+            raise UsageError(f"profile {where} extra_bwd_s must map options to seconds")
+        extra = {
+            str(k): _float(v, f"{where} extra_bwd_s[{k!r}]") for k, v in self.extra_bwd_s.items()
+        }
+        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
         for flag in ("output_kept_outside", "saves_input", "saves_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"profile {where} {flag} must be true or false")
@@ -152,6 +172,7 @@ class StageProfile:
             "output_kept_outside": self.output_kept_outside,
             "saves_input": self.saves_input,
             "saves_output": self.saves_output,
+            "extra_bwd_s": dict(self.extra_bwd_s),
         }
 
     @classmethod
@@ -161,7 +182,7 @@ class StageProfile:
         return cls(**{k: data[k] for k in _STAGE_KEYS})
 
 
-_STAGE_KEYS = (
+_STAGE_KEYS_V1 = (
     "name",
     "boundary_bytes",
     "output_bytes",
@@ -177,6 +198,7 @@ _STAGE_KEYS = (
     "saves_input",
     "saves_output",
 )
+_STAGE_KEYS = (*_STAGE_KEYS_V1, "extra_bwd_s")
 
 
 @dataclass(frozen=True)
@@ -186,7 +208,8 @@ class FixedBytes:
     ``pre_chain_bytes``: what the part before the first stage (embeddings) keeps for
     backward, beyond the first stage's input. ``post_chain_bytes``: the larger extra peak
     of the part after the last stage (head, logits, loss) in forward and in backward,
-    beyond what is live when it starts and the gradients it creates. ``*_grads_bytes``:
+    beyond what is live when it starts (the parameter gradients its backward has created
+    by its peak included; the simulator adds all of them after it). ``*_grads_bytes``:
     parameter gradients created by the pre- and post-chain backward. ``optimizer_step_bytes``:
     the optimizer step's own temporaries above parameters, gradients and state.
     """
@@ -346,7 +369,9 @@ class Profile:
         """This profile with every fitted quantity evaluated at ``batch_size``.
 
         The no-checkpoint peak is predicted again by the simulator; ``measured_peak_bytes``
-        is kept only at a batch size that was measured.
+        is kept only at a batch size that was measured. At the profile's own batch size
+        every quantity keeps its measured value: the fits pass through it, and evaluating
+        ``a + b * n`` there would only add float rounding.
         """
         if self.scaling is None:
             raise UsageError(
@@ -356,8 +381,9 @@ class Profile:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(f"batch_size={batch_size!r} must be a whole number >= 1")
         data = self.to_dict()
-        for path, fit in self.scaling.fits.items():
-            _set_path(data, path, fit(batch_size))
+        if batch_size != self.batch_size:
+            for path, fit in self.scaling.fits.items():
+                _set_path(data, path, fit(batch_size))
         data["batch_size"] = batch_size
         if batch_size != self.batch_size:
             data["measured_peak_bytes"] = None
@@ -395,14 +421,17 @@ class Profile:
         if not isinstance(data, Mapping):
             raise UsageError(f"a profile must be a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise UsageError(
                 f"profile schema version {version!r} is not supported (this remat reads "
-                f"version {SCHEMA_VERSION}); profile the model again with this remat"
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}); profile the model "
+                "again with this remat"
             )
         _check_keys(data, _PROFILE_KEYS, "the profile")
         if not isinstance(data["stages"], list):
             raise UsageError("profile key 'stages' must be a list of stage objects")
+        if version == 1:
+            data = _from_version_1(data)
         scaling = data["scaling"]
         return cls(
             model=data["model"],
@@ -461,6 +490,40 @@ _PROFILE_KEYS = (
     "scaling",
     *_PROFILE_SCALARS,
 )
+
+
+def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 profile in version 2's terms (module docstring): no ``extra_bwd_s``,
+    and each part's gradients inside its backward figure, fits shifted to match."""
+    new = json.loads(json.dumps(data))
+    shifts: dict[str, int] = {}
+    for i, stage in enumerate(new["stages"]):
+        where = f"profile stage {stage.get('name', i)!r}" if isinstance(stage, dict) else ""
+        _check_keys(stage, _STAGE_KEYS_V1, where or "a profile stage")
+        stage["extra_bwd_s"] = {}
+        shifts[f"stages.{i}.bwd_transient_bytes"] = _int(stage["grad_bytes"], f"{where} grad_bytes")
+    fixed = new["fixed_bytes"]
+    if isinstance(fixed, dict) and "post_chain" in fixed:
+        shifts["fixed_bytes.post_chain"] = _int(
+            fixed.get("post_chain_grads", 0), "fixed_bytes post_chain_grads"
+        )
+    for path, nbytes in shifts.items():
+        _set_path(new, path, _number_at(new, path) + nbytes)
+    fits = (new.get("scaling") or {}).get("fits")
+    if isinstance(fits, dict):
+        for path, nbytes in shifts.items():
+            if isinstance(fits.get(path), dict) and "a" in fits[path]:
+                fits[path]["a"] = float(fits[path]["a"]) + nbytes
+    return new
+
+
+def _number_at(data: Mapping[str, Any], path: str) -> float:
+    node: Any = data
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, bool) or not isinstance(node, (int, float)):
+        raise UsageError(f"profile {path}={node!r} is not a number")
+    return float(node)
 
 
 def _set_path(data: dict[str, Any], path: str, value: float) -> None:

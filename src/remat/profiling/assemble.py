@@ -7,11 +7,17 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
   output; the input was alive before and the output is the next stage's input.
 * forward transient: the stage forward's peak above the live total when it returned.
 * backward transient: the stage backward's peak above the live total when it began, less
-  its input's gradient and the parameter gradients it creates (the simulator counts both),
-  plus its output when it saved that (the simulator no longer counts it there).
+  its input's gradient (the simulator counts it), plus its output when it saved that (the
+  simulator no longer counts it there). The parameter gradients it has created by its
+  peak are in it; the simulator adds the stage's ``grad_bytes`` after that peak.
+* selective options' extra backward time: the stage's forward time times the share of
+  its ops the option does not save, from the op times of the selective passes (medians
+  over them), plus one checkpoint frame (``region_overhead_s``): see :mod:`.optimes`.
+  When no selective pass ran, no stage runs an op any option saves: each rebuilds all.
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
   first stage's input. Post-chain: its larger rise in forward and in backward above the
-  live total at the chain's end (backward less the parameter gradients it creates).
+  live total at the chain's end (the backward's with the parameter gradients it has
+  created by its peak; the simulator adds all of them after it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import nn
 
 from remat.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
+from remat.profiling.optimes import policy_op_names, selective_extra_s
 from remat.profiling.run import Measurements
 
 __all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]
@@ -56,6 +63,7 @@ def gradient_owners(
 
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     found = []
+    timed = [p.op_seconds for p in m.selective.values() if p.op_seconds]
     for i, name in enumerate(m.names):
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
         saved = {"keep": max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)}
@@ -69,6 +77,13 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output else 0
+        samples = [op_seconds[i] for op_seconds in timed]
+        extra = {
+            option: selective_extra_s(
+                m.times.fwd_s[i], m.overhead.time_s, samples, policy_op_names(option, name)
+            )
+            for option in m.selective_options
+        }
         found.append(
             StageProfile(
                 name=name,
@@ -78,9 +93,10 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 fwd_s=m.times.fwd_s[i],
                 bwd_s=m.times.bwd_s[i],
                 rebuild_s=m.rebuild.rebuild_s[i],
+                extra_bwd_s=extra,
                 fwd_transient_bytes=fwd.peak_bytes - fwd.exit_bytes,
                 bwd_transient_bytes=max(
-                    0, bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad - grads[i]
+                    0, bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad
                 ),
                 nosave_transient_bytes=nosave.over_io_bytes,
                 grad_bytes=grads[i],
@@ -104,7 +120,7 @@ def fixed_bytes(
         post_chain_bytes=max(
             0,
             spans.post_forward.peak_bytes - chain_end,
-            spans.post_backward.peak_bytes - chain_end - post_grads,
+            spans.post_backward.peak_bytes - chain_end,
         ),
         pre_chain_grads_bytes=pre_grads,
         post_chain_grads_bytes=post_grads,

@@ -6,7 +6,8 @@ option is applied the way a plan applies it (``remat.runtime.apply``), so what a
 selective policy keeps (torch's selective-checkpoint cache plus the input the checkpoint
 saves) is what the runtime will keep. A no-save pass drops every saved tensor, which is
 what a stage costs inside a region's forward, and shows which stage outputs stay
-referenced from outside the chain.
+referenced from outside the chain. With ``time_ops`` a pass also times each aten op of
+each stage's forward (:class:`~remat.profiling.optimes.OpTimer`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from remat.profiling._tensors import (
     stage_hooks,
     storage_bytes,
 )
+from remat.profiling.optimes import OpTimer, cuda_sync
 
 __all__ = ["ForwardPass", "StageForward", "forward_pass"]
 
@@ -78,6 +80,8 @@ class ForwardPass:
     # Per stage: its output was still referenced after the chain moved past it (two
     # stages later, or after the forward) although nothing was saved.
     kept_outside: tuple[bool, ...]
+    # Per stage: seconds in each aten op of its forward, by op name (with time_ops only).
+    op_seconds: tuple[dict[str, float], ...] = ()
 
 
 def _never(_packed: None) -> torch.Tensor:
@@ -93,10 +97,12 @@ def forward_pass(
     device: torch.device | None,
     plan: Plan | None = None,
     save: bool = True,
+    time_ops: bool = False,
 ) -> ForwardPass:
     """Run one forward under the tracker with ``plan`` applied (or none) and read each stage.
 
     ``save=False`` drops everything autograd saves (no backward is possible).
+    ``time_ops``: also time every aten op each stage's forward runs.
     """
     from remat.runtime import apply
 
@@ -108,6 +114,7 @@ def forward_pass(
     kept = [False] * n
     # Saved tensors need no classifying here: the live bytes are the same either way.
     tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
+    timer = OpTimer(n, sync=cuda_sync(device)) if time_ops else None
 
     def alive(j: int) -> bool:
         ref = outputs[j]
@@ -137,8 +144,12 @@ def forward_pass(
         entries[i] = (tracker.live_bytes, main_input(args, kwargs))
         current[:] = [i]
         offered.clear()
+        if timer is not None:
+            timer.stage = i
 
     def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if timer is not None:
+            timer.stage = None
         live, peak = tracker.live_bytes, tracker.peak_bytes
         entry, x = entries.pop(i)
         y = main_output(out)
@@ -163,7 +174,13 @@ def forward_pass(
         tracker.register_existing(list(iter_tensors(batch)))
         handle = apply(model, plan) if plan is not None else None
         try:
-            with stage_hooks(modules, pre, post), tracker:
+            # The timer is entered first, so it is the last mode an op passes through and
+            # times the kernel alone (see OpTimer).
+            with (
+                timer if timer is not None else contextlib.nullcontext(),
+                stage_hooks(modules, pre, post),
+                tracker,
+            ):
                 if save:
                     loss = loss_fn(model, batch)
                 else:
@@ -188,4 +205,8 @@ def forward_pass(
             f"the forward calls the stages as {called}, ..., not once each in the order "
             "given; list the stages in the order the forward calls them, once each"
         )
-    return ForwardPass(tuple(f for f in found if f is not None), tuple(kept))
+    return ForwardPass(
+        tuple(f for f in found if f is not None),
+        tuple(kept),
+        tuple(timer.seconds) if timer is not None else (),
+    )

@@ -11,7 +11,9 @@ tracked forwards (on the built-in models at their defaults, 8 to 10 plain steps 
 3. ``repeats`` plain training steps, timing each stage's forward and backward;
 4. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
 5. for each selective option, one forward with the option applied to the stages that run
-   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps);
+   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps), timing each
+   aten op of every stage (what each option leaves to rebuild costs its share of the
+   stage's forward time, :mod:`.optimes`);
 6. the fixed cost of one region (:mod:`.overhead`).
 """
 
@@ -29,6 +31,7 @@ from remat import plans
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.plan import Plan
+from remat.profiling.optimes import policy_op_names
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.timeline import StepSpans, split_step
@@ -48,7 +51,8 @@ class Measurements:
     rebuild: StepTimes  # medians of the steps with a region per stage
     step: StepMemory
     spans: StepSpans
-    selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs)
+    selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs),
+    # with each stage's op times
     measured_in: dict[str, frozenset[int]]  # option -> stages measured in its pass
     counts: dict[str, int]  # params_bytes, buffers_bytes, grads_bytes, ... by the tracker
     overhead: RegionOverhead
@@ -69,12 +73,6 @@ def part_names(options: Sequence[str]) -> list[str]:
         *(f"saved bytes, {o}" for o in selective),
         "region overhead",
     ]
-
-
-def _op_names(option: str, stage: str) -> frozenset[str]:
-    from remat.runtime.policies import resolve
-
-    return frozenset(str(op) for op in resolve(option, stage).ops)
 
 
 def _fixed_counts(
@@ -159,7 +157,7 @@ def measure_all(
     for option in (o for o in options if o != "keep"):
         part(f"saved bytes, {option}")
         wanted = frozenset(
-            i for i, name in enumerate(names) if spans.stage_ops[i] & _op_names(option, name)
+            i for i, name in enumerate(names) if spans.stage_ops[i] & policy_op_names(option, name)
         )
         if not wanted:
             continue
@@ -168,7 +166,9 @@ def measure_all(
             options=tuple(option if i in wanted else "keep" for i in range(len(names))),
             solver="profile",
         )
-        selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
+        selective[option] = forward_pass(
+            model, batch, loss_fn, names, device=device, plan=plan, time_ops=True
+        )
         measured_in[option] = wanted
 
     part(parts[-1])

@@ -20,8 +20,41 @@ X's backward events count the incoming and outgoing gradients; a region X adds
 ``region_overhead`` and ``Seg(1, k, k', m - H(X) - overhead_bytes)`` for its own inside
 (``h = 1``: it holds ``x_k``; a region never repeats its parent's span). The top level is
 the same recursion ``Top(k, m)`` except that its forward runs before backward: no
-gradient of ``x_n`` yet and ``grads_bytes`` more room (the DP's ``m`` is measured against
-the backward base), and ``Top(n, m)`` checks the post-chain (``a_n + post_chain_bytes``).
+gradient of ``x_n`` yet and no parameter gradient (the DP's ``m`` is measured against
+the backward base, so the top-level forward has ``gs`` more room), and ``Top(n, m)``
+checks the post-chain (``a_n + post_chain_bytes``). ``Top(0, m)`` also checks the events
+after the chain, which no plan changes (Note [Gradients by position]).
+
+Note [Gradients by position]
+----------------------------
+Parameter gradients appear as backward goes (the simulator's ``param grads`` blocks) and
+stay to the optimizer step: the unattributed ones from the post-chain's backward on (an
+upper bound), the post-chain's right after its backward's peak, stage ``i``'s ``g_i``
+right after its backward's peak (what a part creates before its peak is inside the
+peak the profile measured: its transient), the pre-chain's at its backward. So what is
+alive at an event depends on where in the chain it happens, not on the plan. ``m`` is
+measured against the *backward base* (forward base + unattributed gradients,
+``Problem.backward_base_bytes``), and each event adds the gradients alive then beyond
+it, ``T(p) = post_chain_grads + g_p + ... + g_{n-1}`` (``T(n) = post_chain_grads``):
+
+* the backward of stage ``k``: ``T(k + 1)`` (every later stage's and the post-chain's;
+  ``g_k`` joins after its peak);
+* a forward inside the level ``[., e)`` (rebuilt when backward reaches the enclosing
+  region, after every stage from ``e`` on has had its backward): ``T(e)``. A child region
+  ``[k, k')`` runs its own inside in its rebuild, so its events use ``T(k')`` through
+  ``Seg(1, k, k')``; a level's rest ``Seg(0, k', e)`` keeps ``e``. The offsets depend only
+  on ``(k, e)``, which every subproblem already names, so the tables keep their shape;
+* the top-level forward: no gradient at all: ``gs`` (the unattributed gradients, in
+  whole slots of the budget) more room than ``m``;
+* ``Top(n)``, the post-chain's backward: none beyond the base;
+* after the chain, with everything released: the pre-chain's backward
+  (``a_0 + T(0) + pre_chain_grads``) and the optimizer step (``T(0) + pre_chain_grads +
+  optimizer_step - pre_chain_bytes``: the pre-chain's saved bytes are gone). Neither
+  depends on the plan: ``Top(0, m)`` is infinite below them (``Model.after``).
+
+Holding never makes ``m`` negative: whatever an item holds is alive at a later backward
+event of its level (or the post-chain's) whose offset is at least 0. A stage that does not
+``saves_input`` holds only its saved bytes under ``keep`` (``Model.keeps``).
 
 Note [Early stop in the recursion]
 ----------------------------------
@@ -84,21 +117,39 @@ class Choice:
 class Model:
     """The chain's numbers in slots of ``slot_bytes``, shared by both table paths.
 
-    ``gs``: the extra slots the top-level forward may use (no gradients yet).
+    ``spare_bytes``: the memory available beyond the backward base minus its whole slots
+    (``avail - m * slot_bytes``, in ``[0, slot_bytes)``); it decides how many whole slots
+    the gradients not yet created free for the top-level forward (``gs``). With one-byte
+    slots it is 0 and every figure is exact.
     """
 
-    def __init__(self, problem: Problem, slot_bytes: int, gs: int) -> None:
+    def __init__(self, problem: Problem, slot_bytes: int, spare_bytes: int = 0) -> None:
         self.problem = problem
         self.n = n = problem.n
         self.q = q = slot_bytes
-        self.gs = gs
+        assert 0 <= spare_bytes < q, (spare_bytes, q)
         self.early_stop = problem.early_stop
         st = problem.stages
         a = [s.boundary_bytes for s in st] + [problem.output_bytes]
         self.a = a
+        # sg[p]: T(p), the parameter gradients beyond the base once backward has passed
+        # stage p (Note [Gradients by position]).
+        self.sg = [0] * (n + 1)
+        self.sg[n] = problem.post_chain_grads_bytes
+        for k in range(n - 1, -1, -1):
+            self.sg[k] = self.sg[k + 1] + st[k].grad_bytes
+        # No gradient exists in the top-level forward: that much more room, in whole slots
+        # of the budget (rounded down, so a plan accepted here fits in bytes).
+        self.gs = (spare_bytes + problem.unattributed_grads_bytes) // q
+        # The events after the chain (pre-chain backward, optimizer step), plan-independent.
+        after = self.sg[0] + problem.pre_chain_grads_bytes
+        self.after = _ceil(max(0, a[0] + after,
+                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes), q)
         self.opts = [problem.options(k) for k in range(n)]
         self.kinds = [[KEEP if o == "keep" else OFF if o == "offload" else SEL for o in os]
                       for os in self.opts]
+        # keeps[k][j]: stage k holds its input from forward to backward under option j.
+        self.keeps = [[s.keeps_input(o) for o in os] for s, os in zip(st, self.opts, strict=True)]
         bw = problem.offload_bandwidth_bytes_per_s
         self.can_offload = bw is not None
         # Bytes (exact) per stage and option.
@@ -168,26 +219,31 @@ class Model:
         return self.a[k] if h == 0 else 0
 
     def hold(self, k: int, j: int, h: int) -> int:
-        held = self.inp(k, h) if self.kinds[k][j] != OFF else 0
+        held = self.inp(k, h) if self.keeps[k][j] else 0
         return _ceil(held + self.save[k][j], self.q)
 
     def hold_open(self, k: int, h: int) -> int:
         return _ceil(self.inp(k, h), self.q)
 
     def bwd(self, k: int, j: int, h: int) -> int:
-        held = self.inp(k, h) if self.kinds[k][j] != OFF else 0
+        """Backward of stage ``k`` (Note [Gradients by position]: ``T(k + 1)`` alive)."""
+        held = self.inp(k, h) if self.keeps[k][j] else 0
         st = self.problem.stages[k]
         local = held + self.dev_bwd[k][j] + self.a[k + 1] + self.a[k] + st.bwd_transient_bytes
-        return _ceil(local, self.q)
+        return _ceil(local + self.sg[k + 1], self.q)
+
+    def grads_during(self, e: int | None) -> int:
+        """Gradients beyond the base during a forward in the level ending at ``e``: those of
+        ``x_e`` and ``T(e)`` (None: the top-level forward, none)."""
+        return 0 if e is None else self.a[e] + self.sg[e]
 
     def fwd(self, k: int, j: int, h: int, e: int | None) -> int:
         """Forward with grad; ``e`` is the level's end (None at the top: no gradient yet)."""
-        grad = 0 if e is None else self.a[e]
-        return _ceil(self.inp(k, h) + self.a[k + 1] + self.tf[k][j] + grad, self.q)
+        local = self.inp(k, h) + self.a[k + 1] + self.tf[k][j]
+        return _ceil(local + self.grads_during(e), self.q)
 
     def region_fwd(self, k: int, stop: int, h: int, e: int | None) -> int:
-        grad = 0 if e is None else self.a[e]
-        return _ceil(self.inp(k, h) + self.ns[k][stop] + grad, self.q)
+        return _ceil(self.inp(k, h) + self.ns[k][stop] + self.grads_during(e), self.q)
 
 
 class Tables:
@@ -321,6 +377,8 @@ def python_tables(model: Model, max_slots: int) -> Tables:
         choices = list(top_choices(model, k))
         for m in range(M + 1):
             t.top[k, m] = min((_top_value(t, k, m, c) for c in choices), default=INF)
+    for m in range(min(model.after, M + 1)):
+        t.top[0, m] = INF  # the events after the chain do not fit
     return t
 
 
@@ -402,6 +460,7 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
             need = model.region_fwd(k, stop, 0, None) - model.gs
             np.minimum(best, np.where(ms >= need, v, INF), out=best)
         t.top[k] = best
+    t.top[0] = np.where(ms >= model.after, t.top[0], INF)  # the events after the chain
     return t
 
 

@@ -8,6 +8,12 @@ map one to one. The rest:
 * ``params_bytes`` holds parameters and buffers: both stay on the device all step.
 * where code between two stages changes the hidden state's size, the simulator still
   tracks one tensor between them; it gets the larger of the two sizes.
+* ``extra_bwd_s``: a selective option's measured cost (its unsaved ops rebuilt and its
+  checkpoint frame); a profile of schema version 1 has none, and its options cost no time.
+* parameter gradients: the profile says which part creates each (stages' ``grad_bytes``,
+  ``pre_chain_grads``, ``post_chain_grads``) and the tracker counts their total. The
+  parts count every parameter that requires grad; one that gets no gradient (unused in
+  the step) makes them exceed the total, which then becomes their sum (an upper bound).
 """
 
 from __future__ import annotations
@@ -38,16 +44,27 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                 fwd_s=s.fwd_s,
                 bwd_s=s.bwd_s,
                 rebuild_s=s.rebuild_s,
+                extra_bwd_s={o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
                 fwd_transient_bytes=s.fwd_transient_bytes,
                 bwd_transient_bytes=s.bwd_transient_bytes,
                 nosave_transient_bytes=s.nosave_transient_bytes,
+                grad_bytes=s.grad_bytes,
+                saves_input=s.saves_input,
             )
         )
     fixed = profile.fixed
+    parts = (
+        sum(s.grad_bytes for s in stages)
+        + fixed.pre_chain_grads_bytes
+        + fixed.post_chain_grads_bytes
+    )
     return Problem(
         stages=tuple(costs),
         params_bytes=fixed.params_bytes + fixed.buffers_bytes,
-        grads_bytes=fixed.grads_bytes,
+        grads_bytes=max(fixed.grads_bytes, parts),
+        pre_chain_grads_bytes=fixed.pre_chain_grads_bytes,
+        post_chain_grads_bytes=fixed.post_chain_grads_bytes,
+        optimizer_step_bytes=fixed.optimizer_step_bytes,
         optimizer_bytes=fixed.optimizer_state_bytes,
         pre_chain_bytes=fixed.pre_chain_bytes,
         post_chain_bytes=fixed.post_chain_bytes,

@@ -20,7 +20,7 @@ def min_peak_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[st
     The same recursion as the tables with ``max`` for events and ``min`` over choices,
     in whole bytes: no slots, so no rounding.
     """
-    model = Model(problem, 1, problem.grads_bytes)
+    model = Model(problem, 1)  # one-byte slots: every figure exact
     n = model.n
     # req[h][k][e]: least m for Seg; reqp: for SegP; INF: no plan.
     req = [[[INF] * (n + 1) for _ in range(n + 1)] for _ in range(2)]
@@ -70,7 +70,9 @@ def min_peak_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[st
     for k in range(n - 1, -1, -1):
         top[k] = min(top_req(k, c, top) for c in top_choices(model, k))
     assert top[0] < INF  # per-stage regions with keep always fit some memory
-    need = max(0, int(top[0]))
+    # The events after the chain (Note [Gradients by position]) need the same whatever
+    # the plan: they raise the minimum but choose nothing.
+    need = max(0, int(top[0]), model.after)
 
     # Rebuild the plan: take the first choice reaching each requirement.
     regions: list[tuple[int, int]] = []

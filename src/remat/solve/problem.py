@@ -13,6 +13,17 @@ written out in ``docs/cost-model.md``. In short, for stage ``i``:
   the ``keep`` bytes plus the input).
 * transients: extra bytes alive at the peak of its forward (with saving, and without
   saving) and of its backward, beyond input, output, saved bytes and gradients.
+* ``grad_bytes``: the parameter gradients its backward creates first; they join right
+  after its backward's peak (those created before the peak are part of its
+  ``bwd_transient_bytes``) and stay alive until the optimizer step. ``saves_input``:
+  whether it keeps its input under ``keep``.
+
+Outside the chain, ``grads_bytes`` is the total of all parameter gradients. The parts
+with a known creator (``grad_bytes`` of each stage, ``pre_chain_grads_bytes``,
+``post_chain_grads_bytes``) must add up to at most that total; the rest
+(:attr:`Problem.unattributed_grads_bytes`) is charged from the first backward event on,
+an upper bound. A problem file of schema version 1 has no such parts: all of its
+gradients are unattributed, which is exactly how version 1 counted them.
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ from remat.units import parse_size
 
 __all__ = ["SCHEMA_VERSION", "Problem", "StageCost"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions this remat reads: 1 lacks the gradient parts, ``saves_input`` and the
+#: optimizer step's temporaries, whose defaults reproduce how version 1 counted.
+READABLE_VERSIONS = (1, 2)
 
 def _bytes(value: object, what: str) -> int:
     if isinstance(value, float) and value.is_integer() and value >= 0:
@@ -70,19 +84,27 @@ class StageCost:
     # Peak extra bytes of a forward that saves nothing (inside a region), beyond input and
     # output; None: not measured, charge it like a keep forward (saved + fwd transient).
     nosave_transient_bytes: int | None = None
+    # Parameter gradients this stage's backward creates first (alive until the optimizer).
+    grad_bytes: int = 0
+    # Whether autograd keeps the stage's input when it runs under keep (False: a stage
+    # whose first op saves only what it computes, so the input can go after its forward).
+    # Selective stages always keep it: torch's checkpoint frame holds the input.
+    saves_input: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise UsageError(f"stage name {self.name!r} is not a module path; give a string")
         where = f"stage {self.name!r}"
         for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
-                     "bwd_transient_bytes"):
+                     "bwd_transient_bytes", "grad_bytes"):
             object.__setattr__(self, name, _bytes(getattr(self, name), f"{where} {name}"))
         if self.nosave_transient_bytes is not None:
             value = _bytes(self.nosave_transient_bytes, f"{where} nosave_transient_bytes")
             object.__setattr__(self, "nosave_transient_bytes", value)
         for name in ("fwd_s", "bwd_s", "rebuild_s"):
             object.__setattr__(self, name, _seconds(getattr(self, name), f"{where} {name}"))
+        if not isinstance(self.saves_input, bool):
+            raise UsageError(f"{where} saves_input={self.saves_input!r} must be true or false")
         if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
             raise UsageError(
                 f"{where} saved_bytes={self.saved_bytes!r} has no 'keep' entry; give at least "
@@ -111,6 +133,12 @@ class StageCost:
         """The selective options measured for this stage, in the order given."""
         return tuple(o for o in self.saved_bytes if o.startswith("selective:"))
 
+    def keeps_input(self, option: str) -> bool:
+        """Whether the stage holds its input from its forward to its backward under ``option``."""
+        if option == "offload":
+            return False  # its saved tensors, input included, went to the host
+        return self.saves_input or option != "keep"
+
     @property
     def offload_bytes(self) -> int:
         """Bytes moved to the host in forward and back in backward when offloaded."""
@@ -138,15 +166,19 @@ class StageCost:
             "fwd_transient_bytes": self.fwd_transient_bytes,
             "bwd_transient_bytes": self.bwd_transient_bytes,
             "nosave_transient_bytes": self.nosave_transient_bytes,
+            "grad_bytes": self.grad_bytes,
+            "saves_input": self.saves_input,
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], index: int = 0) -> StageCost:
+    def from_dict(cls, data: Mapping[str, Any], index: int = 0, version: int = SCHEMA_VERSION
+                  ) -> StageCost:
         if not isinstance(data, Mapping):
             raise UsageError(f"stage {index} must be a JSON object, got {type(data).__name__}")
         where = f"stage {data.get('name', index)!r}"
-        _check_keys(data, _STAGE_REQUIRED, _STAGE_KEYS, where)
-        return cls(**{key: data[key] for key in _STAGE_KEYS if key in data})
+        known = _STAGE_KEYS if version >= 2 else _STAGE_KEYS_V1
+        _check_keys(data, _STAGE_REQUIRED, known, where)
+        return cls(**{key: data[key] for key in known if key in data})
 
 
 def _check_option(option: object, where: str, what: str) -> None:
@@ -157,7 +189,7 @@ def _check_option(option: object, where: str, what: str) -> None:
 
 
 _STAGE_REQUIRED = ("name", "boundary_bytes", "output_bytes", "saved_bytes")
-_STAGE_KEYS = (
+_STAGE_KEYS_V1 = (
     *_STAGE_REQUIRED,
     "fwd_s",
     "bwd_s",
@@ -167,7 +199,8 @@ _STAGE_KEYS = (
     "bwd_transient_bytes",
     "nosave_transient_bytes",
 )
-_FIXED_BYTES = (
+_STAGE_KEYS = (*_STAGE_KEYS_V1, "grad_bytes", "saves_input")
+_FIXED_BYTES_V1 = (
     "params_bytes",
     "grads_bytes",
     "optimizer_bytes",
@@ -176,11 +209,17 @@ _FIXED_BYTES = (
     "input_bytes",
     "region_overhead_bytes",
 )
-_PROBLEM_KEYS = (
+_FIXED_BYTES = (
+    *_FIXED_BYTES_V1,
+    "pre_chain_grads_bytes",
+    "post_chain_grads_bytes",
+    "optimizer_step_bytes",
+)
+_PROBLEM_KEYS_V1 = (
     "schema_version",
     "description",
     "stages",
-    *_FIXED_BYTES,
+    *_FIXED_BYTES_V1,
     "region_overhead_s",
     "outside_chain_s",
     "offload_bandwidth_bytes_per_s",
@@ -188,6 +227,7 @@ _PROBLEM_KEYS = (
     "early_stop",
     "slots",
 )
+_PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):])
 
 
 def _check_keys(data: Mapping[str, Any], required: tuple[str, ...], known: tuple[str, ...],
@@ -224,6 +264,12 @@ class Problem:
     early_stop: bool = True
     slots: int = 500
     description: str = ""
+    # Parameter gradients the pre- and post-chain's backward create first (the stages'
+    # own are StageCost.grad_bytes), and the optimizer step's temporaries beyond
+    # parameters, gradients and optimizer state.
+    pre_chain_grads_bytes: int = 0
+    post_chain_grads_bytes: int = 0
+    optimizer_step_bytes: int = 0
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -246,6 +292,14 @@ class Problem:
                 )
         for name in _FIXED_BYTES:
             object.__setattr__(self, name, _bytes(getattr(self, name), name))
+        parts = (sum(s.grad_bytes for s in stages) + self.pre_chain_grads_bytes
+                 + self.post_chain_grads_bytes)
+        if parts > self.grads_bytes:
+            raise UsageError(
+                f"the stages' grad_bytes plus pre_chain_grads_bytes and post_chain_grads_bytes "
+                f"add up to {parts} bytes, more than grads_bytes={self.grads_bytes}, the total "
+                "of all parameter gradients; give grads_bytes of at least their sum"
+            )
         for name in ("region_overhead_s", "outside_chain_s"):
             object.__setattr__(self, name, _seconds(getattr(self, name), name))
         bandwidth = self.offload_bandwidth_bytes_per_s
@@ -288,9 +342,21 @@ class Problem:
         return self.params_bytes + self.optimizer_bytes + self.input_bytes + self.pre_chain_bytes
 
     @property
+    def unattributed_grads_bytes(self) -> int:
+        """Parameter gradients no stage, pre- or post-chain claims: charged from the first
+        backward event on (an upper bound; all of them in a version-1 problem)."""
+        return (self.grads_bytes - sum(s.grad_bytes for s in self.stages)
+                - self.pre_chain_grads_bytes - self.post_chain_grads_bytes)
+
+    @property
     def backward_base_bytes(self) -> int:
-        """Bytes alive through the whole chain backward whatever the plan (with gradients)."""
-        return self.forward_base_bytes + self.grads_bytes
+        """Bytes alive from the first backward event to the optimizer step whatever the plan.
+
+        The forward's base plus the unattributed gradients; the post-chain's, the stages'
+        and the pre-chain's gradients come later (Note [Gradients by position] in
+        :mod:`remat.solve.dp`).
+        """
+        return self.forward_base_bytes + self.unattributed_grads_bytes
 
     def options(self, i: int) -> tuple[str, ...]:
         """The options stage ``i`` may take: keep, its measured selective ones, offload."""
@@ -320,9 +386,9 @@ class Problem:
         if self.description:
             data["description"] = self.description
         data["stages"] = [s.to_dict() for s in self.stages]
-        for name in (*_FIXED_BYTES, "region_overhead_s", "outside_chain_s",
+        for name in (*_FIXED_BYTES_V1, "region_overhead_s", "outside_chain_s",
                      "offload_bandwidth_bytes_per_s", "measured_no_checkpoint_peak_bytes",
-                     "early_stop", "slots"):
+                     "early_stop", "slots", *_FIXED_BYTES[len(_FIXED_BYTES_V1):]):
             data[name] = getattr(self, name)
         return data
 
@@ -332,15 +398,17 @@ class Problem:
         if not isinstance(data, Mapping):
             raise UsageError(f"a problem must be a JSON object, got {type(data).__name__}")
         version = data.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise UsageError(
                 f"problem schema version {version!r} is not supported (this remat reads "
-                f"version {SCHEMA_VERSION}); regenerate the problem with this version of remat"
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}); regenerate the problem "
+                "with this version of remat"
             )
-        _check_keys(data, ("stages",), _PROBLEM_KEYS, "the problem")
+        known = _PROBLEM_KEYS if version >= 2 else _PROBLEM_KEYS_V1
+        _check_keys(data, ("stages",), known, f"the problem (schema version {version})")
         if not isinstance(data["stages"], list):
             raise UsageError(f"problem key 'stages' must be a list, got {data['stages']!r}")
-        stages = tuple(StageCost.from_dict(s, i) for i, s in enumerate(data["stages"]))
+        stages = tuple(StageCost.from_dict(s, i, version) for i, s in enumerate(data["stages"]))
         rest = {k: v for k, v in data.items() if k not in ("schema_version", "stages")}
         return cls(stages=stages, **rest)
 

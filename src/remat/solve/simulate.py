@@ -7,16 +7,22 @@ the two agree on every plan of small chains. ``docs/cost-model.md`` explains eac
 
 What is alive (``a_i`` = ``boundary_bytes`` of stage i, ``a_n`` the chain's output):
 
-* always: parameters, optimizer state, the input batch, the pre-chain's saved bytes;
-  gradients from the first backward event (the post-chain's) to the optimizer step, all
-  at once (an upper bound: autograd fills them in as backward goes).
+* always: parameters, optimizer state, the input batch, the pre-chain's saved bytes
+  (until its backward).
+* parameter gradients, as backward creates them, until the optimizer step: the
+  unattributed ones from the post-chain's backward on (an upper bound); the post-chain's
+  and each stage's ``grad_bytes`` right after that part's backward event (the gradients
+  it creates before its peak are in its measured transient); the pre-chain's at its
+  backward.
 * boundaries ``x_i``, each counted once however many things hold it: the current
-  activation; a region whose input it is; a stage that ran with grad under ``keep`` or
-  ``selective`` (it keeps its input). Offloaded stages keep nothing on the device.
+  activation; a region whose input it is; a stage that ran with grad under ``keep`` (if
+  it ``saves_input``) or ``selective`` (it keeps its input). Offloaded stages keep
+  nothing on the device.
 * each stage that ran with grad: its ``saved_bytes[option]`` until its backward.
 * during backward: the incoming gradient of ``x_{i+1}`` and the outgoing one of ``x_i``
   (gradients have the size of what they differentiate).
-* per event, the transient peak of that step of work (see :class:`~remat.solve.problem.StageCost`).
+* per event, the transient peak of that step of work (see :class:`~remat.solve.problem.StageCost`);
+  the optimizer step's temporaries at its event.
 
 Note [Nested non-reentrant regions]
 -----------------------------------
@@ -181,7 +187,8 @@ class _Walker:
             self.event(label, stage.nosave_peak_extra_bytes)
         else:
             self.event(label, stage.saved_bytes[option] + stage.fwd_transient_bytes)
-            self.hold(i, ("stage", i))
+            if stage.keeps_input(option):
+                self.hold(i, ("stage", i))
         self.add(("saved", i), 0 if option == "offload" else stage.saved_bytes[option])
         self.release(i, _CUR)
 
@@ -201,6 +208,7 @@ class _Walker:
         during = stage.offload_bytes if option == "offload" else stage.saved_bytes["keep"]
         self.add(("grad", i), self.a[i])
         self.event(f"backward {stage.name}", during + stage.bwd_transient_bytes)
+        self.add(("param grads", i), stage.grad_bytes)  # after its peak, to the optimizer
         self.bwd_s += stage.bwd_s
         if option == "offload":
             bandwidth = self.p.offload_bandwidth_bytes_per_s
@@ -211,7 +219,7 @@ class _Walker:
             self.rebuild_s += stage.rebuild_s
         else:
             self.option_s += stage.extra_bwd_s.get(option, 0.0)
-        if option != "offload":
+        if ("stage", i) in self.holders.get(i, ()):
             self.release(i, ("stage", i))
         self.drop(("grad", i + 1))
 
@@ -310,18 +318,24 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.forward_level(top)
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
-    w.add("grads", p.grads_bytes)
+    # Gradients nobody claims, from the first backward event on (an upper bound).
+    w.add(("param grads", "unattributed"), p.unattributed_grads_bytes)
     # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
     w.event("backward post-chain", p.post_chain_bytes)
+    w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
     w.release(n, _CUR)
     w.add(("grad", n), w.a[n])
     w.backward_level(top)
+    w.add(("param grads", "pre-chain"), p.pre_chain_grads_bytes)
     w.event("backward pre-chain")
     w.drop(("grad", 0))
     w.drop("pre-chain")
-    w.event("optimizer step")
+    w.event("optimizer step", p.optimizer_step_bytes)
+    grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
+             ("param grads", "pre-chain"),
+             *(("param grads", i) for i in range(n))}
     assert not any(w.holders.values()) and set(w.blocks) == {
-        "params", "optimizer", "input", "grads"}, (w.holders, w.blocks)
+        "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     peak = max(w.events, key=lambda e: e.live_bytes)
     time = StepTime(
         forward_s=w.fwd_s,

@@ -159,8 +159,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "numpy") -> Plan:
     if avail >= 0:
         slot = max(1, -(-avail // problem.slots))
         m = avail // slot
-        gs = (limit - problem.forward_base_bytes) // slot - m
-        tables = fill(dp.Model(problem, slot, gs), m)
+        tables = fill(dp.Model(problem, slot, avail - m * slot), m)
         if math.isfinite(tables.top[0, m]):
             found = dp.reconstruct(tables, m)
     if found is None:
