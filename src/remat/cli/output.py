@@ -13,8 +13,15 @@ from remat.errors import UsageError
 
 
 def console_for(json_path: str | None) -> Console:
-    """Where human-readable output goes: stderr when the JSON itself goes to stdout."""
-    return Console(stderr=json_path == "-", highlight=False, soft_wrap=True)
+    """Where human-readable output goes: stderr when the JSON itself goes to stdout.
+
+    Piped or captured output gets a wide page, so tables reach logs whole instead of
+    being cut to rich's 80-column default for non-terminals.
+    """
+    console = Console(stderr=json_path == "-", highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(stderr=json_path == "-", highlight=False, soft_wrap=True, width=160)
+    return console
 
 
 def write_json(data: Any, path: str | None) -> None:
