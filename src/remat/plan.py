@@ -18,16 +18,15 @@ resolves the names against the installed torch.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 import sys
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from remat._artifact import JsonArtifact
 from remat.errors import UsageError
 
 __all__ = ["POLICIES", "SCHEMA_VERSION", "Option", "Plan", "Region", "parse_option"]
@@ -110,12 +109,14 @@ _KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(JsonArtifact):
     """A checkpointing plan over a chain of stages; validated on construction.
 
     ``regions`` is normalized to sorted order by ``(start, -stop)`` (parents before their
     children); ``options`` defaults to ``keep`` for every stage.
     """
+
+    artifact: ClassVar[str] = "plan"
 
     stages: tuple[str, ...]
     regions: tuple[Region, ...] = ()
@@ -269,28 +270,6 @@ class Plan:
             options=tuple(data["options"]),
             **{name: data[name] for name in _META_FIELDS},
         )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"the plan is not valid JSON ({err}); check the file") from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as err:
-            raise UsageError(f"cannot read plan file {str(path)!r} ({err.strerror})") from None
-        return cls.from_json(text)
 
 
 def _as_region(value: object) -> Region:

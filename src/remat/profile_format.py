@@ -38,10 +38,10 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
+from remat._artifact import JsonArtifact
 from remat.errors import UsageError
 
 __all__ = [
@@ -315,8 +315,11 @@ class Scaling:
 
 
 @dataclass(frozen=True)
-class Profile:
+class Profile(JsonArtifact):
     """One model's chain profiled at one batch size (module docstring: conventions)."""
+
+    artifact: ClassVar[str] = "profile"
+    written_by: ClassVar[str] = "remat profile --json"
 
     model: str
     batch_size: int | None
@@ -441,31 +444,6 @@ class Profile:
             scaling=None if scaling is None else Scaling.from_dict(scaling),
             **{k: data[k] for k in _PROFILE_SCALARS},
         )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> Profile:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"the profile is not valid JSON ({err}); check the file") from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as err:
-            raise UsageError(
-                f"cannot read profile file {str(path)!r} ({err.strerror}); give the path "
-                "remat profile --json wrote"
-            ) from None
-        return cls.from_json(text)
 
 
 _PROFILE_SCALARS = (

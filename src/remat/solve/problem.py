@@ -29,14 +29,13 @@ gradients are unattributed, which is exactly how version 1 counted them.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
+from remat._artifact import JsonArtifact
 from remat.errors import UsageError
 from remat.plan import parse_option
 from remat.units import parse_size
@@ -241,13 +240,15 @@ def _check_keys(data: Mapping[str, Any], required: tuple[str, ...], known: tuple
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(JsonArtifact):
     """A chain of stages plus everything else one training step keeps on the device.
 
     ``early_stop``: the runtime lets torch end a region's rebuild as soon as it has what
     backward needs (torch's default). ``slots``: how finely the optimal solver divides the
     memory left for the chain.
     """
+
+    artifact: ClassVar[str] = "problem"
 
     stages: tuple[StageCost, ...]
     params_bytes: int = 0
@@ -411,28 +412,6 @@ class Problem:
         stages = tuple(StageCost.from_dict(s, i, version) for i, s in enumerate(data["stages"]))
         rest = {k: v for k, v in data.items() if k not in ("schema_version", "stages")}
         return cls(stages=stages, **rest)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> Problem:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"the problem is not valid JSON ({err}); check the file") from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Problem:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as err:
-            raise UsageError(f"cannot read problem file {str(path)!r} ({err.strerror})") from None
-        return cls.from_json(text)
 
     @classmethod
     def from_profile(cls, profile: Any, *, slots: int = 500) -> Problem:
