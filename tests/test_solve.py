@@ -548,6 +548,90 @@ def test_numpy_dp_on_64_stages_is_fast() -> None:
     assert elapsed < 30  # about 1 s on two cores; a guard against a complexity blow-up
 
 
+def _numba() -> object:
+    from remat.solve import dp_numba
+
+    if not dp_numba.available():
+        pytest.skip("numba is not installed (the fast extra)")
+    return dp_numba
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(), st.integers(0, 40))
+def test_numba_tables_equal_numpy_tables(problem: Problem, top: int) -> None:
+    dp_numba = _numba()
+    model = dp.Model(problem, 1)
+    fast = dp_numba.numba_tables(model, top)  # type: ignore[attr-defined]
+    ref = dp.numpy_tables(model, top)
+    assert np.array_equal(fast.seg, ref.seg)
+    assert np.array_equal(fast.segp, ref.segp)
+    assert np.array_equal(fast.top, ref.top)
+
+
+@pytest.mark.parametrize("name", ["tiny_3", "uniform_8", "hetero_6", "gpt2_12"])
+def test_numba_path_on_fixtures(name: str) -> None:
+    _numba()
+    p = load(name)
+    least, none = solvers.minimum_budget(p), peak(solvers.none(p))
+    for budget in (least, (least + none) // 2, none):
+        plans = [solvers.optimal(p, budget, path=path) for path in ("numba", "numpy", "python")]
+        assert len({(q.regions, q.options, q.predicted_step_time_s) for q in plans}) == 1
+
+
+def _flat_plans(problem: Problem) -> Iterator[Plan]:
+    """Every flat plan: disjoint regions (compositions of the chain), every stage keeping."""
+    n = problem.n
+    for cuts in itertools.product((0, 1, 2), repeat=n):  # 0 bare, 1 opens a region, 2 extends
+        if cuts[0] == 2:
+            continue
+        regions, i = [], 0
+        ok = True
+        while i < n:
+            if cuts[i] == 1:
+                j = i + 1
+                while j < n and cuts[j] == 2:
+                    j += 1
+                regions.append(Region(i, j))
+                i = j
+            elif cuts[i] == 0:
+                i += 1
+            else:
+                ok = False
+                break
+        if ok:
+            yield Plan(problem.stage_names, tuple(regions))
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains())
+def test_segments_optimal_equals_the_best_flat_plan(problem: Problem) -> None:
+    from remat.solve import flat
+
+    scores = [(simulate(p, problem).peak_bytes, simulate(p, problem).step_time_s)
+              for p in _flat_plans(problem)]
+    base = problem.backward_base_bytes
+    top = max(peak for peak, _ in scores) - base + 2
+    t = flat.flat_tables(dp.Model(problem, 1), top)
+    for m in range(top + 1):
+        best = min((s for peak, s in scores if peak <= base + m), default=math.inf)
+        got = t.top[0, m] + constant_s(problem)
+        assert got == best or (math.isinf(got) and math.isinf(best)), (m, got, best)
+        if math.isfinite(got):
+            plan = Plan(problem.stage_names, tuple(Region(*r) for r in flat.flat_plan(t, m)))
+            sim = simulate(plan, problem)
+            assert sim.peak_bytes <= base + m and sim.step_time_s == got
+    # Through the solver: never better than optimal, never worse than every-k/segments-k.
+    none = peak(solvers.none(problem))
+    least = min(peak for peak, _ in scores)
+    for budget in {least, (least + none) // 2, none} - {0}:
+        try:
+            plan = solvers.solve("segments-optimal", problem, budget)
+        except CheckFailed:
+            continue  # slot rounding near the least flat peak
+        assert peak(plan) <= budget
+        assert seconds(plan) >= seconds(solvers.optimal(problem, budget))
+
+
 # -- budgets --------------------------------------------------------------------------------------
 
 

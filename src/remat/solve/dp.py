@@ -89,6 +89,7 @@ __all__ = [
     "Choice",
     "Model",
     "Tables",
+    "fill_top",
     "numpy_tables",
     "python_tables",
     "reconstruct",
@@ -262,6 +263,11 @@ class Tables:
         for e in range(n + 1):
             self.seg[:, e, e, :] = 0.0
 
+    @property
+    def nbytes(self) -> int:
+        """The memory the tables hold."""
+        return int(self.seg.nbytes + self.segp.nbytes + self.top.nbytes)
+
     def ao(self, k: int, e: int, m: int) -> float:
         need = self.model.ao_need[k][e]
         return self.model.ao_cost[k][e] if 0 <= need <= m else INF
@@ -395,11 +401,21 @@ def _shift(v: np.ndarray, s: int) -> np.ndarray:
     return out
 
 
+def _shift_rows(cost: np.ndarray, need: np.ndarray, s: int, ms: np.ndarray) -> np.ndarray:
+    """Rows of all-offloaded rests shifted by ``s``: ``cost`` where ``m - s >= need >= 0``."""
+    ok = (need[:, None] >= 0) & (ms[None, :] - s >= need[:, None])
+    return np.where(ok, cost[:, None], INF)
+
+
 def numpy_tables(model: Model, max_slots: int) -> Tables:
     """Fill the same tables with one vector operation per candidate (the fast path)."""
     t = Tables(model, max_slots)
     n, M = model.n, max_slots
     ms = np.arange(M + 1)
+    reb = np.array(model.reb)
+    ns = np.array(model.ns, dtype=np.int64)
+    ao_cost = np.array(model.ao_cost)
+    ao_need = np.array(model.ao_need, dtype=np.int64)
     ao_vec: dict[tuple[int, int], np.ndarray] = {}
 
     def ao(k: int, e: int) -> np.ndarray:
@@ -427,24 +443,37 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
                     v = model.t_open[k][j] + rest(c.rest, k + 1, e, model.hold_open(k, h))
                 np.minimum(best, np.where(ms >= need, v, INF), out=best)
         rh = model.hold_open(k, h)
-        stops = [s for s in range(k + 1, e + 1) if not (h == 1 and s == e)]
-        if stops:
-            inner = _shift(t.seg[1, k, k + 1: e + 1], rh + model.ob)  # rows: stop = k+1..e
-            for stop in stops:
-                row = inner[stop - k - 1]
-                if model.early_stop:
-                    v = (model.ovh_s + row) + rest("AO", stop, e, rh)
-                    np.minimum(best, v, out=best)
-                    if stop == e:
-                        continue
-                    kind_run = "P"
-                else:
-                    kind_run = "any"
-                v = (model.reb[k][stop] + row) + rest(kind_run, stop, e, rh)
-                need = model.region_fwd(k, stop, h, e)
-                np.minimum(best, np.where(ms >= need, v, INF), out=best)
+        last = e if h == 0 else e - 1  # stops k+1..last (a region never repeats its parent)
+        if last > k:
+            # Every stop at once, one row each: the same elementwise sums as the scalar
+            # path, and min is exact, so the tables stay bitwise equal.
+            rows = _shift(t.seg[1, k, k + 1: last + 1], rh + model.ob)
+            run = last if not model.early_stop else min(last, e - 1)
+            if model.early_stop:
+                stops = np.arange(k + 1, last + 1)
+                ao_rest = _shift_rows(ao_cost[stops, e], ao_need[stops, e], rh, ms)
+                v2 = (model.ovh_s + rows) + ao_rest
+                np.minimum(best, v2.min(axis=0), out=best)
+            if run > k:
+                table = t.segp if model.early_stop else t.seg
+                rest2 = _shift(table[0, k + 1: run + 1, e], rh)
+                v2 = (reb[k, k + 1: run + 1, None] + rows[: run - k]) + rest2
+                needs = -(-(model.inp(k, h) + ns[k, k + 1: run + 1] + model.grads_during(e))
+                          // model.q)
+                v2[ms[None, :] < needs[:, None]] = INF
+                np.minimum(best, v2.min(axis=0), out=best)
         t.segp[h, k, e] = best
         t.seg[h, k, e] = np.minimum(best, ao(k, e)) if model.early_stop else best
+    fill_top(t)
+    return t
+
+
+def fill_top(t: Tables) -> None:
+    """Fill ``t.top`` from the filled ``t.seg`` (both vector paths share it)."""
+    model = t.model
+    n, M = model.n, t.M
+    ms = np.arange(M + 1)
+    ns = np.array(model.ns, dtype=np.int64)
     t.top[n] = np.where(ms >= model.post, 0.0, INF)
     for k in range(n - 1, -1, -1):
         best = np.full(M + 1, INF)
@@ -454,14 +483,12 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
             np.minimum(best, np.where(ms >= need, v, INF), out=best)
         rh = model.hold_open(k, 0)
         inner = _shift(t.seg[1, k, k + 1:], rh + model.ob)
-        rests = _shift(t.top[k + 1:], rh)
-        for stop in range(k + 1, n + 1):
-            v = (model.ovh_s + inner[stop - k - 1]) + rests[stop - k - 1]
-            need = model.region_fwd(k, stop, 0, None) - model.gs
-            np.minimum(best, np.where(ms >= need, v, INF), out=best)
+        v2 = (model.ovh_s + inner) + _shift(t.top[k + 1:], rh)  # one row per stop
+        needs = -(-(model.inp(k, 0) + ns[k, k + 1:]) // model.q) - model.gs
+        v2[ms[None, :] < needs[:, None]] = INF
+        np.minimum(best, v2.min(axis=0), out=best)
         t.top[k] = best
     t.top[0] = np.where(ms >= model.after, t.top[0], INF)  # the events after the chain
-    return t
 
 
 # -- reconstruction --------------------------------------------------------------------------

@@ -36,6 +36,7 @@ __all__ = [
     "optimal",
     "per_stage",
     "segments",
+    "segments_optimal",
     "selective_everywhere",
     "solve",
 ]
@@ -139,11 +140,30 @@ def min_peak(problem: Problem, budget: Budget = None) -> Plan:
     return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0)
 
 
-def optimal(problem: Problem, budget: Budget, *, path: str = "numpy") -> Plan:
+def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
+    if path == "auto":
+        from remat.solve import dp_numba
+
+        path = "numba" if dp_numba.available() else "numpy"
+    if path == "numba":
+        from remat.solve import dp_numba
+
+        if not dp_numba.available():
+            raise UsageError("path='numba' needs numba; install it with pip install remat[fast]")
+        return dp_numba.numba_tables
+    fill = {"numpy": dp.numpy_tables, "python": dp.python_tables}.get(path)
+    if fill is None:
+        raise UsageError(f"path={path!r} is not known; use 'auto', 'numba', 'numpy' or 'python'")
+    return fill
+
+
+def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
 
-    Memory is divided into ``problem.slots`` slots; ``path`` is ``numpy`` (fast) or
-    ``python`` (the reference loops; same tables). When rounding to slots leaves no plan
+    Memory is divided into ``problem.slots`` slots; ``path`` is ``numba`` (compiled,
+    fastest; needs the ``fast`` extra), ``numpy``, ``python`` (the reference loops) or
+    ``auto`` (numba when installed, else numpy): all fill bitwise equal tables. When
+    rounding to slots leaves no plan
     although one fits (budgets within a few slots of the minimum), the plan with the
     smallest peak is returned. Raises CheckFailed when no plan fits at all.
     """
@@ -151,9 +171,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "numpy") -> Plan:
     limit = _budget(budget, problem)
     if limit is None:
         raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
-    fill = {"numpy": dp.numpy_tables, "python": dp.python_tables}.get(path)
-    if fill is None:
-        raise UsageError(f"path={path!r} is not known; use 'numpy' or 'python'")
+    fill = _fill(path)
     avail = limit - problem.backward_base_bytes
     found: tuple[list[tuple[int, int]], list[str]] | None = None
     if avail >= 0:
@@ -177,6 +195,35 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "numpy") -> Plan:
     return plan
 
 
+def segments_optimal(problem: Problem, budget: Budget) -> Plan:
+    """The fastest flat plan (disjoint regions, every stage keeps) whose peak fits ``budget``.
+
+    The one-level solver of :mod:`remat.solve.flat`: no ``O(n^3)`` term, for chains too
+    long for ``optimal``. Raises CheckFailed when no flat plan fits (in slots).
+    """
+    from remat.solve import flat
+
+    t0 = time.perf_counter()
+    limit = _budget(budget, problem)
+    if limit is None:
+        raise UsageError("segments-optimal needs a budget; give one such as 6GiB or 50%")
+    avail = limit - problem.backward_base_bytes
+    if avail >= 0:
+        slot = max(1, -(-avail // problem.slots))
+        m = avail // slot
+        tables = flat.flat_tables(dp.Model(problem, slot, avail - m * slot), m)
+        if math.isfinite(tables.top[0, m]):
+            regions = flat.flat_plan(tables, m)
+            plan = _finish(problem, regions, None, "segments-optimal", limit, t0)
+            assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+            return plan
+    raise CheckFailed(
+        f"no flat plan (disjoint regions, every stage keeping) fits a budget of "
+        f"{format_bytes(limit)} ({limit} bytes) in {problem.slots} slots; give a larger "
+        "budget, or use the optimal solver (nested regions and options)"
+    )
+
+
 SOLVERS: dict[str, Callable[..., Plan]] = {
     "none": none,
     "per-stage": per_stage,
@@ -187,6 +234,7 @@ SOLVERS: dict[str, Callable[..., Plan]] = {
     "selective-everywhere": selective_everywhere,
     "min-peak": min_peak,
     "optimal": optimal,
+    "segments-optimal": segments_optimal,
 }
 
 

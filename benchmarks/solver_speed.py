@@ -1,0 +1,164 @@
+"""How long the optimal solver's tables take, and how much memory they hold.
+
+Random heterogeneous chains (seeded) with three options per stage (keep,
+``selective:save-matmuls``, offload over a 20 GB/s link), early stop on, 500 slots, at a
+budget halfway between the peaks of per-stage regions and of no checkpointing. In one warm
+process: the first solve of the smallest chain is thrown away (imports, allocator), then
+each size is solved ``--repeat`` times and the median is reported, for the numpy table
+fill alone (``dp.numpy_tables``) and for ``solvers.optimal`` end to end (tables,
+reconstruction, the simulator's check of the plan).
+
+Targets (issue "Plan optimally under a memory budget"): 128 stages x 500 slots <= 0.1 s,
+256 x 500 <= 1 s, 512 x 500 <= 6 s, tables <= 400 MiB at 256 x 500.
+
+Run from the repository root::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/solver_speed.py [--sizes 64 128 256] [--repeat 3]
+
+Prints the figures and writes them to ``benchmarks/solver_speed.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from remat.solve import Problem, StageCost, dp, dp_numba, solvers
+
+COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/solver_speed.py"
+MiB = 1 << 20
+TARGETS = {128: 0.1, 256: 1.0, 512: 6.0}
+
+
+def random_chain(n: int, seed: int = 0, slots: int = 500) -> Problem:
+    rng = random.Random(seed)
+    a = [rng.randint(4, 64) * MiB for _ in range(n + 1)]
+    stages = []
+    for i in range(n):
+        keep = rng.randint(4, 24) * a[i]
+        fwd = rng.uniform(1e-3, 1e-2)
+        stages.append(StageCost(
+            f"s{i}", a[i], a[i + 1],
+            {"keep": keep, "selective:save-matmuls": keep // rng.randint(2, 4)},
+            fwd_s=fwd, bwd_s=2 * fwd, rebuild_s=fwd,
+            extra_bwd_s={"selective:save-matmuls": fwd * rng.uniform(0.1, 0.5)},
+            fwd_transient_bytes=rng.randint(0, 4) * a[i],
+            bwd_transient_bytes=rng.randint(0, 6) * a[i],
+            nosave_transient_bytes=rng.randint(1, 4) * a[i],
+            grad_bytes=rng.randint(0, 8) * MiB,
+        ))
+    grads = sum(s.grad_bytes for s in stages) + 64 * MiB
+    return Problem(tuple(stages), params_bytes=grads, grads_bytes=grads,
+                   optimizer_bytes=2 * grads, post_chain_bytes=256 * MiB,
+                   region_overhead_s=1e-4, offload_bandwidth_bytes_per_s=2e10, slots=slots)
+
+
+def budget_of(problem: Problem) -> int:
+    none = solvers.none(problem).predicted_peak_bytes
+    assert none is not None
+    per_stage = solvers.per_stage(problem).predicted_peak_bytes
+    assert per_stage is not None
+    return (per_stage + none) // 2
+
+
+def tables_for(problem: Problem, budget: int) -> tuple[dp.Model, int]:
+    avail = budget - problem.backward_base_bytes
+    slot = max(1, -(-avail // problem.slots))
+    m = avail // slot
+    return dp.Model(problem, slot, avail - m * slot), m
+
+
+def measure(n: int, repeat: int, numpy_up_to: int = 128) -> dict[str, float]:
+    problem = random_chain(n)
+    budget = budget_of(problem)
+    model, m = tables_for(problem, budget)
+    fills, nfills, solves = [], [], []
+    nbytes = 0
+    for _ in range(repeat):
+        if dp_numba.available():
+            t0 = time.perf_counter()
+            tables = dp_numba.numba_tables(model, m)
+            fills.append(time.perf_counter() - t0)
+            del tables
+        if n <= numpy_up_to:
+            t0 = time.perf_counter()
+            tables = dp.numpy_tables(model, m)
+            nfills.append(time.perf_counter() - t0)
+            nbytes = tables.nbytes
+            del tables
+        nbytes = nbytes or 2 * 2 * (n + 1) ** 2 * (m + 1) * 8 + (n + 1) * (m + 1) * 8
+        t0 = time.perf_counter()
+        plan = solvers.optimal(problem, budget)
+        solves.append(time.perf_counter() - t0)
+        assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= budget
+    nan = float("nan")
+    return {"fill": statistics.median(fills) if fills else nan,
+            "fill_min": min(fills) if fills else nan,
+            "solve_min": min(solves),
+            "numpy": statistics.median(nfills) if nfills else nan,
+            "solve": statistics.median(solves),
+            "tables": nbytes / MiB, "slots": m}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--flat-sizes", type=int, nargs="*", default=[256, 1000, 2000])
+    parser.add_argument("--out", default=str(Path(__file__).with_name("solver_speed.md")))
+    args = parser.parse_args()
+    measure(8, 1)  # warm up
+    rows = []
+    for n in args.sizes:
+        r = measure(n, args.repeat)
+        rows.append((n, r))
+        print(n, r, flush=True)
+    lines = [
+        "# Optimal solver speed", "",
+        f"Reproduce with `{COMMAND} --sizes {' '.join(map(str, args.sizes))} --repeat "
+        f"{args.repeat}`. Python {platform.python_version()}, numpy {np.__version__}, "
+        f"{platform.machine()}, {os.cpu_count()} CPU(s) shared with other jobs: medians of "
+        f"{args.repeat} in one warm process. Random heterogeneous chains (seed 0), three "
+        "options per stage (keep, selective, offload), early stop, 500 slots, budget halfway "
+        "between the peaks of per-stage regions and of no checkpointing.", "",
+        "| stages | slots used | table fill (numba) | table fill (numpy) | `optimal` end to end "
+        "(numba) | best of the runs: fill, `optimal` | tables | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, r in rows:
+        target = TARGETS.get(n)
+        verdict = "-" if target is None else (
+            f"<= {target:g} s: **{'met' if r['solve'] <= target else 'missed'}**")
+        if n == 256:
+            verdict += f"; tables <= 400 MiB: **{'met' if r['tables'] <= 400 else 'missed'}**"
+        numpy_s = "-" if r["numpy"] != r["numpy"] else f"{r['numpy']:.3f} s"  # nan: not run
+        lines.append(f"| {n} | {int(r['slots'])} | {r['fill']:.3f} s | {numpy_s} "
+                     f"| {r['solve']:.3f} s | {r['fill_min']:.3f} s, {r['solve_min']:.3f} s "
+                     f"| {r['tables']:.0f} MiB | {verdict} |")
+    lines += ["", "One-level segment solver (`segments-optimal`, flat plans, numpy), same chains "
+              "and budget rule, one run each:", "",
+              "| stages | `segments-optimal` |", "|---|---|"]
+    for n in args.flat_sizes:
+        problem = random_chain(n)
+        none = solvers.none(problem).predicted_peak_bytes
+        assert none is not None
+        budget = (problem.backward_base_bytes + 3 * none) // 4
+        t0 = time.perf_counter()
+        solvers.segments_optimal(problem, budget)
+        lines.append(f"| {n} | {time.perf_counter() - t0:.3f} s |")
+    lines += ["", "Target: 10,000 stages <= 0.2 s."]
+    lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
