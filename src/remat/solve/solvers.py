@@ -57,8 +57,11 @@ def _finish(
     started: float,
 ) -> Plan:
     names = problem.stage_names
-    plan = Plan(names, tuple(Region(*r) for r in regions),
-                tuple(options) if options else ("keep",) * len(names))
+    plan = Plan(
+        names,
+        tuple(Region(*r) for r in regions),
+        tuple(options) if options else ("keep",) * len(names),
+    )
     sim = simulate(plan, problem)
     baseline = simulate(Plan(names), problem).step_time_s
     return Plan(
@@ -173,13 +176,26 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
         raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
     fill = _fill(path)
     avail = limit - problem.backward_base_bytes
-    found: tuple[list[tuple[int, int]], list[str]] | None = None
+    found: tuple[list[tuple[int, int]], list[str] | None] | None = None
     if avail >= 0:
         slot = max(1, -(-avail // problem.slots))
         m = avail // slot
         tables = fill(dp.Model(problem, slot, avail - m * slot), m)
         if math.isfinite(tables.top[0, m]):
             found = dp.reconstruct(tables, m)
+    # Note [Recipes beside the tables]: slot rounding charges every held quantity a whole
+    # slot, so at a budget within a few slots of a recipe's exact peak the tables can
+    # miss that recipe. The classic recipes are few and scored exactly in bytes, so the
+    # fastest one that fits competes with the table's plan: optimal is never slower
+    # than a recipe that fits the same budget.
+    candidates: list[tuple[list[tuple[int, int]], list[str] | None]] = []
+    if found is not None:
+        candidates.append(found)
+    candidates += [(regions, None) for regions in _recipe_regions(problem.n)]
+    scored = [(simulate(_as_plan(problem, c), problem), c) for c in candidates]
+    fitting = [(sim.step_time_s, i) for i, (sim, _) in enumerate(scored) if sim.peak_bytes <= limit]
+    if fitting:
+        found = scored[min(fitting)[1]][1]
     if found is None:
         least, regions, options = min_peak_plan(problem)
         if limit < least:
@@ -193,6 +209,30 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     plan = _finish(problem, found[0], found[1], "optimal", limit, t0)
     assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
     return plan
+
+
+def _recipe_regions(n: int) -> list[list[tuple[int, int]]]:
+    """Every distinct region list of the classic recipes (every-k, groups, segments-k)."""
+    if n == 0:
+        return []
+    lists = [recipes.every(n, k) for k in range(1, n + 1)]
+    lists += [recipes.groups(n, size) for size in range(1, n + 1)]
+    lists += [recipes.segments(n, k) for k in range(1, n + 1)]
+    lists += [recipes.block(n, count) for count in range(1, n + 1)]
+    unique = {tuple(spans): spans for spans in lists}
+    return list(unique.values())
+
+
+def _as_plan(
+    problem: Problem, found: tuple[Sequence[tuple[int, int]], Sequence[str] | None]
+) -> Plan:
+    regions, options = found
+    names = problem.stage_names
+    return Plan(
+        names,
+        tuple(Region(*r) for r in regions),
+        tuple(options) if options else ("keep",) * len(names),
+    )
 
 
 def segments_optimal(problem: Problem, budget: Budget) -> Plan:
