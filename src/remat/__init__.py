@@ -25,6 +25,8 @@ _LAZY: dict[str, str] = {
     "plan": "remat.plan",
     "profile": "remat.profiler",
     "Profile": "remat.profile_format",
+    "bench": "remat.bench",
+    "auto": "remat.bench",
 }
 
 if TYPE_CHECKING:

@@ -17,6 +17,8 @@ COMMANDS: dict[str, str] = {
     "profile": "remat.cli.profile",
     "plan": "remat.cli.plan",
     "verify": "remat.cli.verify",
+    "bench": "remat.cli.bench",
+    "auto": "remat.cli.auto",
 }
 
 

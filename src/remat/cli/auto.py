@@ -1,0 +1,150 @@
+"""``remat auto``: the main job: profile, plan, apply, verify, measure, in one command."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.table import Table
+
+from remat.cli.bench import progress_bar
+from remat.cli.common import add_model_options, model_options, stage_list
+from remat.cli.output import add_json_option, console_for, write_json
+from remat.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from remat.bench import AutoReport
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="the main job: profile, plan under a budget, apply, verify and measure a model",
+        description=(
+            "Profile a model, choose remat's fastest plan under a memory budget, apply it, "
+            "verify that training is unchanged and measure it against the plain model: "
+            "predicted against measured peak, the step-time overhead, whether gradients are "
+            "equal, and where the memory went. Exits 0 only when every step ran, verify "
+            "passed and the measured peak is within the budget and within 5%% of the "
+            "prediction; 1 otherwise."
+        ),
+    )
+    add_model_options(p)
+    p.add_argument("--budget", default="50%",
+                   help="whole-step budget: bytes or a fraction of the peak without "
+                   "checkpointing (default 50%%)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    p.add_argument("--repeats", type=int, default=6,
+                   help="timed steps of each model, interleaved (default 6)")
+    p.add_argument("--verify-steps", type=int, default=2,
+                   help="training steps the verify harness compares (default 2)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write auto.json, plan.json, profile.json and auto.md here")
+    add_json_option(p)
+    p.set_defaults(run=run)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f}"
+
+
+def _categories(report: AutoReport) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title="where the memory went, at each step's peak (MiB)")
+    for column in ("category", "without checkpointing", "with the plan", "change"):
+        table.add_column(column, justify="left" if column == "category" else "right")
+    base, ours = report.baseline_peak_by_category, report.peak_by_category
+    for name in base:
+        a, b = base.get(name, 0), ours.get(name, 0)
+        if a or b:
+            table.add_row(name, _mib(a), _mib(b), f"{(b - a) / (1 << 20):+.2f}")
+    table.add_row("total", _mib(report.baseline_peak_bytes), _mib(report.measured_peak_bytes),
+                  f"{(report.measured_peak_bytes - report.baseline_peak_bytes) / (1 << 20):+.2f}")
+    return table
+
+
+def render(report: AutoReport, console: Console) -> None:
+    from remat.bench.report import options_summary
+    from remat.units import format_bytes
+
+    plan = report.plan
+    console.print(f"remat auto: {report.model}, budget {report.budget} = "
+                  f"{format_bytes(report.budget_bytes)}")
+    regions = " ".join(str(r) for r in plan.regions) or "none"
+    console.print(f"plan: regions {regions}; options {options_summary(plan.options)}")
+    verdict = "within the budget" if report.within_budget else "[bold red]OVER the budget[/]"
+    console.print(
+        f"peak: predicted {format_bytes(report.predicted_peak_bytes)}, measured "
+        f"{format_bytes(report.measured_peak_bytes)} ({report.peak_error:+.1%}), {verdict}; "
+        f"without checkpointing {format_bytes(report.baseline_peak_bytes)} "
+        f"({report.measured_peak_bytes / report.baseline_peak_bytes - 1:+.0%})"
+    )
+    predicted = ("" if report.predicted_overhead is None
+                 else f"; predicted {report.predicted_overhead:+.1%}")
+    console.print(
+        f"step: {report.step_time_s * 1e3:.1f} ms against {report.baseline_step_time_s * 1e3:.1f}"
+        f" ms without checkpointing: overhead {report.overhead:+.1%} (median of interleaved "
+        f"pairs{predicted})"
+    )
+    grads = "equal" if report.grads_match else "[bold red]DIFFERENT[/]"
+    console.print(f"gradients: {grads}; verify {'passed' if report.verify_ok else 'FAILED'}: "
+                  f"{report.verify_detail}")
+    console.print(_categories(report))
+    where = f" in {report.peak_module}" if report.peak_module else ""
+    console.print(f"the measured peak is in the {report.peak_phase or '?'} phase{where}; the "
+                  f"cost model puts it at '{report.predicted_peak_event}'")
+    for problem in report.problems:
+        console.print(f"[bold red]problem[/]: {problem}")
+    t = report.timings_s
+    console.print(
+        f"{'OK' if report.ok else 'NOT OK'}; took {report.elapsed_s:.0f} s (profile "
+        f"{t.get('profile_s', 0):.0f} s, plan {t.get('plan_s', 0):.1f} s, verify "
+        f"{t.get('verify_s', 0):.0f} s, measure {t.get('measure_s', 0):.0f} s)"
+    )
+
+
+def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
+    target = Path(folder)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        paths = [target / "auto.json", target / "plan.json", target / "auto.md"]
+        paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        report.plan.save(paths[1])
+        paths[2].write_text(f"# remat auto: {report.model}\n\n```text\n{text}```\n")
+        if report.profile is not None:
+            paths.append(target / "profile.json")
+            report.profile.save(paths[-1])
+    except OSError as err:
+        raise UsageError(
+            f"cannot write to {folder!r} ({err.strerror}); give a writable --out"
+        ) from err
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from remat.bench import auto, parse_budgets
+
+    parse_budgets([args.budget])
+    with progress_bar("auto") as progress:
+        report = auto(
+            args.model, options=model_options(args), stages=stage_list(args.stages),
+            budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
+            verify_steps=args.verify_steps, progress=progress,
+        )
+    console = console_for(args.json)
+    render(report, console)
+    if args.out:
+        recorder = Console(record=True, width=110, file=io.StringIO())
+        render(report, recorder)
+        paths = _write_folder(report, args.out, recorder.export_text())
+        console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    write_json(report.to_dict(), args.json)
+    return 0 if report.ok else 1

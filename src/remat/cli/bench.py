@@ -1,0 +1,191 @@
+"""``remat bench``: every checkpointing strategy side by side, predicted against measured."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.table import Table
+
+from remat.cli.common import add_model_options, model_options, stage_list
+from remat.cli.output import add_json_option, console_for, write_json
+from remat.errors import UsageError
+
+if TYPE_CHECKING:
+    from remat.bench import BenchReport
+
+# Literal copies of remat.bench's defaults: importing it here would import torch for
+# every subcommand's --help (tests/test_bench.py checks they stay equal).
+DEFAULT_BUDGETS = "100%,75%,50%,35%,25%"
+DEFAULT_STRATEGIES = "none,per-stage,every-2,sqrt,selective,compile,remat"
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="benchmark checkpointing strategies side by side under memory budgets",
+        description=(
+            "Measure, in one process with interleaved repeats, no checkpointing, per-stage "
+            "checkpointing, every-K, sqrt(n) segments, selective everywhere, torch.compile "
+            "with its activation memory budget and remat's optimal plan at each budget: "
+            "predicted and measured peak, step time, overhead, whether gradients match; "
+            "then each strategy's largest micro-batch under one budget and its throughput. "
+            "Exits 1 when a plan remat applied changed the gradients or went over its budget."
+        ),
+    )
+    add_model_options(p)
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                   help=f"whole-step budgets, bytes or fractions (default {DEFAULT_BUDGETS})"
+                   .replace("%", "%%"))
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help=f"which strategies (default all: {DEFAULT_STRATEGIES}; every-K for any "
+                   "K); none always runs")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--verify-steps", type=int, default=2,
+                   help="training steps of each row's gradient check (default 2)")
+    p.add_argument("--profile-repeats", type=int, default=2,
+                   help="timed steps of each kind while profiling (default 2)")
+    p.add_argument("--compile-limit", type=float, default=600.0, metavar="SECONDS",
+                   help="skip further compile rows once compiling took this long (default 600)")
+    p.add_argument("--microbatch-budget", default="50%", metavar="BUDGET",
+                   help="budget of the micro-batch comparison, or 'off' (default 50%%)")
+    p.add_argument("--no-matched", action="store_true",
+                   help="skip remat's plans at each baseline's measured peak")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the run (default: torch's own)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the report folder (bench.json, README.md, PNG plots) here")
+    add_json_option(p)
+    p.set_defaults(run=run)
+
+
+@contextmanager
+def progress_bar(what: str) -> Iterator[Callable[[str, int, int], None]]:
+    """A progress callback drawing a bar on stderr (shown only on a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    status = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                   console=status, transient=True, disable=not status.is_terminal)
+    with bar:
+        task = bar.add_task(what, total=None)
+
+        def update(text: str, done: int, total: int) -> None:
+            bar.update(task, description=f"{what}: {text}", completed=done, total=total)
+
+        yield update
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, every option spelled out."""
+    words = ["remat", "bench", "--model", args.model]
+    for item in args.sets:
+        words += ["--set", item]
+    if args.batch_size is not None:
+        words += ["--batch-size", str(args.batch_size)]
+    if args.stages:
+        words += ["--stages", args.stages]
+    words += ["--budgets", args.budgets, "--strategies", args.strategies,
+              "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+              "--microbatch-budget", args.microbatch_budget]
+    if args.no_matched:
+        words.append("--no-matched")
+    if args.threads is not None:
+        words += ["--threads", str(args.threads)]
+    if args.optimizer != "adamw":
+        words += ["--optimizer", args.optimizer]
+    if args.out:
+        words += ["--out", args.out]
+    return shlex.join(words)
+
+
+def _table(report: BenchReport) -> Table:
+    from remat.bench.report import options_summary
+    from remat.units import format_bytes
+
+    def size(n: int | None) -> str:
+        return "-" if n is None else format_bytes(n)
+
+    def ms(s: float | None) -> str:
+        return "-" if s is None else f"{s * 1e3:.1f}"
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=f"{report.model}: one training step per row; times in ms")
+    for column in ("row", "predicted", "measured", "error", "step [min, max]", "overhead",
+                   "grads", "regions / options"):
+        table.add_column(column, justify="left" if column in ("row", "regions / options")
+                         else "right")
+    for r in report.rows:
+        if r.status != "ok":
+            table.add_row(r.key, "", "", "", "", "", "", f"{r.status}: {r.reason}")
+            continue
+        grads = "-" if r.grads_match is None else ("equal" if r.grads_match else "DIFFER")
+        overhead = "-" if r.overhead is None else f"{r.overhead:+.0%}"
+        if r.predicted_overhead is not None:
+            overhead += f" ({r.predicted_overhead:+.0%})"
+        table.add_row(
+            r.key, size(r.predicted_peak_bytes),
+            f"{size(r.measured_peak_bytes)}{'' if r.instrument == 'tracker' else ' *'}",
+            "-" if r.peak_error is None else f"{r.peak_error:+.1%}",
+            f"{ms(r.step_time_s)} [{ms(r.step_time_min_s)}, {ms(r.step_time_max_s)}]",
+            overhead, grads,
+            f"{' '.join(r.regions) or '-'} / {options_summary(r.options)}",
+        )
+    table.caption = ("measured: the live-storage tracker; * torch.profiler allocator events "
+                     "(compiled rows); overhead against no checkpointing (predicted)")
+    return table
+
+
+def _failed(report: BenchReport) -> list[str]:
+    bad = [r.key for r in report.rows if r.strategy != "compile" and r.grads_match is False]
+    over = [r.key for r in report.rows if r.strategy == "remat" and r.within_budget is False]
+    return ([f"gradients differ: {', '.join(bad)}"] if bad else []) + (
+        [f"over budget: {', '.join(over)}"] if over else [])
+
+
+def run(args: argparse.Namespace) -> int:
+    from remat.bench import bench, parse_budgets, parse_strategies, write_report
+
+    strategies = parse_strategies(args.strategies)
+    budgets = parse_budgets(args.budgets)
+    micro = None if args.microbatch_budget.strip().lower() == "off" else args.microbatch_budget
+    if micro is not None:
+        parse_budgets([micro])
+    if args.compile_limit < 0:
+        raise UsageError(f"--compile-limit {args.compile_limit:g} is negative; give seconds >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads} is below 1; give 1 or more")
+    with progress_bar("bench") as progress:
+        report = bench(
+            args.model, options=model_options(args), stages=stage_list(args.stages),
+            budgets=budgets, strategies=strategies, optimizer=args.optimizer,
+            repeats=args.repeats, warmup=args.warmup, verify_steps=args.verify_steps,
+            profile_repeats=args.profile_repeats, compile_limit_s=args.compile_limit,
+            matched=not args.no_matched, microbatch_budget=micro, threads=args.threads,
+            progress=progress,
+            command=command_line(args),
+        )
+    console = console_for(args.json)
+    console.print(_table(report))
+    for f in report.findings:
+        mark = {True: "[green]MET[/]", False: "[bold red]MISSED[/]", None: "note"}[f.met]
+        console.print(f"{mark} {f.name}: {f.statement}")
+    if args.out:
+        files = write_report(report, args.out)
+        written = [files.json_path, files.markdown_path, *files.plots]
+        console.print(f"report: {', '.join(str(p) for p in written)}")
+        if files.plots_skipped:
+            console.print(files.plots_skipped)
+    console.print(f"took {report.elapsed_s:.0f} s")
+    write_json(report.to_dict(), args.json)
+    failed = _failed(report)
+    for line in failed:
+        console.print(f"[bold red]check failed[/]: {line}")
+    return 1 if failed else 0

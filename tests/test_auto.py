@@ -1,0 +1,88 @@
+"""remat auto: profile, plan, apply, verify, measure; its JSON, folder and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import remat
+from remat.bench import AutoReport
+from remat.bench.auto import _problems
+from remat.cli import main
+from remat.plan import Plan
+
+TINY = {"n_layer": 3, "n_embd": 32, "n_head": 2, "block_size": 32, "vocab_size": 64,
+        "batch_size": 4}
+TINY_SETS = [arg for k, v in TINY.items() for arg in ("--set", f"{k}={v}")]
+
+
+@pytest.fixture(scope="module")
+def report() -> AutoReport:
+    return remat.auto("gpt", options=TINY, budget="80%", repeats=2)
+
+
+def test_auto_meets_its_budget_as_predicted_with_equal_gradients(report: AutoReport) -> None:
+    assert report.ok, report.problems
+    assert report.budget_bytes < report.baseline_peak_bytes
+    assert report.measured_peak_bytes <= report.budget_bytes
+    assert abs(report.peak_error) <= 0.05
+    assert report.verify_ok and report.grads_match
+    assert report.plan.solver == "optimal" and report.plan.budget_bytes == report.budget_bytes
+    assert report.step_time_s > 0 and report.baseline_step_time_s > 0
+    assert sum(report.peak_by_category.values()) == report.measured_peak_bytes
+    assert sum(report.baseline_peak_by_category.values()) == report.baseline_peak_bytes
+    assert report.predicted_peak_event
+
+
+def test_auto_json_has_the_documented_keys(report: AutoReport) -> None:
+    data = json.loads(json.dumps(report.to_dict()))
+    for key in ("budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes",
+                "measured_peak_bytes", "baseline_step_time_s", "step_time_s", "verify_ok",
+                "plan", "ok", "problems", "peak_by_category", "overhead", "environment"):
+        assert key in data, key
+    assert Plan.from_dict(data["plan"]) == report.plan
+
+
+def test_problems_are_stated_not_hidden() -> None:
+    mib = 1 << 20
+    assert _problems(100 * mib, 100 * mib, 100 * mib, True, "") == ()
+    over = _problems(100 * mib, 100 * mib, 104 * mib, True, "")
+    assert len(over) == 1 and "over the budget" in over[0]
+    off = _problems(100 * mib, 90 * mib, 99 * mib, True, "")
+    assert len(off) == 1 and "+10.0% off the predicted" in off[0]
+    failed = _problems(100 * mib, 100 * mib, 100 * mib, False, "loss: differs")
+    assert failed == ("verify failed: loss: differs",)
+
+
+def test_cli_prints_the_comparison_writes_the_folder_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["auto", *TINY_SETS, "--budget", "80%", "--repeats", "2",
+                 "--out", str(tmp_path / "out"), "--json", str(tmp_path / "a.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for text in ("peak: predicted", "overhead", "gradients: equal", "where the memory went",
+                 "activations"):
+        assert text in out
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert data["ok"] and data["verify_ok"]
+    folder = tmp_path / "out"
+    assert Plan.load(folder / "plan.json").regions == Plan.from_dict(data["plan"]).regions
+    assert (folder / "profile.json").exists() and "peak: predicted" in (
+        folder / "auto.md").read_text()
+
+
+def test_cli_infeasible_budget_exits_1_naming_the_smallest(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["auto", *TINY_SETS, "--budget", "1%"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "at least" in err and "\n" not in err
+
+
+def test_cli_bad_budget_is_a_one_line_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["auto", "--budget", "plenty"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("remat auto: error:") and "\n" not in err
