@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.runtime.engine import main_output
+
 __all__ = [
     "buffers_restored",
     "main_input",
@@ -19,19 +21,6 @@ __all__ = [
 ]
 
 _CUDA_BLOCK_BYTES = 512  # the tracker counts whole caching-allocator blocks on CUDA
-
-
-def main_output(out: object) -> torch.Tensor | None:
-    """The hidden state a stage returns: the output, or its first item, if a tensor."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out:
-        first = out[0]
-    elif isinstance(out, Mapping) and out:
-        first = next(iter(out.values()))
-    else:
-        return None
-    return first if isinstance(first, torch.Tensor) else None
 
 
 def main_input(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
