@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,17 +16,31 @@ from remat.bench.microbatch import split
 from remat.cli import main
 from remat.errors import UsageError
 
+# torch.compile uses a deprecated torch.jit helper internally (torch 2.13).
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32, "vocab_size": 64,
         "batch_size": 4}
 TINY_SETS = [arg for k, v in TINY.items() for arg in ("--set", f"{k}={v}")]
 
 
 @pytest.fixture(scope="module")
-def report() -> BenchReport:
-    return remat.bench(
-        "gpt", options=TINY, budgets="100%,80%", strategies="per-stage,every-2,compile,remat",
-        repeats=2, warmup=1, microbatch_budget="70%",
-    )
+def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchReport]:
+    # A cold inductor cache: artifacts cached by an earlier run must not hide a compile
+    # that fails when it really runs.
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    try:
+        yield remat.bench(
+            "gpt", options=TINY, budgets="100%,80%",
+            strategies="per-stage,every-2,compile,remat", repeats=2, warmup=1,
+            microbatch_budget="70%",
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
 # -- parsing -----------------------------------------------------------------------------
@@ -100,11 +116,11 @@ def test_plans_are_measured_by_the_tracker_as_predicted(report: BenchReport) -> 
 def test_compile_rows_are_measured_by_the_profiler_and_gradient_checked(
     report: BenchReport,
 ) -> None:
+    if report.row("compile@100%").status != "ok":  # no working compiler here: it says why
+        pytest.skip(f"torch.compile does not work here: {report.row('compile@100%').reason}")
     for budget in ("100%", "80%"):
         r = report.row(f"compile@{budget}")
-        if r.status != "ok":  # a machine without a working compiler says why
-            assert r.reason
-            continue
+        assert r.status == "ok", r.reason  # a budget below 1 compiles too
         assert r.instrument == "torch.profiler"
         assert r.measured_peak_bytes and r.predicted_peak_bytes is None
         assert r.grads_match is not None and r.grads_detail

@@ -134,11 +134,17 @@ def _per_stage(rows: Sequence[Row]) -> list[Finding]:
     if r is None or r.overhead is None or r.predicted_overhead is None:
         return []
     gap = r.overhead - r.predicted_overhead
+    none = next((n for n in rows if n.strategy == "none"), None)
+    plain = "" if none is None else (
+        f"; step without checkpointing predicted {_ms(none.predicted_step_time_s)}, measured "
+        f"{_ms(none.step_time_s)}; per-stage step predicted {_ms(r.predicted_step_time_s)}, "
+        f"measured {_ms(r.step_time_s)}"
+    )
     return [Finding(
         "per-stage overhead", "measured overhead within 5 points of the cost model's",
         f"per-stage: measured {r.overhead:+.1%}, predicted {r.predicted_overhead:+.1%} "
         f"({gap * 100:+.1f} points); extra time per step measured {_ms(r.rebuild_time_s)}, "
-        f"predicted {_ms(r.predicted_rebuild_time_s)}",
+        f"predicted {_ms(r.predicted_rebuild_time_s)}{plain}",
         abs(gap) <= OVERHEAD_POINTS,
     )]
 

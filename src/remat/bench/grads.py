@@ -9,8 +9,10 @@ from the same weights and seed, with the harness's own tensor comparison and tol
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,9 +68,12 @@ def check_plan(
     return GradCheck(grads_match, report.ok, _worst(gradient_checks), detail)
 
 
-def _seeded_step(model: nn.Module, run: Callable[[], torch.Tensor], seed: int) -> torch.Tensor:
+def _seeded_step(model: nn.Module, run: Callable[[], torch.Tensor], seed: int,
+                 context: AbstractContextManager[Any] | None = None) -> torch.Tensor:
+    """Forward and backward from ``seed``; both inside ``context`` (inductor may compile
+    the backward lazily, at its first call, and must see the same configuration)."""
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), context or contextlib.nullcontext():
         torch.manual_seed(seed)
         loss = run()
         loss.backward()
@@ -107,11 +112,7 @@ def check_compiled(runner: CompiledRunner, *, seed: int = 0) -> GradCheck:
     reference = copy.deepcopy(runner.model)
     exact = copy.deepcopy(runner.model).double()
 
-    def compiled() -> torch.Tensor:
-        with runner.context():
-            return runner.loss()
-
-    compiled_loss = _seeded_step(runner.model, compiled, seed)
+    compiled_loss = _seeded_step(runner.model, runner.loss, seed, runner.context())
     eager_loss = _seeded_step(reference, lambda: runner.loss_fn(reference, runner.batch), seed)
     policy = parse_tolerance("auto")
     eager = dict(reference.named_parameters())

@@ -55,7 +55,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--microbatch-budget", default="50%", metavar="BUDGET",
                    help="budget of the micro-batch comparison, or 'off' (default 50%%)")
     p.add_argument("--no-matched", action="store_true",
-                   help="skip remat's plans at each baseline's measured peak")
+                   help="skip remat's plans at each baseline's peak (the matched comparison)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the run (default: torch's own)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
