@@ -94,6 +94,7 @@ __all__ = [
     "python_tables",
     "reconstruct",
     "seg_choices",
+    "segp_value",
     "subproblems",
     "top_choices",
 ]
@@ -248,25 +249,56 @@ class Model:
 
 
 class Tables:
-    """The DP tables: ``seg[h, k, e, m]``, ``segp[h, k, e, m]`` and ``top[k, m]``.
+    """The DP tables: ``Seg(0, k, e)``, ``Seg(1, k, e)``, ``SegP(0, k, e)`` and ``Top(k)``.
 
-    ``inf`` marks no plan. Both paths fill the same arrays with bitwise equal values.
+    Each row is a C-contiguous run of ``M + 1`` slots, and only pairs ``k <= e`` exist
+    (a triangle). ``seg1`` (the inside of a region ``[k, e)``) is stored by ``k``:
+    ``seg1[k1(k, e)]``, so one ``k``'s rows over every stop are adjacent; ``seg0`` and
+    ``segp`` (the rest of a level ending at ``e``) are stored by ``e``: ``seg0[k0(k, e)]``,
+    so one ``e``'s rows over every start are adjacent. That is the order the recursion
+    reads them in (Note [Table layout] in :mod:`remat.solve.dp_numba`). ``SegP(1, .)``
+    is not stored: nothing reads it but the reconstruction, which re-decides it at one
+    slot (:func:`segp_value`); without early stop ``segp`` is ``seg0`` itself. ``inf``
+    marks no plan. Every path fills the same arrays with bitwise equal values.
     """
 
     def __init__(self, model: Model, max_slots: int) -> None:
         n = model.n
         self.model = model
         self.M = max_slots
-        self.seg = np.full((2, n + 1, n + 1, max_slots + 1), INF)
-        self.segp = np.full((2, n + 1, n + 1, max_slots + 1), INF)
+        # k1(k, e) = kbase[k] + e: row k of the triangle follows every k' < k (n + 1 - k'
+        # rows each); k0(k, e) = ebase[e] + k: column e follows every e' < e (e' + 1 each).
+        self.kbase = np.array([k * (n + 1) - k * (k - 1) // 2 - k for k in range(n + 1)],
+                              dtype=np.int64)
+        self.ebase = np.array([e * (e + 1) // 2 for e in range(n + 1)], dtype=np.int64)
+        pairs = (n + 1) * (n + 2) // 2
+        # Every row but (e, e) is written by the fill (np.empty: no pass over the tables).
+        self.seg0 = np.empty((pairs, max_slots + 1))
+        self.seg1 = np.empty((pairs, max_slots + 1))
+        self.segp = np.empty((pairs, max_slots + 1)) if model.early_stop else self.seg0
         self.top = np.full((n + 1, max_slots + 1), INF)
         for e in range(n + 1):
-            self.seg[:, e, e, :] = 0.0
+            self.seg0[self.k0(e, e)] = 0.0
+            self.seg1[self.k1(e, e)] = 0.0
+            if model.early_stop:
+                self.segp[self.k0(e, e)] = INF  # never read
+
+    def k0(self, k: int, e: int) -> int:
+        """The row of ``(k, e)`` in ``seg0`` and ``segp`` (by ``e``)."""
+        return int(self.ebase[e]) + k
+
+    def k1(self, k: int, e: int) -> int:
+        """The row of ``(k, e)`` in ``seg1`` (by ``k``)."""
+        return int(self.kbase[k]) + e
+
+    def seg_row(self, h: int, k: int, e: int) -> np.ndarray:
+        return self.seg1[self.k1(k, e)] if h else self.seg0[self.k0(k, e)]
 
     @property
     def nbytes(self) -> int:
         """The memory the tables hold."""
-        return int(self.seg.nbytes + self.segp.nbytes + self.top.nbytes)
+        own = self.segp.nbytes if self.segp is not self.seg0 else 0
+        return int(self.seg0.nbytes + self.seg1.nbytes + own + self.top.nbytes)
 
     def ao(self, k: int, e: int, m: int) -> float:
         need = self.model.ao_need[k][e]
@@ -277,11 +309,11 @@ class Tables:
             return INF
         if kind == "AO":
             return self.ao(k, e, m)
-        table = self.segp if kind == "P" else self.seg
-        return float(table[0, k, e, m])
+        table = self.segp if kind == "P" else self.seg0
+        return float(table[self.k0(k, e), m])
 
     def inner(self, k: int, stop: int, m: int) -> float:
-        return float(self.seg[1, k, stop, m]) if m >= 0 else INF
+        return float(self.seg1[self.k1(k, stop), m]) if m >= 0 else INF
 
 
 # -- candidates (scalar): the one definition both paths and the reconstruction follow --------
@@ -375,8 +407,10 @@ def python_tables(model: Model, max_slots: int) -> Tables:
                 v = _seg_value(t, k, e, h, m, c)
                 if v < best:
                     best = v
-            t.segp[h, k, e, m] = best
-            t.seg[h, k, e, m] = min(best, t.ao(k, e, m)) if model.early_stop else best
+            if h == 0:
+                t.segp[t.k0(k, e), m] = best
+            row = t.seg_row(h, k, e)
+            row[m] = min(best, t.ao(k, e, m)) if model.early_stop else best
     for m in range(M + 1):
         t.top[n, m] = 0.0 if m >= model.post else INF
     for k in range(n - 1, -1, -1):
@@ -428,8 +462,8 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
     def rest(kind: str, k: int, e: int, shift: int) -> np.ndarray:
         if kind == "AO":
             return _shift(ao(k, e), shift)
-        table = t.segp if kind == "P" else t.seg
-        return _shift(table[0, k, e], shift)
+        table = t.segp if kind == "P" else t.seg0
+        return _shift(table[t.k0(k, e)], shift)
 
     for k, e, h in subproblems(n):
         best = np.full(M + 1, INF)
@@ -447,7 +481,8 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
         if last > k:
             # Every stop at once, one row each: the same elementwise sums as the scalar
             # path, and min is exact, so the tables stay bitwise equal.
-            rows = _shift(t.seg[1, k, k + 1: last + 1], rh + model.ob)
+            first = t.k1(k, k + 1)
+            rows = _shift(t.seg1[first: first + last - k], rh + model.ob)
             run = last if not model.early_stop else min(last, e - 1)
             if model.early_stop:
                 stops = np.arange(k + 1, last + 1)
@@ -455,15 +490,16 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
                 v2 = (model.ovh_s + rows) + ao_rest
                 np.minimum(best, v2.min(axis=0), out=best)
             if run > k:
-                table = t.segp if model.early_stop else t.seg
-                rest2 = _shift(table[0, k + 1: run + 1, e], rh)
+                table = t.segp if model.early_stop else t.seg0
+                rest2 = _shift(table[t.k0(k + 1, e): t.k0(run, e) + 1], rh)
                 v2 = (reb[k, k + 1: run + 1, None] + rows[: run - k]) + rest2
                 needs = -(-(model.inp(k, h) + ns[k, k + 1: run + 1] + model.grads_during(e))
                           // model.q)
                 v2[ms[None, :] < needs[:, None]] = INF
                 np.minimum(best, v2.min(axis=0), out=best)
-        t.segp[h, k, e] = best
-        t.seg[h, k, e] = np.minimum(best, ao(k, e)) if model.early_stop else best
+        if h == 0:
+            t.segp[t.k0(k, e)] = best
+        t.seg_row(h, k, e)[:] = np.minimum(best, ao(k, e)) if model.early_stop else best
     fill_top(t)
     return t
 
@@ -482,7 +518,7 @@ def fill_top(t: Tables) -> None:
             v = model.t_top[k][j] + _shift(t.top[k + 1], model.hold(k, j, 0))
             np.minimum(best, np.where(ms >= need, v, INF), out=best)
         rh = model.hold_open(k, 0)
-        inner = _shift(t.seg[1, k, k + 1:], rh + model.ob)
+        inner = _shift(t.seg1[t.k1(k, k + 1): t.k1(k, n) + 1], rh + model.ob)
         v2 = (model.ovh_s + inner) + _shift(t.top[k + 1:], rh)  # one row per stop
         needs = -(-(model.inp(k, 0) + ns[k, k + 1:]) // model.q) - model.gs
         v2[ms[None, :] < needs[:, None]] = INF
@@ -492,6 +528,14 @@ def fill_top(t: Tables) -> None:
 
 
 # -- reconstruction --------------------------------------------------------------------------
+
+
+def segp_value(t: Tables, k: int, e: int, h: int, m: int) -> float:
+    """``SegP(h, k, e, m)``: stored for ``h = 0``, re-decided from the candidates for 1."""
+    if h == 0:
+        return float(t.segp[t.k0(k, e), m])
+    return min((_seg_value(t, k, e, h, m, c) for c in seg_choices(t.model, k, e, h)),
+               default=INF)
 
 
 def reconstruct(t: Tables, m: int) -> tuple[list[tuple[int, int]], list[str]]:
@@ -509,13 +553,13 @@ def reconstruct(t: Tables, m: int) -> tuple[list[tuple[int, int]], list[str]]:
     def seg(k: int, e: int, h: int, m: int, kind: str) -> None:
         if k == e:
             return
-        if kind == "any" and model.early_stop and t.seg[h, k, e, m] != t.segp[h, k, e, m]:
+        target = segp_value(t, k, e, h, m)
+        if kind == "any" and model.early_stop and t.seg_row(h, k, e)[m] != target:
             kind = "AO"
         if kind == "AO":
             for i in range(k, e):
                 options[i] = "offload"
             return
-        target = float(t.segp[h, k, e, m])
         c = pick(target, ((_seg_value(t, k, e, h, m, c), c) for c in seg_choices(model, k, e, h)))
         if c.kind == "stage":
             j = c.arg

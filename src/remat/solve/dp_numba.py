@@ -23,6 +23,7 @@ from remat.solve.dp import KEEP, OFF, Model, Tables, fill_top
 __all__ = ["available", "numba_tables"]
 
 _KERNEL: Any = None
+BLOCK = 16  # columns per block (Note [Table layout])
 
 
 def available() -> bool:
@@ -45,130 +46,192 @@ def _kernel() -> Any:
         print("remat: compiling the optimal solver's numba kernel (once; cached on disk)...",
               file=sys.stderr, flush=True)
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def first_at_most(best: Any, lo: int, M: int, v: float) -> int:
+        """The first ``m >= lo`` with ``best[m] <= v`` (``M + 1`` if none); ``best`` is
+        non-increasing, so a bisection."""
+        hi = M + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if best[mid] <= v:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def first_finite(row: Any, M: int) -> int:
+        """The first ``m`` with a finite ``row[m]`` (``M + 1`` if none); non-increasing."""
+        lo, hi = 0, M + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if row[mid] < np.inf:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def spread(best: Any, hi: int, end: int, v: float) -> None:
+        """A candidate is constant ``v`` from ``hi`` on; ``best`` exceeds it before ``end``."""
+        for m in range(hi + 1, end):
+            best[m] = v
+
     @numba.njit(cache=True, nogil=True)
-    def fill(seg: Any, segp: Any, first: Any, sat: Any, n: int, M: int, early_stop: bool,
-             q: int, nopt: Any, kinds: Any, t_run: Any, t_open: Any, bwd: Any,
-             fwd_base: Any, hold: Any, hold_open: Any, inp: Any, a: Any, sg: Any, reb: Any,
-             ns: Any, ao_cost: Any, ao_need: Any, ovh_s: float, ob: int) -> None:
+    def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: Any,
+                   kbase: Any, ebase: Any, first: Any, sat: Any, M: int, early_stop: bool, q: int,
+                   nopt: Any, kinds: Any, t_run: Any, t_open: Any, bwd: Any, fwd_base: Any,
+                   hold: Any, hold_open: Any, inp: Any, a: Any, sg: Any, reb: Any, ns: Any,
+                   ao_cost: Any, ao_need: Any, ovh_s: float, ob: int) -> None:
         inf = np.inf
+        best[:] = inf
+        g = a[e] + sg[e]
+        pr = 2 if early_stop else 0  # first/sat index of the "P" rest rows
+        # -- stage k under each option ---------------------------------------------
+        for j in range(nopt[k]):
+            kind = kinds[k, j]
+            for c in range(3):  # 0: "any", 1: "P", 2: "AO"
+                if not early_stop:
+                    if c != 0:
+                        continue
+                elif c == 0 or (c == 1 and not k + 1 < e) or (c == 2 and kind == OFF):
+                    continue
+                runs = c != 2 or kind == KEEP
+                need = bwd[k, j, h]
+                if runs:
+                    f = -(-(fwd_base[k, j, h] + g) // q)
+                    if f > need:
+                        need = f
+                    shift = hold[k, j, h]
+                    tv = t_run[k, j]
+                else:
+                    shift = hold_open[k, h]
+                    tv = t_open[k, j]
+                if c == 2:
+                    an = ao_need[k + 1, e]
+                    if an < 0:
+                        continue
+                    lo = max(need, shift + an)
+                    if lo > M:
+                        continue
+                    v = tv + ao_cost[k + 1, e]
+                    if v < best[lo]:
+                        spread(best, lo - 1, first_at_most(best, lo, M, v), v)
+                    continue
+                r = ebase[e] + k + 1
+                s = pr if c == 1 else 0
+                lo = max(need, shift + first[s, r])
+                if lo > M:
+                    continue
+                hi = min(M, max(lo, shift + sat[s, r]))
+                row = segp0[r] if c == 1 else seg0[r]
+                vmin = tv + row[hi - shift]
+                if not vmin < best[lo]:
+                    continue  # best is non-increasing: never below this candidate's least
+                end = first_at_most(best, lo, M, vmin)
+                cnt = min(hi + 1, end) - lo
+                b = best[lo: lo + cnt]
+                x = row[lo - shift: lo - shift + cnt]
+                for i in range(cnt):
+                    b[i] = min(tv + x[i], b[i])
+                spread(best, hi, end, vmin)
+        # -- a region [k, stop) first ----------------------------------------------
+        rh = hold_open[k, h]
+        last = e if h == 0 else e - 1
+        sh = rh + ob
+        for stop in range(k + 1, last + 1):
+            ri = kbase[k] + stop
+            lo_in = sh + first[1, ri]
+            if lo_in > M:
+                continue
+            hi_in = sh + sat[1, ri]
+            inner = seg1[ri]
+            if early_stop:
+                an = ao_need[stop, e]
+                if an >= 0:
+                    lo = max(lo_in, rh + an)
+                    if lo <= M:
+                        cost = ao_cost[stop, e]
+                        hi = min(M, max(lo, hi_in))
+                        vmin = (ovh_s + inner[hi - sh]) + cost
+                        if vmin < best[lo]:
+                            end = first_at_most(best, lo, M, vmin)
+                            cnt = min(hi + 1, end) - lo
+                            b = best[lo: lo + cnt]
+                            x = inner[lo - sh: lo - sh + cnt]
+                            for i in range(cnt):
+                                b[i] = min((ovh_s + x[i]) + cost, b[i])
+                            spread(best, hi, end, vmin)
+                if stop == e:
+                    continue
+            need = -(-(inp[k, h] + ns[k, stop] + g) // q)
+            r = ebase[e] + stop
+            s = pr
+            lo = max(need, lo_in, rh + first[s, r])
+            if lo > M:
+                continue
+            hi = min(M, max(lo, hi_in, rh + sat[s, r]))
+            rv = reb[k, stop]
+            rest = segp0[r]
+            vmin = (rv + inner[hi - sh]) + rest[hi - rh]
+            if not vmin < best[lo]:
+                continue
+            end = first_at_most(best, lo, M, vmin)
+            # Slices indexed from 0, so the loop has no negative-index wraparound and
+            # vectorizes (about 10x faster than indexing best[m], inner[m - sh]).
+            cnt = min(hi + 1, end) - lo
+            b = best[lo: lo + cnt]
+            x = inner[lo - sh: lo - sh + cnt]
+            y = rest[lo - rh: lo - rh + cnt]
+            for i in range(cnt):
+                b[i] = min((rv + x[i]) + y[i], b[i])
+            spread(best, hi, end, vmin)
+        # -- store, with the first finite and the first constant slot --------------
+        p = kbase[k] + e if h == 1 else ebase[e] + k
+        out = seg1[p] if h == 1 else seg0[p]
+        an = ao_need[k, e] if early_stop else -1
+        cost = ao_cost[k, e]
+        out[:] = best
+        if an >= 0:
+            tail = out[an:]
+            for i in range(tail.shape[0]):
+                tail[i] = min(cost, tail[i])
+        if h == 0:
+            if early_stop:
+                segp0[p, :] = best
+            first[2, p] = first_finite(best, M)
+            m = M
+            while m > 0 and best[m - 1] == best[M]:
+                m -= 1
+            sat[2, p] = m
+        first[h, p] = first_finite(out, M)
+        m = M
+        while m > 0 and out[m - 1] == out[M]:
+            m -= 1
+        sat[h, p] = m
+
+    @numba.njit(cache=True, nogil=True)
+    def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, sat: Any,
+             n: int, M: int, block: int, early_stop: bool, q: int, nopt: Any, kinds: Any,
+             t_run: Any, t_open: Any, bwd: Any, fwd_base: Any, hold: Any, hold_open: Any,
+             inp: Any, a: Any, sg: Any, reb: Any, ns: Any, ao_cost: Any, ao_need: Any,
+             ovh_s: float, ob: int) -> None:
         best = np.empty(M + 1)
-        tail = np.empty(M + 2)  # tail[m]: the least constant a candidate holds from m on
-        for span in range(1, n + 1):
-            for k in range(n - span + 1):
-                e = k + span
-                for h in (1, 0):
-                    best[:] = inf
-                    tail[:] = inf
-                    g = a[e] + sg[e]
-                    # -- stage k under each option -----------------------------------
-                    for j in range(nopt[k]):
-                        kind = kinds[k, j]
-                        for c in range(3):  # 0: "any", 1: "P", 2: "AO"
-                            if not early_stop:
-                                if c != 0:
-                                    continue
-                            elif c == 0 or (c == 1 and not k + 1 < e) or (c == 2 and kind == OFF):
-                                continue
-                            runs = c != 2 or kind == KEEP
-                            need = bwd[k, j, h]
-                            if runs:
-                                f = -(-(fwd_base[k, j, h] + g) // q)
-                                if f > need:
-                                    need = f
-                                shift = hold[k, j, h]
-                                tv = t_run[k, j]
-                            else:
-                                shift = hold_open[k, h]
-                                tv = t_open[k, j]
-                            if c == 2:
-                                an = ao_need[k + 1, e]
-                                if an < 0:
-                                    continue
-                                lo = max(need, shift + an)
-                                if lo <= M:
-                                    v = tv + ao_cost[k + 1, e]
-                                    if v < tail[lo]:
-                                        tail[lo] = v
-                                continue
-                            hr = 0 if c == 0 else 1  # 0: seg, 1: segp
-                            lo = max(need, shift + first[hr, 0, k + 1, e])
-                            if lo > M:
-                                continue
-                            hi = min(M, max(lo, shift + sat[hr, 0, k + 1, e]))
-                            row = segp[0, k + 1, e] if hr else seg[0, k + 1, e]
-                            for m in range(lo, hi + 1):
-                                best[m] = min(best[m], tv + row[m - shift])
-                            v = tv + row[hi - shift]
-                            if v < tail[hi]:
-                                tail[hi] = v
-                    # -- a region [k, stop) first ---------------------------------------
-                    rh = hold_open[k, h]
-                    last = e if h == 0 else e - 1
-                    sh = rh + ob
-                    for stop in range(k + 1, last + 1):
-                        lo_in = sh + first[0, 1, k, stop]
-                        if lo_in > M:
-                            continue
-                        hi_in = sh + sat[0, 1, k, stop]
-                        if early_stop:
-                            an = ao_need[stop, e]
-                            if an >= 0:
-                                lo = max(lo_in, rh + an)
-                                if lo <= M:
-                                    cost = ao_cost[stop, e]
-                                    hi = min(M, max(lo, hi_in))
-                                    inner = seg[1, k, stop]
-                                    for m in range(lo, hi + 1):
-                                        best[m] = min(best[m], (ovh_s + inner[m - sh]) + cost)
-                                    v = (ovh_s + inner[hi - sh]) + cost
-                                    if v < tail[hi]:
-                                        tail[hi] = v
-                            if stop == e:
-                                continue
-                        need = -(-(inp[k, h] + ns[k, stop] + g) // q)
-                        hr = 1 if early_stop else 0
-                        lo = max(need, lo_in, rh + first[hr, 0, stop, e])
-                        if lo > M:
-                            continue
-                        hi = min(M, max(lo, hi_in, rh + sat[hr, 0, stop, e]))
-                        rv = reb[k, stop]
-                        inner = seg[1, k, stop]
-                        rest = segp[0, stop, e] if hr else seg[0, stop, e]
-                        for m in range(lo, hi + 1):
-                            best[m] = min(best[m], (rv + inner[m - sh]) + rest[m - rh])
-                        v = (rv + inner[hi - sh]) + rest[hi - rh]
-                        if v < tail[hi]:
-                            tail[hi] = v
-                    # -- store, with the first finite and the first constant slot ------
-                    fp = M + 1
-                    fs = M + 1
-                    run = inf
-                    an = ao_need[k, e] if early_stop else -1
-                    for m in range(M + 1):
-                        if tail[m] < run:
-                            run = tail[m]
-                        b = best[m]
-                        if run < b:
-                            b = run
-                        segp[h, k, e, m] = b
-                        v = b
-                        if an >= 0 and m >= an and ao_cost[k, e] < v:
-                            v = ao_cost[k, e]
-                        seg[h, k, e, m] = v
-                        if fp > M and b < inf:
-                            fp = m
-                        if fs > M and v < inf:
-                            fs = m
-                    first[1, h, k, e] = fp
-                    first[0, h, k, e] = fs
-                    m = M
-                    while m > 0 and segp[h, k, e, m - 1] == segp[h, k, e, M]:
-                        m -= 1
-                    sat[1, h, k, e] = m
-                    m = M
-                    while m > 0 and seg[h, k, e, m - 1] == seg[h, k, e, M]:
-                        m -= 1
-                    sat[0, h, k, e] = m
+        # Note [Table layout]: the columns e in blocks, k from the right, so (k, e) finds
+        # (stop, e) for every stop > k done (same column, a larger k) and (k, stop) for
+        # every stop < e (earlier in this block for this k, or an earlier block). Within a
+        # block one k's inside rows serve every e, and the block's columns stay in cache
+        # across k. One thread: on a shared two-core machine, spinning worker threads
+        # cost more than they gain.
+        for e0 in range(1, n + 1, block):
+            e1 = min(n + 1, e0 + block)
+            for k in range(e1 - 2, -1, -1):
+                for e in range(max(e0, k + 1), e1):
+                    for h in (1, 0):
+                        subproblem(k, e, h, best, seg0, seg1, segp0, kbase, ebase, first, sat,
+                                   M, early_stop, q, nopt, kinds, t_run, t_open, bwd, fwd_base,
+                                   hold, hold_open, inp, a, sg, reb, ns, ao_cost, ao_need, ovh_s,
+                                   ob)
 
     _KERNEL = fill
     return fill
@@ -202,17 +265,18 @@ def numba_tables(model: Model, max_slots: int) -> Tables:
                 hold[k, j, h] = model.hold(k, j, h)
                 # fwd(k, j, h, e) = ceil((this + a_e + T(e)) / q)
                 fwd_base[k, j, h] = model.inp(k, h) + model.a[k + 1] + model.tf[k][j]
-    # first[s, h, k, e]: the first finite slot of seg (s = 0) and segp (s = 1).
-    first = np.full((2, 2, n + 1, n + 1), M + 1, dtype=np.int64)
+    pairs = t.seg0.shape[0]
+    # first[s, r]: the first finite slot of row r of seg0 (s = 0), seg1 (1) and segp (2);
+    # sat[s, r]: the first slot from which that row is constant up to M.
+    first = np.full((3, pairs), M + 1, dtype=np.int64)
+    sat = np.zeros((3, pairs), dtype=np.int64)
     for e in range(n + 1):
-        first[0, :, e, e] = 0  # seg[h, e, e] = 0; segp[h, e, e] is never read
-    # sat[s, h, k, e]: the first slot from which the row is constant up to M.
-    sat = np.zeros((2, 2, n + 1, n + 1), dtype=np.int64)
-    fill(t.seg, t.segp, first, sat, n, M, model.early_stop, model.q, nopt, kinds, t_run, t_open,
-         bwd, fwd_base, hold, hold_open, inp, np.array(model.a, dtype=np.int64),
-         np.array(model.sg, dtype=np.int64), np.array(model.reb),
-         np.array(model.ns, dtype=np.int64),
+        first[0, t.k0(e, e)] = 0  # Seg(h, e, e) = 0; SegP(e, e) is never read
+        first[1, t.k1(e, e)] = 0
+    fill(t.seg0, t.seg1, t.segp, t.kbase, t.ebase, first, sat, n, M, BLOCK, model.early_stop,
+         model.q, nopt, kinds, t_run, t_open, bwd, fwd_base, hold, hold_open, inp,
+         np.array(model.a, dtype=np.int64), np.array(model.sg, dtype=np.int64),
+         np.array(model.reb), np.array(model.ns, dtype=np.int64),
          np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.ovh_s, model.ob)
     fill_top(t)
     return t
-
