@@ -1,0 +1,206 @@
+"""The optimal solver's compiled kernel (imported only when numba is installed).
+
+Module-level functions, so numba's on-disk cache finds them again in a new process
+(functions defined inside a function get a fresh identity each time and never hit it).
+:mod:`remat.solve.dp_numba` prepares the arrays and explains the arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from remat.solve.dp import KEEP, OFF
+
+__all__ = ["fill"]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def first_at_most(best: Any, lo: int, M: int, v: float) -> int:
+    """The first ``m >= lo`` with ``best[m] <= v`` (``M + 1`` if none); ``best`` is
+    non-increasing, so a bisection."""
+    hi = M + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if best[mid] <= v:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def first_finite(row: Any, M: int) -> int:
+    """The first ``m`` with a finite ``row[m]`` (``M + 1`` if none); non-increasing."""
+    lo, hi = 0, M + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if row[mid] < np.inf:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def spread(best: Any, hi: int, end: int, v: float) -> None:
+    """A candidate is constant ``v`` from ``hi`` on; ``best`` exceeds it before ``end``."""
+    for m in range(hi + 1, end):
+        best[m] = v
+
+@numba.njit(cache=True, nogil=True)
+def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: Any,
+               kbase: Any, ebase: Any, first: Any, sat: Any, M: int, early_stop: bool, q: int,
+               nopt: Any, kinds: Any, t_run: Any, t_open: Any, bwd: Any, fwd_base: Any,
+               hold: Any, hold_open: Any, inp: Any, a: Any, sg: Any, reb: Any, ns: Any,
+               ao_cost: Any, ao_need: Any, ovh_s: float, ob: int) -> None:
+    inf = np.inf
+    best[:] = inf
+    g = a[e] + sg[e]
+    pr = 2 if early_stop else 0  # first/sat index of the "P" rest rows
+    # -- stage k under each option ---------------------------------------------
+    for j in range(nopt[k]):
+        kind = kinds[k, j]
+        for c in range(3):  # 0: "any", 1: "P", 2: "AO"
+            if not early_stop:
+                if c != 0:
+                    continue
+            elif c == 0 or (c == 1 and not k + 1 < e) or (c == 2 and kind == OFF):
+                continue
+            runs = c != 2 or kind == KEEP
+            need = bwd[k, j, h]
+            if runs:
+                f = -(-(fwd_base[k, j, h] + g) // q)
+                if f > need:
+                    need = f
+                shift = hold[k, j, h]
+                tv = t_run[k, j]
+            else:
+                shift = hold_open[k, h]
+                tv = t_open[k, j]
+            if c == 2:
+                an = ao_need[k + 1, e]
+                if an < 0:
+                    continue
+                lo = max(need, shift + an)
+                if lo > M:
+                    continue
+                v = tv + ao_cost[k + 1, e]
+                if v < best[lo]:
+                    spread(best, lo - 1, first_at_most(best, lo, M, v), v)
+                continue
+            r = ebase[e] + k + 1
+            s = pr if c == 1 else 0
+            lo = max(need, shift + first[s, r])
+            if lo > M:
+                continue
+            hi = min(M, max(lo, shift + sat[s, r]))
+            row = segp0[r] if c == 1 else seg0[r]
+            vmin = tv + row[hi - shift]
+            if not vmin < best[lo]:
+                continue  # best is non-increasing: never below this candidate's least
+            end = first_at_most(best, lo, M, vmin)
+            cnt = min(hi + 1, end) - lo
+            b = best[lo: lo + cnt]
+            x = row[lo - shift: lo - shift + cnt]
+            for i in range(cnt):
+                b[i] = min(tv + x[i], b[i])
+            spread(best, hi, end, vmin)
+    # -- a region [k, stop) first ----------------------------------------------
+    rh = hold_open[k, h]
+    last = e if h == 0 else e - 1
+    sh = rh + ob
+    for stop in range(k + 1, last + 1):
+        ri = kbase[k] + stop
+        lo_in = sh + first[1, ri]
+        if lo_in > M:
+            continue
+        hi_in = sh + sat[1, ri]
+        inner = seg1[ri]
+        if early_stop:
+            an = ao_need[stop, e]
+            if an >= 0:
+                lo = max(lo_in, rh + an)
+                if lo <= M:
+                    cost = ao_cost[stop, e]
+                    hi = min(M, max(lo, hi_in))
+                    vmin = (ovh_s + inner[hi - sh]) + cost
+                    if vmin < best[lo]:
+                        end = first_at_most(best, lo, M, vmin)
+                        cnt = min(hi + 1, end) - lo
+                        b = best[lo: lo + cnt]
+                        x = inner[lo - sh: lo - sh + cnt]
+                        for i in range(cnt):
+                            b[i] = min((ovh_s + x[i]) + cost, b[i])
+                        spread(best, hi, end, vmin)
+            if stop == e:
+                continue
+        need = -(-(inp[k, h] + ns[k, stop] + g) // q)
+        r = ebase[e] + stop
+        s = pr
+        lo = max(need, lo_in, rh + first[s, r])
+        if lo > M:
+            continue
+        hi = min(M, max(lo, hi_in, rh + sat[s, r]))
+        rv = reb[k, stop]
+        rest = segp0[r]
+        vmin = (rv + inner[hi - sh]) + rest[hi - rh]
+        if not vmin < best[lo]:
+            continue
+        end = first_at_most(best, lo, M, vmin)
+        # Slices indexed from 0, so the loop has no negative-index wraparound and
+        # vectorizes (about 10x faster than indexing best[m], inner[m - sh]).
+        cnt = min(hi + 1, end) - lo
+        b = best[lo: lo + cnt]
+        x = inner[lo - sh: lo - sh + cnt]
+        y = rest[lo - rh: lo - rh + cnt]
+        for i in range(cnt):
+            b[i] = min((rv + x[i]) + y[i], b[i])
+        spread(best, hi, end, vmin)
+    # -- store, with the first finite and the first constant slot --------------
+    p = kbase[k] + e if h == 1 else ebase[e] + k
+    out = seg1[p] if h == 1 else seg0[p]
+    an = ao_need[k, e] if early_stop else -1
+    cost = ao_cost[k, e]
+    out[:] = best
+    if an >= 0:
+        tail = out[an:]
+        for i in range(tail.shape[0]):
+            tail[i] = min(cost, tail[i])
+    if h == 0:
+        if early_stop:
+            segp0[p, :] = best
+        first[2, p] = first_finite(best, M)
+        m = M
+        while m > 0 and best[m - 1] == best[M]:
+            m -= 1
+        sat[2, p] = m
+    first[h, p] = first_finite(out, M)
+    m = M
+    while m > 0 and out[m - 1] == out[M]:
+        m -= 1
+    sat[h, p] = m
+
+@numba.njit(cache=True, nogil=True)
+def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, sat: Any,
+         n: int, M: int, block: int, early_stop: bool, q: int, nopt: Any, kinds: Any,
+         t_run: Any, t_open: Any, bwd: Any, fwd_base: Any, hold: Any, hold_open: Any,
+         inp: Any, a: Any, sg: Any, reb: Any, ns: Any, ao_cost: Any, ao_need: Any,
+         ovh_s: float, ob: int) -> None:
+    best = np.empty(M + 1)
+    # Note [Table layout]: the columns e in blocks, k from the right, so (k, e) finds
+    # (stop, e) for every stop > k done (same column, a larger k) and (k, stop) for
+    # every stop < e (earlier in this block for this k, or an earlier block). Within a
+    # block one k's inside rows serve every e, and the block's columns stay in cache
+    # across k. One thread: on a shared two-core machine, spinning worker threads
+    # cost more than they gain.
+    for e0 in range(1, n + 1, block):
+        e1 = min(n + 1, e0 + block)
+        for k in range(e1 - 2, -1, -1):
+            for e in range(max(e0, k + 1), e1):
+                for h in (1, 0):
+                    subproblem(k, e, h, best, seg0, seg1, segp0, kbase, ebase, first, sat,
+                               M, early_stop, q, nopt, kinds, t_run, t_open, bwd, fwd_base,
+                               hold, hold_open, inp, a, sg, reb, ns, ao_cost, ao_need, ovh_s,
+                               ob)
+
