@@ -11,6 +11,7 @@ mode and the caller's RNG state are put back.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -30,7 +31,7 @@ from remat.profiling.run import measure_all, part_names
 from remat.solve.from_profile import predict_no_checkpoint_peak
 from remat.stages import discover_stages, resolve_stages
 
-__all__ = ["Progress", "fit_scaling", "profile", "profile_scaling"]
+__all__ = ["Progress", "fit_scaling", "notes", "profile", "profile_scaling"]
 
 #: ``progress(what, done, total)``: called before each part of a profile and at the end.
 Progress = Callable[[str, int, int], None]
@@ -96,7 +97,8 @@ def profile(
         stages: module paths of the chain, in call order; by default the repeated-block
             container the forward runs (:func:`remat.stages.discover_stages`).
         optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9) or an optimizer of the model.
-        repeats: timed steps of each kind after the warm-up step; times are medians.
+        repeats: timed steps of each kind (plain, per-stage regions) after one warm-up
+            step of each; times are medians.
         options: ``keep`` and the selective options to measure saved bytes for.
         batch_size: recorded in the profile; by default the first tensor's first dimension.
         description: the model's name in the profile (default: its class name).
@@ -162,9 +164,29 @@ def profile(
         profile_s=profile_s,
     )
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
+    for note in notes(result):
+        warnings.warn(note, stacklevel=2)
     total = len(part_names(options))
     progress("done", total, total)
     return result
+
+
+def notes(result: Profile) -> tuple[str, ...]:
+    """Things about the profiled model that make checkpointing free less than planned.
+
+    ``profile`` also issues each as a warning (``use_cache=True`` is warned about by
+    ``remat.apply``, which profiling runs).
+    """
+    found = []
+    kept = [s.name for s in result.stages if s.output_kept_outside]
+    if kept:
+        shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+        found.append(
+            f"the outputs of stages {shown} stay referenced outside the chain (a transformers "
+            "model with output_hidden_states=True returns every layer's output), so "
+            "checkpointing them frees less than planned; turn that off while training"
+        )
+    return tuple(found)
 
 
 # -- batch scaling -------------------------------------------------------------------------

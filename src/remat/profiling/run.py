@@ -1,14 +1,16 @@
 """One profiling run: every measurement a Profile is built from, in a fixed order.
 
-It costs ``2 * repeats`` training steps, one step measured by the tracker and up to three
-tracked forwards (on the built-in models at their defaults, 8 to 10 plain steps in all):
+It costs ``2 * (repeats + 1)`` training steps, one step measured by the tracker and up to
+three tracked forwards (on the built-in models at their defaults, 10 to 12 plain steps in
+all):
 
 1. a forward that saves nothing (what a stage costs inside a region; which outputs stay
    referenced outside the chain; what ``selective:save-nothing`` keeps);
-2. ``repeats`` training steps with one region per stage, timing each stage's rebuild; the
-   first creates the optimizer state, and right after it the tracker counts parameters,
-   buffers, gradients, optimizer state and the batch;
-3. ``repeats`` plain training steps, timing each stage's forward and backward;
+2. ``repeats + 1`` training steps with one region per stage, timing each stage's rebuild,
+   alternating with ``repeats + 1`` plain training steps, timing each stage's forward and
+   backward; the first of each kind is a warm-up whose times are dropped (it creates the
+   optimizer state, right after which the tracker counts parameters, buffers, gradients,
+   optimizer state and the batch, and it grows the allocator to the step's size);
 4. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
 5. for each selective option, one forward with the option applied to the stages that run
    one of its ops (a stage that runs none keeps what ``save-nothing`` keeps), timing each
@@ -124,22 +126,29 @@ def measure_all(
         if not counts:
             counts.update(_fixed_counts(model, optimizer, batch, device))
 
-    # The first of these steps also creates the optimizer state, so no step is spent on
-    # warming up alone: the forward already ran in the no-save pass, and the rebuild
-    # (a forward) is what these steps time.
-    rebuilt = timed_steps(
-        model,
-        batch,
-        loss_fn,
-        optimizer,
-        modules,
-        steps=repeats,
-        plan=plans.per_stage(model, stages=names),
-        device=device,
-        on_step=count_fixed,
-    )
-    part(parts[2])
-    plain = timed_steps(model, batch, loss_fn, optimizer, modules, steps=repeats, device=device)
+    # Plain and per-stage steps alternate, so both see the same machine (a loaded one
+    # slows both alike), and the first of each is a warm-up whose time is dropped: it
+    # creates the optimizer state and grows the allocator to the step's size, which made
+    # the step without checkpointing look up to 40% slower than it is.
+    per_stage = plans.per_stage(model, stages=names)
+    rebuilt: list[StepTimes] = []
+    plain: list[StepTimes] = []
+    for r in range(repeats + 1):
+        if r == 1:
+            part(parts[2])
+        rebuilt += timed_steps(
+            model,
+            batch,
+            loss_fn,
+            optimizer,
+            modules,
+            steps=1,
+            plan=per_stage,
+            device=device,
+            on_step=count_fixed,
+        )
+        plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1, device=device)
+    rebuilt, plain = rebuilt[1:], plain[1:]
 
     part(parts[3])
     # measure_step collects garbage first; freezing what exists now makes that collection
