@@ -570,6 +570,17 @@ def test_numba_tables_equal_numpy_tables(problem: Problem, top: int) -> None:
     assert np.array_equal(fast.top, ref.top)
 
 
+@settings(max_examples=40, deadline=None)
+@given(chains(), st.integers(0, 40))
+def test_numba_flat_table_equals_numpy_flat_table(problem: Problem, top: int) -> None:
+    from remat.solve import flat
+
+    _numba()
+    model = dp.Model(problem, 1)
+    fast = flat.flat_tables(model, top, path="numba").top
+    assert np.array_equal(fast, flat.flat_tables(model, top, path="numpy").top)
+
+
 @pytest.mark.parametrize("name", ["tiny_3", "uniform_8", "hetero_6", "gpt2_12"])
 def test_numba_path_on_fixtures(name: str) -> None:
     _numba()
@@ -613,7 +624,7 @@ def test_segments_optimal_equals_the_best_flat_plan(problem: Problem) -> None:
               for p in _flat_plans(problem)]
     base = problem.backward_base_bytes
     top = max(peak for peak, _ in scores) - base + 2
-    t = flat.flat_tables(dp.Model(problem, 1), top)
+    t = flat.flat_tables(dp.Model(problem, 1), top, path="numpy")
     for m in range(top + 1):
         best = min((s for peak, s in scores if peak <= base + m), default=math.inf)
         got = t.top[0, m] + constant_s(problem)

@@ -14,7 +14,7 @@ import numpy as np
 
 from remat.solve.dp import KEEP, OFF
 
-__all__ = ["fill"]
+__all__ = ["fill", "flat_fill"]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -204,3 +204,88 @@ def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, s
                                hold, hold_open, inp, a, sg, reb, ns, ao_cost, ao_need, ovh_s,
                                ob)
 
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_window(row: Any, M: int) -> tuple[int, int]:
+    """The first finite slot of a non-increasing row and the first from which it is
+    constant up to ``M``."""
+    f = first_finite(row, M)
+    m = M
+    while m > 0 and row[m - 1] == row[M]:
+        m -= 1
+    return f, m
+
+
+@numba.njit(cache=True, nogil=True)
+def flat_fill(top: Any, M: int, q: int, gs: int, ob: int, ovh_s: float, post: int, after: int,
+              a: Any, g: Any, nt: Any, hold_b: Any, need_b: Any, t_b: Any, rh: Any,
+              hold_in: Any, bwd_in: Any, fb_in: Any, t_in: Any) -> None:
+    """The one-level solver's ``top`` (:mod:`remat.solve.flat`), pruned as in Note
+    [Pruning]; regions grow stop by stop until their monotone needs pass ``M``."""
+    n = top.shape[0] - 1
+    inf = np.inf
+    first = np.empty(n + 1, dtype=np.int64)
+    sat = np.empty(n + 1, dtype=np.int64)
+    top[n, :] = inf
+    if post <= M:
+        top[n, post:] = 0.0
+    first[n], sat[n] = _row_window(top[n], M)
+    best = np.empty(M + 1)
+    for k in range(n - 1, -1, -1):
+        best[:] = inf
+        # -- stage k bare ----------------------------------------------------------------
+        shift = hold_b[k]
+        lo = max(need_b[k], shift + first[k + 1])
+        if lo <= M:
+            hi = min(M, max(lo, shift + sat[k + 1]))
+            row = top[k + 1]
+            tv = t_b[k]
+            x = row[lo - shift: hi - shift + 1]
+            b = best[lo: hi + 1]
+            for i in range(hi - lo + 1):
+                b[i] = tv + x[i]
+            spread(best, hi, M + 1, tv + row[hi - shift])
+        # -- a region [k, stop) ----------------------------------------------------------
+        r = rh[k]
+        before = 0
+        worst_b = 0
+        worst_f = 0
+        peak = 0
+        inside = 0.0
+        for stop in range(k + 1, n + 1):
+            p = stop - 1
+            h = 1 if p == k else 0
+            worst_b = max(worst_b, before + bwd_in[h, p])
+            worst_f = max(worst_f, before * q + fb_in[h, p])
+            before += hold_in[h, p]
+            peak = max(peak, (a[p] if p > k else 0) + a[p + 1] + nt[p])
+            inside = inside + t_in[p]
+            region_fwd = -(-(a[k] + peak) // q) - gs
+            floor = max(region_fwd, max(worst_b, -(-worst_f // q)) + r + ob)
+            if floor > M:
+                break  # floor only grows with stop: no longer region fits
+            c = ovh_s + inside
+            if not c < best[floor]:
+                # A longer region costs at least c (times are not negative) and needs at
+                # least floor slots, where best is already at most c: none can win.
+                break
+            need = max(region_fwd, max(worst_b, -(-(worst_f + g[stop]) // q)) + r + ob)
+            lo = max(need, r + first[stop])
+            if lo > M:
+                continue
+            hi = min(M, max(lo, r + sat[stop]))
+            row = top[stop]
+            vmin = c + row[hi - r]
+            if not vmin < best[lo]:
+                continue
+            end = first_at_most(best, lo, M, vmin)
+            cnt = min(hi + 1, end) - lo
+            b = best[lo: lo + cnt]
+            x = row[lo - r: lo - r + cnt]
+            for i in range(cnt):
+                b[i] = min(c + x[i], b[i])
+            spread(best, hi, end, vmin)
+        top[k, :] = best
+        first[k], sat[k] = _row_window(best, M)
+    top[0, : min(after, M + 1)] = inf  # the events after the chain

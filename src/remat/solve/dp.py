@@ -73,6 +73,7 @@ down: so a plan the DP accepts never exceeds the budget in the exact simulator.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -187,23 +188,46 @@ class Model:
             self.t_top.append(tt)
             self.t_run.append(tr)
             self.t_open.append(to)
-        # ns[k][l]: peak extra of running stages k..l-1 without saving (input held apart).
+        self.ovh_s = problem.region_overhead_s
+        self.ob = _ceil(problem.region_overhead_bytes, q)
+        self.post = _ceil(a[n] + problem.post_chain_bytes, q)
+
+    # The pair tables are O(n^2): built when a nested solver first asks, so the one-level
+    # solver (remat.solve.flat) can take chains of ten thousand stages.
+
+    @functools.cached_property
+    def _spans(self) -> tuple[list[list[int]], list[list[float]]]:
+        n, a, st = self.n, self.a, self.problem.stages
         nt = [s.nosave_peak_extra_bytes for s in st]
-        self.ns = [[0] * (n + 1) for _ in range(n + 1)]
-        self.reb = [[0.0] * (n + 1) for _ in range(n + 1)]  # region time if run in rebuild
+        ns = [[0] * (n + 1) for _ in range(n + 1)]
+        reb_t = [[0.0] * (n + 1) for _ in range(n + 1)]
         for k in range(n):
             peak, reb = 0, 0.0
             for p in range(k, n):
                 peak = max(peak, (a[p] if p > k else 0) + a[p + 1] + nt[p])
                 reb += st[p].rebuild_s
-                self.ns[k][p + 1] = peak
-                self.reb[k][p + 1] = problem.region_overhead_s + reb
-        self.ovh_s = problem.region_overhead_s
-        self.ob = _ceil(problem.region_overhead_bytes, q)
-        self.post = _ceil(a[n] + problem.post_chain_bytes, q)
-        # All-offloaded suffix [k, e): cost and the memory its backward events need.
-        self.ao_cost = [[0.0] * (n + 1) for _ in range(n + 1)]
-        self.ao_need = [[0 if k == e else -1 for e in range(n + 1)] for k in range(n + 1)]
+                ns[k][p + 1] = peak
+                reb_t[k][p + 1] = self.ovh_s + reb
+        return ns, reb_t
+
+    @property
+    def ns(self) -> list[list[int]]:
+        """``ns[k][l]``: peak extra of running stages ``k..l-1`` without saving (input held
+        apart)."""
+        return self._spans[0]
+
+    @property
+    def reb(self) -> list[list[float]]:
+        """``reb[k][l]``: the time of region ``[k, l)`` when it runs in a rebuild."""
+        return self._spans[1]
+
+    @functools.cached_property
+    def _all_offloaded(self) -> tuple[list[list[float]], list[list[int]]]:
+        """All-offloaded suffix ``[k, e)``: its cost and the memory its backward events need
+        (``-1``: not possible)."""
+        n = self.n
+        ao_cost = [[0.0] * (n + 1) for _ in range(n + 1)]
+        ao_need = [[0 if k == e else -1 for e in range(n + 1)] for k in range(n + 1)]
         if self.can_offload:
             for e in range(n + 1):
                 cost, need = 0.0, 0
@@ -211,8 +235,17 @@ class Model:
                     j = self.kinds[k].index(OFF)
                     cost = self.t_top[k][j] + cost
                     need = max(need, self.bwd(k, j, 0))
-                    self.ao_cost[k][e] = cost
-                    self.ao_need[k][e] = need
+                    ao_cost[k][e] = cost
+                    ao_need[k][e] = need
+        return ao_cost, ao_need
+
+    @property
+    def ao_cost(self) -> list[list[float]]:
+        return self._all_offloaded[0]
+
+    @property
+    def ao_need(self) -> list[list[int]]:
+        return self._all_offloaded[1]
 
     # -- event sizes in slots ----------------------------------------------------------------
 

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from remat.solve.dp import Model, Tables, fill_top
 
-__all__ = ["available", "numba_tables"]
+if TYPE_CHECKING:
+    from remat.solve.flat import FlatInputs
+
+__all__ = ["available", "numba_flat", "numba_tables"]
 
 _KERNEL: Any = None
 BLOCK = 16  # columns per block (Note [Table layout])
@@ -59,13 +62,13 @@ def _kernel() -> Any:
         )
     from remat.solve import _dp_kernel
 
-    _KERNEL = _dp_kernel.fill
+    _KERNEL = _dp_kernel
     return _KERNEL
 
 
 def numba_tables(model: Model, max_slots: int) -> Tables:
     """Fill the same tables as :func:`remat.solve.dp.numpy_tables` with a compiled loop."""
-    fill = _kernel()
+    fill = _kernel().fill
     t = Tables(model, max_slots)
     n, M = model.n, max_slots
     width = max(len(o) for o in model.kinds)
@@ -106,3 +109,12 @@ def numba_tables(model: Model, max_slots: int) -> Tables:
          np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.ovh_s, model.ob)
     fill_top(t)
     return t
+
+
+def numba_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
+    """The one-level solver's ``top`` table, bitwise equal to ``flat.numpy_flat``."""
+    top = np.empty((fi.n + 1, max_slots + 1))
+    _kernel().flat_fill(top, max_slots, fi.q, fi.gs, fi.ob, fi.ovh_s, fi.post, fi.after, fi.a,
+                        fi.g, fi.nt, fi.hold_b, fi.need_b, fi.t_b, fi.rh, fi.hold_in, fi.bwd_in,
+                        fi.fb_in, fi.t_in)
+    return top
