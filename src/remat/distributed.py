@@ -1,0 +1,386 @@
+"""Plans on data-parallel ranks: DDP and FSDP2 set-up, all-gather counts, per-rank peaks.
+
+A remat plan applies to each rank's model like to a single-process one; these helpers
+do the rest of the set-up the way ``docs/distributed.md`` describes it, and measure what
+the per-rank cost model (:func:`remat.solve.sharding.per_rank_problem`, torch-free)
+needs: how many parameter all-gathers a step makes, what one costs, and the peak of
+one rank's step.
+
+Note [FSDP units and regions]
+-----------------------------
+``fully_shard(module)`` installs a forward pre-hook that all-gathers the unit's
+parameters and passes the unit's inputs through an autograd function (FSDP's
+``RegisterPostBackwardFunction``): the unit receives *new* tensor objects. remat's
+runtime checks, inside a multi-stage region, that each stage receives the previous
+stage's output itself (its rebuild replays the stages as a chain), so a stage that is
+itself an FSDP unit cannot sit inside a multi-stage region (remat raises a UsageError
+naming the two stages). :func:`shard_stages` therefore makes such a stage's *children*
+one FSDP unit (``fully_shard(list(children))``: one all-gather per stage, as before)
+and every other stage a unit of its own.
+
+Counted with torch 2.13 on 2 gloo ranks (``tests/test_distributed.py``), neither order
+makes a rebuild gather again: a single-stage region inside an FSDP unit rebuilds after
+the unit's pre-backward hook has gathered its parameters (FSDP's pre-forward hook does
+nothing in that state), and units inside a multi-stage region are gathered by the
+rebuild's forward and, since FSDP does not reshard after a forward that runs during
+backward, stay gathered for their own backward: each unit is gathered once in forward
+and once in backward with and without the plan. What the second order costs instead is
+memory: every unit of the region stays gathered from the region's rebuild until its own
+backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import UsageError
+from remat.measure.tracker import iter_tensors
+from remat.plan import Plan
+
+__all__ = [
+    "STRATEGIES",
+    "GatherCount",
+    "RankInfo",
+    "allocated_bytes",
+    "count_all_gathers",
+    "env_rank",
+    "init_from_env",
+    "local_bytes",
+    "rank_step_peak",
+    "shard_batch",
+    "shard_stages",
+    "time_all_gather",
+    "wrap_ddp",
+]
+
+#: How a model is spread over ranks: replicated (DDP) or fully sharded (FSDP2).
+STRATEGIES = ("ddp", "fsdp")
+
+#: torch.distributed's all-gather entry points; a call that delegates to another counts once.
+_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the job, as torchrun's environment variables say."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def env_rank() -> RankInfo | None:
+    """The rank torchrun (or any launcher setting ``RANK`` and ``WORLD_SIZE``) gave us."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise UsageError(
+            f"RANK={os.environ['RANK']!r} or WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not "
+            "a whole number; launch with torchrun, which sets them"
+        ) from None
+    return RankInfo(rank, world, local)
+
+
+def init_from_env(backend: str | None = None) -> RankInfo:
+    """Join the process group torchrun describes (gloo on CPU, nccl with CUDA), once."""
+    import torch.distributed as dist
+
+    info = env_rank()
+    if info is None:
+        raise UsageError(
+            "RANK and WORLD_SIZE are not set, so there is no process group to join; launch "
+            "with torchrun --nproc-per-node N (see docs/distributed.md)"
+        )
+    if not dist.is_available():
+        raise UsageError("this torch build has no torch.distributed; install one that does")
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(info.local_rank)
+        dist.init_process_group(backend)
+    return info
+
+
+def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
+    """This rank's share of a global batch: every tensor split along dim 0 into equal parts.
+
+    Tuples, lists and dicts keep their shape; anything that is not a tensor is kept as is.
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % world_size:
+            raise UsageError(
+                f"a batch tensor of shape {tuple(batch.shape)} does not split into "
+                f"{world_size} equal parts along dim 0; use a batch size divisible by it"
+            )
+        return batch.chunk(world_size)[rank]
+    if isinstance(batch, tuple):
+        return tuple(shard_batch(b, rank, world_size) for b in batch)
+    if isinstance(batch, list):
+        return [shard_batch(b, rank, world_size) for b in batch]
+    if isinstance(batch, dict):
+        return {k: shard_batch(v, rank, world_size) for k, v in batch.items()}
+    return batch
+
+
+def _in_multi_stage_region(plan: Plan | None, stages: Sequence[str]) -> set[str]:
+    if plan is None:
+        return set()
+    index = {name: i for i, name in enumerate(plan.stages)}
+    inside = set()
+    for name in stages:
+        i = index.get(name)
+        if i is not None and any(
+            r.start <= i < r.stop and r.stop - r.start > 1 for r in plan.regions
+        ):
+            inside.add(name)
+    return inside
+
+
+def shard_stages(
+    model: nn.Module,
+    stages: Sequence[str],
+    plan: Plan | None = None,
+    *,
+    root: bool = True,
+    **fsdp_options: Any,
+) -> list[str]:
+    """``fully_shard`` each stage (Note [FSDP units and regions]) and then the root.
+
+    Call it before ``remat.apply`` and before building the optimizer (FSDP replaces the
+    parameters). A stage inside one of ``plan``'s multi-stage regions gets its children
+    sharded as one unit instead of itself. Returns a line per unit, for reports.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    grouped = _in_multi_stage_region(plan, stages)
+    units = []
+    for name in stages:
+        module = model.get_submodule(name)
+        children = [c for c in module.children() if any(True for _ in c.parameters())]
+        if name in grouped and children:
+            fully_shard(children, **fsdp_options)
+            units.append(f"{name}.* (children as one unit)")
+        else:
+            fully_shard(module, **fsdp_options)
+            units.append(name)
+    if root:
+        fully_shard(model, **fsdp_options)
+        units.append("<root>")
+    return units
+
+
+def wrap_ddp(model: nn.Module, **ddp_options: Any) -> nn.Module:
+    """``DistributedDataParallel(model)`` on CPU (no device ids) or on this rank's GPU.
+
+    Apply the plan to ``model`` first, with the stage paths it has (``blocks.0``), not
+    the wrapper's (``module.blocks.0``); the optimizer may take ``model``'s parameters.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type == "cuda":
+        ddp_options.setdefault("device_ids", [first.device.index or 0])
+    return DistributedDataParallel(model, **ddp_options)
+
+
+@dataclass
+class GatherCount:
+    """All-gathers seen so far: calls, and bytes of their outputs (the gathered size)."""
+
+    calls: int = 0
+    bytes: int = 0
+
+
+@contextlib.contextmanager
+def count_all_gathers() -> Iterator[GatherCount]:
+    """Count every torch.distributed all-gather called in the block (FSDP's included).
+
+    The public entry points are wrapped for the block's duration (in ``torch.distributed``
+    and ``torch.distributed.distributed_c10d``); a call that delegates to another (in
+    torch 2.13 ``all_gather_into_tensor`` calls ``all_gather_single``) counts once.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    count = GatherCount()
+    depth = [0]
+
+    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                count.calls += 1
+                out = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list"))
+                count.bytes += sum(t.numel() * t.element_size() for t in iter_tensors(out))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    saved: list[tuple[Any, str, Any]] = []
+    for namespace in (dist, c10d):
+        for name in _GATHERS:
+            fn = getattr(namespace, name, None)
+            if fn is not None:
+                saved.append((namespace, name, fn))
+    originals = {id(fn): fn for _, _, fn in saved}
+    wrapped = {key: counting(fn) for key, fn in originals.items()}
+    try:
+        for namespace, name, fn in saved:
+            setattr(namespace, name, wrapped[id(fn)])
+        yield count
+    finally:
+        for namespace, name, fn in saved:
+            setattr(namespace, name, fn)
+
+
+def time_all_gather(nbytes: int, *, repeats: int = 5, group: Any = None) -> float:
+    """Median seconds of one all-gather whose gathered output is ``nbytes`` (float32)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
+    shard = torch.ones(max(1, -(-nbytes // (4 * world))), device=device)
+    out = torch.empty(shard.numel() * world, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier(group)
+        began = time.perf_counter()
+        dist.all_gather_into_tensor(out, shard, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - began)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
+
+
+@contextlib.contextmanager
+def _profiling(cuda: bool) -> Iterator[Any]:
+    """torch.profiler recording allocator events, its start and stop lines silenced."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, profile_memory=True)
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)  # Kineto prints to the C-level stderr when it starts and stops
+    try:
+        prof.__enter__()
+    finally:
+        os.dup2(saved, 2)
+    try:
+        yield prof
+    finally:
+        os.dup2(null, 2)
+        try:
+            prof.__exit__(None, None, None)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
+
+
+def _memory_events(prof: Any, cuda: bool) -> list[tuple[int, int]]:
+    from torch.autograd import DeviceType
+
+    wanted = DeviceType.CUDA if cuda else DeviceType.CPU
+    results: Any = prof.profiler.kineto_results
+    return sorted(
+        (e.start_ns(), e.nbytes())
+        for e in results.events()
+        if e.name() == "[memory]" and e.device_type() == wanted
+    )
+
+
+def allocated_bytes(fn: Callable[[], Any], *, cuda: bool = False) -> tuple[Any, int]:
+    """``fn()`` and the bytes it allocated that are still alive when it returns.
+
+    For what a wrapper keeps outside any step (the ``resident_bytes`` of
+    :func:`rank_step_peak`): wrap DDP and run two steps inside ``fn`` (DDP allocates its
+    gradient buckets when it wraps and again in its second step), then subtract the
+    optimizer state those steps created; ``tests/test_distributed.py`` does this.
+    """
+    with _profiling(cuda) as prof:
+        result = fn()
+    return result, sum(n for _, n in _memory_events(prof, cuda))
+
+
+def local_bytes(*objects: Any) -> int:
+    """Bytes of the distinct storages this rank holds for the objects' tensors.
+
+    A DTensor (an FSDP2 parameter, its gradient or optimizer state) counts its local shard.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for obj in objects:
+        for t in iter_tensors(obj):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storage = local.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def rank_step_peak(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    warmup_steps: int = 2,
+    resident_bytes: int = 0,
+) -> int:
+    """Peak bytes of one whole training step on this rank, from the allocator's events.
+
+    remat's live-storage tracker is a dispatch mode and does not follow FSDP2 (its
+    parameters are DTensors whose gathered storage is resized in place, outside any
+    op), so a rank's step is measured like a compiled one: the bytes alive at the start
+    (:func:`local_bytes` of parameters, buffers, optimizer state and batch, plus
+    ``resident_bytes`` such as DDP's gradient buckets) plus the running sum of every
+    allocation and free torch.profiler records during forward, backward and optimizer
+    step, after ``warmup_steps`` steps (DDP rebuilds its buckets in its second step). Every
+    rank must call it (the step runs collectives).
+    """
+
+    def step() -> None:
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup_steps):
+        step()
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    state = [t for s in optimizer.state.values() for t in iter_tensors(s)]
+    start = resident_bytes + local_bytes(
+        list(model.parameters()), list(model.buffers()), state, batch
+    )
+    cuda = next(model.parameters()).device.type == "cuda"
+    with _profiling(cuda) as prof:
+        step()
+    live = peak = start
+    for _, nbytes in _memory_events(prof, cuda):
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,194 @@
+"""One rank's problem under data parallelism: DDP replicates, FSDP2 shards.
+
+Torch-free. The simulator (:mod:`remat.solve.simulate`) knows one device; a data-parallel
+rank is one device whose :class:`Problem` differs from the single-process one in what
+the wrapper keeps. :func:`per_rank_problem` rewrites the fields, nothing else:
+
+* Start from the problem of **one rank's micro-batch** (profile the plain model on its
+  shard of the global batch): activations, boundaries and transients are already per rank.
+* ``ddp``: parameters, gradients and optimizer state are replicated, unchanged. DDP's
+  gradient buckets (``bucket_bytes``; by default a copy of every gradient, as with
+  ``gradient_as_bucket_view=False``) are allocated when the model is wrapped and stay
+  all step: they join ``params_bytes``.
+* ``fsdp`` (``fully_shard`` on every stage, then on the root, the default
+  ``reshard_after_forward=True``): the sharded parameters, their gradients, the
+  optimizer state and the optimizer step's temporaries are divided by the world size
+  (``ceil``; FSDP pads each parameter's dim 0 to a multiple of it, up to ``W - 1`` rows
+  more). Buffers (``replicated_bytes``) are not sharded. A stage's parameters are
+  gathered during its forward (with or without saving), its rebuilds and its backward:
+  the gathered part (``p - ceil(p / W)``) joins each of its transients. The root unit
+  (everything outside the stages: embeddings, head) is gathered in its forward and not
+  resharded until the end of backward: it joins ``pre_chain_bytes``, alive until then.
+* time: each stage's ``fwd_s`` and ``bwd_s`` gain one all-gather (``gather_s``, FSDP) and
+  its ``bwd_s`` one gradient reduction (``reduce_s``: FSDP's reduce-scatter, DDP's
+  all-reduce; serial with compute, an upper bound). A rebuild that gathers again adds
+  ``rebuild_gathers * gather_s`` to the stage's ``rebuild_s``, which the simulator
+  charges once per rebuild run. ``remat.distributed.count_all_gathers`` measures it:
+  with torch 2.13 neither wrap order gathers again (``docs/distributed.md``), so the
+  default is 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from remat.errors import UsageError
+from remat.solve.problem import Problem, StageCost
+
+__all__ = ["per_rank_problem"]
+
+_STRATEGIES = ("ddp", "fsdp")
+
+
+def _per_stage(
+    value: float | Mapping[str, float] | Sequence[float], problem: Problem, what: str
+) -> tuple[float, ...]:
+    if isinstance(value, bool):
+        raise UsageError(f"{what}={value!r} is not seconds; give a number >= 0")
+    if isinstance(value, (int, float)):
+        values: tuple[float, ...] = (float(value),) * problem.n
+    elif isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(problem.stage_names))
+        if unknown:
+            raise UsageError(
+                f"{what} names unknown stage(s) {', '.join(unknown)}; use the problem's stage names"
+            )
+        values = tuple(float(value.get(name, 0.0)) for name in problem.stage_names)
+    else:
+        values = tuple(float(v) for v in value)
+        if len(values) != problem.n:
+            raise UsageError(
+                f"{what} has {len(values)} entries for {problem.n} stages; give one per stage"
+            )
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise UsageError(f"{what}={value!r} has a negative or non-finite entry; give >= 0")
+    return values
+
+
+def per_rank_problem(
+    problem: Problem,
+    *,
+    world_size: int,
+    strategy: str,
+    stage_params_bytes: Mapping[str, int] | Sequence[int] | None = None,
+    replicated_bytes: int = 0,
+    bucket_bytes: int | None = None,
+    gather_s: float | Mapping[str, float] | Sequence[float] = 0.0,
+    reduce_s: float | Mapping[str, float] | Sequence[float] = 0.0,
+    rebuild_gathers: int = 0,
+) -> Problem:
+    """The problem one rank of a ``strategy`` (``ddp`` or ``fsdp``) job of ``world_size`` solves.
+
+    ``problem`` describes one rank's micro-batch. ``stage_params_bytes``: each stage's own
+    parameters (default: its ``grad_bytes``, equal when every parameter trains and none is
+    shared). ``replicated_bytes``: the part of ``params_bytes`` FSDP does not shard
+    (buffers). ``bucket_bytes``: DDP's gradient buckets (default ``grads_bytes``; 0 with
+    ``gradient_as_bucket_view=True``). ``gather_s``, ``reduce_s``: one all-gather and one
+    gradient reduction per stage, seconds (a number for every stage, a mapping by name or a
+    sequence). ``rebuild_gathers``: all-gathers each rebuild run of a stage makes again.
+    """
+    if strategy not in _STRATEGIES:
+        raise UsageError(f"strategy {strategy!r} is unknown; use one of {', '.join(_STRATEGIES)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size={world_size!r} is invalid; give a whole number >= 1")
+    if (
+        isinstance(rebuild_gathers, bool)
+        or not isinstance(rebuild_gathers, int)
+        or rebuild_gathers < 0
+    ):
+        raise UsageError(
+            f"rebuild_gathers={rebuild_gathers!r} is invalid; give a whole number >= 0"
+        )
+    gathers = _per_stage(gather_s, problem, "gather_s")
+    reduces = _per_stage(reduce_s, problem, "reduce_s")
+    w = world_size
+
+    def share(nbytes: int) -> int:
+        return -(-nbytes // w)
+
+    if strategy == "ddp":
+        buckets = problem.grads_bytes if bucket_bytes is None else bucket_bytes
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
+            raise UsageError(f"bucket_bytes={bucket_bytes!r} is invalid; give bytes >= 0")
+        stages = tuple(
+            replace(s, bwd_s=s.bwd_s + r) for s, r in zip(problem.stages, reduces, strict=True)
+        )
+        return replace(
+            problem,
+            stages=stages,
+            params_bytes=problem.params_bytes + buckets,
+            measured_no_checkpoint_peak_bytes=None,
+            description=_described(problem, f"ddp rank of {w}"),
+        )
+
+    if stage_params_bytes is None:
+        params = tuple(s.grad_bytes for s in problem.stages)
+    elif isinstance(stage_params_bytes, Mapping):
+        missing = [n for n in problem.stage_names if n not in stage_params_bytes]
+        if missing:
+            raise UsageError(
+                f"stage_params_bytes lacks stage(s) {', '.join(missing)}; give "
+                "every stage's parameter bytes"
+            )
+        params = tuple(int(stage_params_bytes[n]) for n in problem.stage_names)
+    else:
+        params = tuple(int(p) for p in stage_params_bytes)
+        if len(params) != problem.n:
+            raise UsageError(
+                f"stage_params_bytes has {len(params)} entries for {problem.n} "
+                "stages; give one per stage"
+            )
+    sharded = problem.params_bytes - replicated_bytes
+    root = sharded - sum(params)
+    if replicated_bytes < 0 or any(p < 0 for p in params) or root < 0:
+        raise UsageError(
+            f"the stages' parameters ({sum(params)} bytes) plus replicated_bytes="
+            f"{replicated_bytes} exceed params_bytes={problem.params_bytes}; give the "
+            "problem's own parameter split"
+        )
+    sharded_stages: list[StageCost] = []
+    for s, p, g, r in zip(problem.stages, params, gathers, reduces, strict=True):
+        gathered = p - share(p)
+        # Forward: the all-gather's flat output and the gathered parameters it is copied
+        # into; backward: the gathered parameters, then the reduce-scatter's flat input
+        # and output next to the stage's unsharded gradients.
+        fwd_extra = p + gathered
+        bwd_extra = gathered + s.grad_bytes + share(s.grad_bytes)
+        sharded_stages.append(
+            replace(
+                s,
+                fwd_transient_bytes=s.fwd_transient_bytes + fwd_extra,
+                bwd_transient_bytes=s.bwd_transient_bytes + bwd_extra,
+                nosave_transient_bytes=None
+                if s.nosave_transient_bytes is None
+                else s.nosave_transient_bytes + fwd_extra,
+                grad_bytes=share(s.grad_bytes),
+                fwd_s=s.fwd_s + g,
+                bwd_s=s.bwd_s + g + r,
+                rebuild_s=s.rebuild_s + rebuild_gathers * g,
+            )
+        )
+    parts = (
+        sum(s.grad_bytes for s in sharded_stages)
+        + share(problem.pre_chain_grads_bytes)
+        + share(problem.post_chain_grads_bytes)
+    )
+    return replace(
+        problem,
+        stages=tuple(sharded_stages),
+        params_bytes=replicated_bytes + share(sharded),
+        grads_bytes=max(share(problem.grads_bytes), parts),
+        pre_chain_grads_bytes=share(problem.pre_chain_grads_bytes),
+        post_chain_grads_bytes=share(problem.post_chain_grads_bytes),
+        optimizer_bytes=share(problem.optimizer_bytes),
+        optimizer_step_bytes=share(problem.optimizer_step_bytes),
+        pre_chain_bytes=problem.pre_chain_bytes + root - share(root),
+        measured_no_checkpoint_peak_bytes=None,
+        description=_described(problem, f"fsdp rank of {w}"),
+    )
+
+
+def _described(problem: Problem, what: str) -> str:
+    return f"{problem.description} ({what})" if problem.description else what
