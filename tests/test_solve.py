@@ -779,3 +779,13 @@ def test_the_planning_core_never_imports_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=False)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", ["tiny_3", "uniform_8", "hetero_6", "gpt2_12"])
+def test_optimal_at_the_no_checkpoint_peak_is_no_checkpointing(name: str) -> None:
+    """Slot rounding must not push optimal off the plan that exactly fits (and is fastest)."""
+    p = load(name)
+    none = solvers.none(p)
+    plan = solvers.optimal(p, peak(none))
+    assert plan.predicted_step_time_s == none.predicted_step_time_s
+    assert plan.regions == () and set(plan.options) == {"keep"}

@@ -246,10 +246,12 @@ def _recipes_by_time(problem: Problem) -> list[tuple[float, int, list[tuple[int,
 
 
 def _recipe_regions(n: int) -> list[list[tuple[int, int]]]:
-    """Every distinct region list of the classic recipes (every-k, groups, segments-k)."""
+    """Every distinct region list of the classic recipes (none, every-k, groups,
+    segments-k, block)."""
     if n == 0:
         return []
-    lists = [recipes.every(n, k) for k in range(1, n + 1)]
+    lists: list[list[tuple[int, int]]] = [[]]  # no checkpointing: fits a budget of its peak
+    lists += [recipes.every(n, k) for k in range(1, n + 1)]
     lists += [recipes.groups(n, size) for size in range(1, n + 1)]
     lists += [recipes.segments(n, k) for k in range(1, n + 1)]
     lists += [recipes.block(n, count) for count in range(1, n + 1)]
