@@ -182,9 +182,9 @@ def notes(result: Profile) -> tuple[str, ...]:
     if kept:
         shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
         found.append(
-            f"the outputs of stages {shown} stay referenced outside the chain (a transformers "
-            "model with output_hidden_states=True returns every layer's output), so "
-            "checkpointing them frees less than planned; turn that off while training"
+            f"the outputs of stages {shown} stay referenced outside the chain, so "
+            "checkpointing them frees less than planned (a transformers model with "
+            "output_hidden_states=True returns every layer's output: turn it off for training)"
         )
     return tuple(found)
 

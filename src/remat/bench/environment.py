@@ -32,6 +32,10 @@ class Environment:
     interop_threads: int
     dtype: str
     attention_backend: str
+    # Under torchrun with --distributed: this process's rank, the world size, ddp or fsdp.
+    rank: int | None = None
+    world_size: int | None = None
+    distributed: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +74,15 @@ def attention_backend(model: nn.Module, batch: Any, loss_fn: LossFn) -> str:
 
 
 def describe_environment(
-    model: nn.Module, batch: Any, loss_fn: LossFn, *, dtype: str, device: str
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    dtype: str,
+    device: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+    distributed: str | None = None,
 ) -> Environment:
     from remat import __version__
 
@@ -85,4 +97,7 @@ def describe_environment(
         interop_threads=torch.get_num_interop_threads(),
         dtype=dtype,
         attention_backend=attention_backend(model, batch, loss_fn),
+        rank=rank,
+        world_size=world_size,
+        distributed=distributed,
     )

@@ -5,6 +5,8 @@ optimizer steps, a short trajectory, rebuilt values, hazards). A compiled model 
 (the harness applies a plan to a twin, and its value check is a dispatch mode that Dynamo
 does not compile under), so a compiled row's first step is compared with the eager model
 from the same weights and seed, with the harness's own tensor comparison and tolerances.
+The ``hf-gc`` row (transformers' own checkpointing, no remat plan) is compared the same
+way with the plain model, over the steps of a short trajectory.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.measure.step import make_optimizer
 from remat.plan import Plan
 from remat.verify.compare import check_tensors
 from remat.verify.harness import verify
 from remat.verify.report import Check
 from remat.verify.tolerance import parse_tolerance
 
-from .runners import CompiledRunner, Factory
+from .runners import CompiledRunner, Factory, enable_hf_gc, is_hf_gc
 
-__all__ = ["GradCheck", "check_compiled", "check_plan"]
+__all__ = ["GradCheck", "check_compiled", "check_hf_gc", "check_plan"]
 
 _GRADIENT_CHECKS = ("loss", "input-gradients", "parameter-gradients")
 
@@ -52,7 +55,9 @@ def _worst(checks: list[Check]) -> float | None:
 def check_plan(
     factory: Factory, plan: Plan, *, optimizer: str, steps: int, seed: int = 0
 ) -> GradCheck:
-    """``remat.verify`` of ``plan`` on a fresh model."""
+    """``remat.verify`` of ``plan`` on a fresh model (``hf-gc``: :func:`check_hf_gc`)."""
+    if is_hf_gc(plan):
+        return check_hf_gc(factory, optimizer=optimizer, steps=steps, seed=seed)
     model, batch, loss_fn = factory(None)
     report = verify(model, batch, plan, loss_fn, steps=steps, optimizer=optimizer, seed=seed)
     gradient_checks = [c for c in report.checks if c.name in _GRADIENT_CHECKS]
@@ -144,3 +149,55 @@ def check_compiled(runner: CompiledRunner, *, seed: int = 0) -> GradCheck:
         )
     runner.optimizer.zero_grad(set_to_none=True)
     return GradCheck(not failing, None, _worst(checks), detail, rounding)
+
+
+def check_hf_gc(factory: Factory, *, optimizer: str, steps: int, seed: int = 0) -> GradCheck:
+    """transformers' own checkpointing against the plain model from the same weights.
+
+    Each of ``steps`` steps runs both from the same seed (the same dropout masks, as
+    torch's checkpoint replays the RNG state); step 1's loss and parameter gradients and
+    the parameters after the last optimizer step are compared (``auto`` tolerance).
+    """
+    plain, batch, loss_fn = factory(None)
+    twin, _, _ = factory(None)
+    twin.load_state_dict(plain.state_dict())
+    enable_hf_gc(twin)
+    plain.train()
+    twin.train()
+    policy = parse_tolerance("auto")
+    optimizers = [make_optimizer(m, optimizer) for m in (plain, twin)]
+    checks: list[Check] = []
+    for k in range(steps):
+        ref = _seeded_step(plain, lambda: loss_fn(plain, batch), seed + k)
+        got = _seeded_step(twin, lambda: loss_fn(twin, batch), seed + k)
+        if k == 0:
+            expected = dict(plain.named_parameters())
+            checks.append(check_tensors("loss", [("loss", got, ref)], policy))
+            checks.append(
+                check_tensors(
+                    "parameter-gradients",
+                    [(n, p.grad, expected[n].grad) for n, p in twin.named_parameters()],
+                    policy,
+                    what="parameter gradients",
+                )
+            )
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    expected = dict(plain.named_parameters())
+    checks.append(
+        check_tensors(
+            "trajectory",
+            [(n, p.detach(), expected[n].detach()) for n, p in twin.named_parameters()],
+            policy,
+            what=f"parameters after {steps} {optimizer} steps",
+        )
+    )
+    gradient_checks = [c for c in checks if c.name in _GRADIENT_CHECKS]
+    failing = [c for c in checks if not c.passed]
+    detail = (
+        f"{failing[0].name}: {failing[0].message}"
+        if failing
+        else f"loss, gradients and {steps}-step trajectory equal the plain model's"
+    )
+    return GradCheck(all(c.passed for c in gradient_checks), not failing, _worst(checks), detail)

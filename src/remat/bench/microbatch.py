@@ -33,7 +33,7 @@ from remat.units import format_bytes
 
 from .measure import interleaved, time_stats
 from .results import MicrobatchReport, MicrobatchRow
-from .runners import Factory, LossFn
+from .runners import Factory, LossFn, enable_hf_gc, is_hf_gc
 from .strategies import baseline_plan
 
 __all__ = ["compare_microbatches", "split"]
@@ -141,7 +141,9 @@ def _setup(factory: Factory, size: int, global_batch: int, plan: Plan, optimizer
     sizes = split(global_batch, size)
     rest = sizes[-1] if sizes[-1] != size else None
     batches = [batch] * (len(sizes) - 1) + [factory(rest)[1] if rest else batch]
-    if plan.regions or any(o != "keep" for o in plan.options):
+    if is_hf_gc(plan):
+        enable_hf_gc(model)
+    elif plan.regions or any(o != "keep" for o in plan.options):
         apply(model, plan)
     setup = _Setup(model.train(), tuple(batches), _accumulating_loss(loss_fn, sizes), plan)
     setup.optimizer = make_optimizer(model, optimizer)

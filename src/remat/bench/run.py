@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from remat.distributed import RankInfo
 from remat.errors import UsageError
+from remat.plan import Plan
 from remat.planner import to_problem
 from remat.profile_format import Profile
 from remat.profiler import profile, profile_scaling
@@ -28,7 +30,7 @@ from .environment import describe_environment
 from .factory import batch_size_of, describe, failure, make_factory, whole
 from .findings import findings
 from .grads import check_compiled, check_plan
-from .measure import by_profiler, by_tracker, interleaved, paired, time_stats
+from .measure import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
 from .microbatch import compare_microbatches
 from .results import BenchReport, Row
 from .runners import CompiledRunner, EagerRunner, Factory, Runner
@@ -74,12 +76,75 @@ def _planned_row(spec: RowSpec) -> Row:
     )
 
 
+class _Ranks:
+    """One rank of a ``torchrun`` job (``--distributed``): how its rows are built and measured.
+
+    Every rank builds the same model (same seed) and takes its shard of the batch; a row's
+    model is wrapped after the plan is applied (DDP) or sharded before (FSDP2, which
+    replaces the parameters the optimizer takes). Its peak is measured from the
+    allocator's events (:func:`remat.distributed.rank_step_peak`; the live-storage tracker
+    does not follow FSDP2's parameters), DDP's gradient buckets included.
+    """
+
+    def __init__(self, strategy: str, info: RankInfo) -> None:
+        self.strategy = strategy
+        self.info = info
+        self.stages: tuple[str, ...] = ()  # the profiled stages, each an FSDP unit
+
+    def shard(self, factory: Factory) -> Factory:
+        from remat.distributed import shard_batch
+
+        def sharded(batch_size: int | None) -> Any:
+            model, batch, loss_fn = factory(batch_size)
+            return model, shard_batch(batch, self.info.rank, self.info.world_size), loss_fn
+
+        return sharded
+
+    def runner(self, model: Any, batch: Any, loss_fn: Any, optimizer: str,
+               plan: Plan | None) -> Runner:
+        from remat import distributed as rd
+
+        if self.strategy == "fsdp":
+            rd.shard_stages(model, self.stages, plan)
+        runner = (Runner(model, batch, loss_fn, optimizer) if plan is None
+                  else EagerRunner(model, batch, loss_fn, optimizer, plan))
+        runner.resident_bytes = 0  # type: ignore[attr-defined]
+        if self.strategy == "ddp":
+            opt = runner.optimizer
+
+            def wrap_and_warm() -> Any:
+                ddp = rd.wrap_ddp(model)
+                for _ in range(2):  # DDP allocates its buckets again in its second step
+                    loss_fn(ddp, batch).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                return ddp
+
+            runner.model, allocated = rd.allocated_bytes(wrap_and_warm)
+            runner.resident_bytes = (  # type: ignore[attr-defined]
+                allocated - rd.local_bytes([*opt.state.values()]))
+        return runner
+
+    @staticmethod
+    def measure(runner: Runner) -> MemoryMeasure:
+        from remat.distributed import rank_step_peak
+
+        resident = getattr(runner, "resident_bytes", 0)
+        peak = rank_step_peak(runner.model, runner.batch, runner.loss_fn, runner.optimizer,
+                              resident_bytes=resident)
+        return MemoryMeasure(peak_bytes=peak, instrument="torch.profiler (rank)",
+                             start_bytes=0, timeline=())
+
+
 class _Bench:
     """The state of one run: runners, rows and timelines by row key."""
 
     def __init__(self, factory: Factory, optimizer: str, verify_steps: int,
-                 progress: Progress) -> None:
+                 progress: Progress, ranks: _Ranks | None = None,
+                 check_factory: Factory | None = None) -> None:
         self.factory = factory
+        self.check_factory = check_factory or factory
+        self.ranks = ranks
         self.optimizer = optimizer
         self.verify_steps = verify_steps
         self.progress = progress
@@ -97,13 +162,17 @@ class _Bench:
             runner: Runner | None = None
             try:
                 model, batch, loss_fn = self.factory(None)
-                runner = (
-                    Runner(model, batch, loss_fn, self.optimizer) if spec.strategy == "none"
-                    else EagerRunner(model, batch, loss_fn, self.optimizer, spec.plan)
-                )
-                memory = by_tracker(runner)
-                cross = by_profiler(runner, warmup=False)
-                check = check_plan(self.factory, spec.plan, optimizer=self.optimizer,
+                plan = None if spec.strategy == "none" else spec.plan
+                if self.ranks is not None:
+                    runner = self.ranks.runner(model, batch, loss_fn, self.optimizer, plan)
+                    memory = cross = self.ranks.measure(runner)
+                else:
+                    runner = (Runner(model, batch, loss_fn, self.optimizer) if plan is None
+                              else EagerRunner(model, batch, loss_fn, self.optimizer, plan))
+                    memory = by_tracker(runner)
+                    cross = by_profiler(runner, warmup=False)
+                # the plan on this rank's plain model: gradients are a property of the plan
+                check = check_plan(self.check_factory, spec.plan, optimizer=self.optimizer,
                                    steps=self.verify_steps)
             except Exception as err:  # a row that cannot run is a finding, not a crash
                 if runner is not None:
@@ -227,6 +296,7 @@ class Settings:
     compile_limit_s: float
     matched: bool
     microbatch_budget: str | int | float | None
+    distributed: str | None = None
 
 
 @contextmanager
@@ -260,6 +330,7 @@ def bench(
     threads: int | None = None,
     progress: Progress | None = None,
     command: str | None = None,
+    distributed: str | None = None,
 ) -> BenchReport:
     """Measure every strategy on ``model`` side by side; see ``docs/bench.md``.
 
@@ -269,8 +340,16 @@ def bench(
     any of :data:`~remat.bench.strategies.STRATEGIES` (``none`` always runs, as the
     reference). ``repeats`` timed rounds follow ``warmup`` rounds. ``microbatch_budget``
     (None: skip) is the budget of the micro-batch comparison. ``threads`` sets torch's
-    intra-op threads for the run (restored after).
+    intra-op threads for the run (restored after). ``distributed`` (``ddp`` or ``fsdp``,
+    under ``torchrun``): this process is one rank; it joins the process group, runs the
+    eager rows wrapped (compile rows and the micro-batch comparison are left out) on its
+    shard of the batch and reports its own peaks (``docs/distributed.md``).
     """
+    from remat.distributed import STRATEGIES
+
+    if distributed is not None and distributed not in STRATEGIES:
+        raise UsageError(f"distributed={distributed!r} is unknown; use one of "
+                         f"{', '.join(STRATEGIES)}")
     if isinstance(compile_limit_s, bool) or not isinstance(compile_limit_s, (int, float)) \
             or compile_limit_s < 0:
         raise UsageError(f"compile_limit_s={compile_limit_s!r} is invalid; give seconds >= 0")
@@ -285,8 +364,10 @@ def bench(
         compile_limit_s=float(compile_limit_s),
         matched=matched,
         microbatch_budget=(
-            None if microbatch_budget is None else parse_budgets([microbatch_budget])[0]
+            None if microbatch_budget is None or distributed
+            else parse_budgets([microbatch_budget])[0]
         ),
+        distributed=distributed,
     )
     with _threads(threads):
         return _run(model, options or {}, stages, settings, progress or _no_progress, command)
@@ -302,6 +383,13 @@ def _run(
 ) -> BenchReport:
     began = time.perf_counter()
     factory, takes_batch = make_factory(model, options)
+    ranks = None
+    if s.distributed is not None:
+        from remat.distributed import init_from_env
+
+        ranks = _Ranks(s.distributed, init_from_env())
+        factory = ranks.shard(factory)
+        s = replace(s, strategies=tuple(n for n in s.strategies if n != "compile"))
     model0, batch0, loss0 = factory(None)
     batch_size = batch_size_of(options, batch0)
     description = describe(model, options)
@@ -310,13 +398,27 @@ def _run(
         scaling = (batch_size, batch_size // 2) if batch_size > 1 else (1, 2)
     prof = _profile(factory, scaling, stages, s.optimizer, s.profile_repeats, description,
                     progress)
+    if ranks is not None:
+        import torch.distributed as dist
+
+        # one profile for every rank (rank 0's): the ranks must choose the same plans,
+        # or their FSDP units, and so their collectives, would differ
+        shared: list[Any] = [prof.to_json()]
+        dist.broadcast_object_list(shared, src=0)
+        prof = Profile.from_json(shared[0])
     problem: Problem = to_problem(prof)
     environment = describe_environment(
-        model0, batch0, loss0, dtype=prof.dtype, device=prof.device
+        model0, batch0, loss0, dtype=prof.dtype, device=prof.device,
+        rank=None if ranks is None else ranks.info.rank,
+        world_size=None if ranks is None else ranks.info.world_size,
+        distributed=s.distributed,
     )
+    if ranks is not None:
+        ranks.stages = prof.stage_names
+        problem = _rank_problem(problem, ranks, factory, s.optimizer)
     del model0
     specs = plan_rows(problem, s.strategies, s.budgets)
-    run = _Bench(factory, s.optimizer, s.verify_steps, progress)
+    run = _Bench(factory, s.optimizer, s.verify_steps, progress, ranks)
     try:
         run.eager([r for r in specs if r.strategy != "compile"])
         if s.matched and "remat" in s.strategies:
@@ -333,6 +435,10 @@ def _run(
         run.time_all(s.repeats, s.warmup)
     finally:
         run.close()
+        if ranks is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank done before any tears its group down
     micro = None
     if s.microbatch_budget is not None:
         micro = compare_microbatches(
@@ -360,3 +466,26 @@ def _run(
         command=command,
         timelines=dict(run.timelines),
     )
+
+
+def _rank_problem(problem: Problem, ranks: _Ranks, factory: Factory, optimizer: str) -> Problem:
+    """The per-rank problem (:func:`remat.solve.sharding.per_rank_problem`), with this
+    ranks' largest measured peak without checkpointing, so that budgets given as fractions
+    mean fractions of what a rank holds, and every rank plans the same."""
+    from remat.solve.sharding import per_rank_problem
+
+    model, batch, loss_fn = factory(None)
+    runner = ranks.runner(model, batch, loss_fn, optimizer, None)
+    try:
+        peak = ranks.measure(runner).peak_bytes
+    finally:
+        runner.close()
+    import torch.distributed as dist
+
+    largest = torch.tensor([peak], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one budget, so one plan, on every rank
+    peak = int(largest.item())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    rank_problem = per_rank_problem(problem, world_size=ranks.info.world_size,
+                                    strategy=ranks.strategy, replicated_bytes=buffers)
+    return replace(rank_problem, measured_no_checkpoint_peak_bytes=peak)

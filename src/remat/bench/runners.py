@@ -1,5 +1,10 @@
 """Each row's set-up: a fresh model with a plan applied by remat, or a compiled model.
 
+The ``hf-gc`` row is a transformers model with its own
+``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``
+instead of a remat plan; its plan (remat's per-stage plan, the same regions: one per
+decoder layer) carries the solver name ``hf-gc`` and only supplies the prediction.
+
 A runner owns one model, its batch, loss and optimizer, and knows how to run one training
 step of its row. Every row gets its own model from the factory (same seed, same weights),
 so rows can be interleaved step by step without applying and removing plans.
@@ -16,15 +21,68 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.errors import UsageError
 from remat.measure.step import make_optimizer
 from remat.plan import Plan
 from remat.runtime import Handle, apply
 
-__all__ = ["CompiledRunner", "EagerRunner", "Factory", "LossFn", "Runner"]
+__all__ = [
+    "HF_GC",
+    "CompiledRunner",
+    "EagerRunner",
+    "Factory",
+    "LossFn",
+    "Runner",
+    "disable_hf_gc",
+    "enable_hf_gc",
+    "is_hf_gc",
+]
 
 LossFn = Callable[[nn.Module, Any], Any]
 #: ``factory(batch_size)`` returns ``(model, batch, loss_fn)``; None means the default size.
 Factory = Callable[[int | None], tuple[nn.Module, Any, LossFn]]
+
+
+#: The strategy (and its plan's solver name) that runs transformers' own checkpointing.
+HF_GC = "hf-gc"
+
+
+def is_hf_gc(plan: Plan) -> bool:
+    """Whether ``plan`` stands for transformers' own gradient checkpointing (``hf-gc``)."""
+    return plan.solver == HF_GC
+
+
+def enable_hf_gc(model: nn.Module) -> None:
+    """Turn on transformers' gradient checkpointing, non-reentrant (the ``hf-gc`` row).
+
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+    False})``; transformers 5 renamed it ``activation_checkpointing_enable`` (the old
+    name still works, with a FutureWarning), so the new name is used where it exists.
+    """
+    new = getattr(model, "activation_checkpointing_enable", None)
+    old = getattr(model, "gradient_checkpointing_enable", None)
+    if not (callable(new) or callable(old)) or not getattr(
+        model, "supports_gradient_checkpointing", False
+    ):
+        raise UsageError(
+            f"strategy {HF_GC} applies only to transformers models that support "
+            f"gradient_checkpointing_enable, and {type(model).__name__} does not; leave "
+            f"{HF_GC} out of the strategies"
+        )
+    kwargs = {"use_reentrant": False}
+    if callable(new):
+        new(activation_checkpointing_kwargs=kwargs)
+    elif callable(old):
+        old(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_hf_gc(model: nn.Module) -> None:
+    """Undo :func:`enable_hf_gc`."""
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        disable = getattr(model, name, None)
+        if callable(disable):
+            disable()
+            return
 
 
 class Runner:
@@ -58,20 +116,27 @@ class Runner:
 
 
 class EagerRunner(Runner):
-    """The model with ``plan`` applied through remat's runtime (``none``: no regions)."""
+    """The model with ``plan`` applied through remat's runtime (``none``: no regions), or
+    for an ``hf-gc`` plan with transformers' own checkpointing turned on instead."""
 
     def __init__(
         self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: str, plan: Plan
     ) -> None:
         super().__init__(model, batch, loss_fn, optimizer)
         self.plan = plan
-        self.handle: Handle | None = apply(model, plan)
+        self.handle: Handle | None = None
+        if is_hf_gc(plan):
+            enable_hf_gc(model)
+        else:
+            self.handle = apply(model, plan)
 
     def close(self) -> None:
         super().close()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        elif is_hf_gc(self.plan):
+            disable_hf_gc(self.model)
 
 
 def _fresh_function(model: nn.Module, loss_fn: LossFn, tag: str) -> Callable[[Any], Any]:

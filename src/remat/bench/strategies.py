@@ -5,21 +5,26 @@ A row is a strategy at a budget. The checkpointing recipes (``none``, ``per-stag
 (the optimal plan) and ``compile`` (``torch.compile`` with
 ``activation_memory_budget``) give one row per budget. Plans come from
 :func:`remat.planner.plan`, so a row's predicted peak and step time are the simulator's.
+``hf-gc`` (transformers models only, asked for by name) is transformers' own
+``gradient_checkpointing_enable``, predicted as remat's per-stage plan: the same regions.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from remat.errors import CheckFailed, UsageError
 from remat.plan import Plan
 from remat.planner import plan as make_plan
 from remat.solve import Problem, StageCost, parse_budget
 
+from .runners import HF_GC
+
 __all__ = [
     "DEFAULT_BUDGETS",
+    "OPTIONAL_STRATEGIES",
     "STRATEGIES",
     "RowSpec",
     "baseline_plan",
@@ -31,6 +36,9 @@ __all__ = [
 
 #: Strategy names in report order; ``every-K`` takes any whole K (``every-2`` by default).
 STRATEGIES = ("none", "per-stage", "every-2", "sqrt", "selective", "compile", "remat")
+#: Strategies run only when asked for: ``hf-gc`` needs a transformers model.
+OPTIONAL_STRATEGIES = (HF_GC,)
+_ORDER = ("none", "per-stage", HF_GC, "every-2", "sqrt", "selective", "compile", "remat")
 DEFAULT_BUDGETS = ("100%", "75%", "50%", "35%", "25%")
 BUDGETED = ("compile", "remat")
 _EVERY = re.compile(r"^every-([0-9]+)$")
@@ -59,14 +67,14 @@ def parse_strategies(value: str | Sequence[str]) -> tuple[str, ...]:
         match = _EVERY.match(name)
         if match and int(match.group(1)) < 1:
             raise UsageError(f"strategy {name!r} needs K of 1 or more, e.g. every-2")
-        if name not in STRATEGIES and not match:
+        if name not in (*STRATEGIES, *OPTIONAL_STRATEGIES) and not match:
             raise UsageError(
-                f"strategy {name!r} is not known; choose from {', '.join(STRATEGIES)} "
-                "(every-K for any K)"
+                f"strategy {name!r} is not known; choose from "
+                f"{', '.join((*STRATEGIES, *OPTIONAL_STRATEGIES))} (every-K for any K)"
             )
         if name not in found:
             found.append(name)
-    order = {name: i for i, name in enumerate(STRATEGIES)}
+    order = {name: i for i, name in enumerate(_ORDER)}
     return tuple(sorted(found, key=lambda n: order.get(n, order["every-2"])))
 
 
@@ -111,6 +119,10 @@ def baseline_plan(problem: Problem, strategy: str) -> Plan:
         return make_plan(problem, None, "none")
     if strategy == "per-stage":
         return make_plan(problem, None, "per-stage")
+    if strategy == HF_GC:
+        # transformers checkpoints each decoder layer: remat's per-stage regions, so the
+        # simulator's per-stage figures are its prediction; the solver name marks the row
+        return replace(make_plan(problem, None, "per-stage"), solver=HF_GC)
     if strategy == "sqrt":
         return make_plan(problem, None, "segments-k")
     if strategy == "selective":
@@ -125,8 +137,9 @@ def _label(budget: str | int | float) -> str:
     return budget if isinstance(budget, str) else str(budget)
 
 
-def _remat_row(problem: Problem, label: str, budget: int, peak: int | None,
-               matched_to: str | None = None) -> RowSpec:
+def _remat_row(
+    problem: Problem, label: str, budget: int, peak: int | None, matched_to: str | None = None
+) -> RowSpec:
     fraction = None if not peak else budget / peak
     try:
         plan = make_plan(problem, budget, "optimal")

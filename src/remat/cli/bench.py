@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,6 +62,9 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the report folder (bench.json, README.md, PNG plots) here")
+    p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,
+                   help="under torchrun: run as one rank of a DDP or FSDP2 job and report "
+                   "this rank's peaks (JSON and --out get a .rankN suffix)")
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -103,7 +107,20 @@ def command_line(args: argparse.Namespace) -> str:
         words += ["--optimizer", args.optimizer]
     if args.out:
         words += ["--out", args.out]
+    if getattr(args, "distributed", None):
+        words = ["torchrun", "--nproc-per-node", os.environ.get("WORLD_SIZE", "N"), "-m",
+                 *words, "--distributed", args.distributed]
     return shlex.join(words)
+
+
+def rank_path(path: str | None, rank: int | None) -> str | None:
+    """``bench.json`` -> ``bench.rank1.json`` (``-`` and no path stay as they are)."""
+    if path is None or path == "-" or rank is None:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    if not dot or "/" in ext:
+        return f"{path}.rank{rank}"
+    return f"{stem}.rank{rank}.{ext}"
 
 
 def _table(report: BenchReport) -> Table:
@@ -162,6 +179,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--compile-limit {args.compile_limit:g} is negative; give seconds >= 0")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads} is below 1; give 1 or more")
+    rank = None
+    if args.distributed:
+        from remat.distributed import env_rank
+
+        info = env_rank()
+        if info is None:
+            raise UsageError(
+                "--distributed needs the RANK and WORLD_SIZE torchrun sets; run "
+                "torchrun --nproc-per-node 2 -m remat bench ... --distributed " + args.distributed
+            )
+        rank = info.rank
     with progress_bar("bench") as progress:
         report = bench(
             args.model, options=model_options(args), stages=stage_list(args.stages),
@@ -171,20 +199,25 @@ def run(args: argparse.Namespace) -> int:
             matched=not args.no_matched, microbatch_budget=micro, threads=args.threads,
             progress=progress,
             command=command_line(args),
+            distributed=args.distributed,
         )
-    console = console_for(args.json)
+    json_path, out = rank_path(args.json, rank), rank_path(args.out, rank)
+    console = console_for(json_path)
+    if rank is not None:
+        console.print(f"rank {rank} of {report.environment.world_size} ({args.distributed}): "
+                      "peaks are this rank's")
     console.print(_table(report))
     for f in report.findings:
         mark = {True: "[green]MET[/]", False: "[bold red]MISSED[/]", None: "note"}[f.met]
         console.print(f"{mark} {f.name}: {f.statement}")
-    if args.out:
-        files = write_report(report, args.out)
+    if out:
+        files = write_report(report, out)
         written = [files.json_path, files.markdown_path, *files.plots]
         console.print(f"report: {', '.join(str(p) for p in written)}")
         if files.plots_skipped:
             console.print(files.plots_skipped)
     console.print(f"took {report.elapsed_s:.0f} s")
-    write_json(report.to_dict(), args.json)
+    write_json(report.to_dict(), json_path)
     failed = _failed(report)
     for line in failed:
         console.print(f"[bold red]check failed[/]: {line}")

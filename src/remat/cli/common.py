@@ -16,8 +16,9 @@ def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt"
         "--model",
         default=default,
         help=(
-            "gpt, mlp-hetero, convnet-bn or package.module:factory"
-            + (f" (default {default})" if default else "")
+            "gpt, mlp-hetero, convnet-bn, hf:gpt2, hf:llama, hf:qwen2, hf:mistral "
+            "(transformers from a config, random weights; pip install 'remat[hf]') "
+            "or package.module:factory" + (f" (default {default})" if default else "")
         ),
     )
     p.add_argument(
@@ -26,7 +27,10 @@ def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt"
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a model option, e.g. --set n_layer=4 (repeatable)",
+        help=(
+            "a model option, e.g. --set n_layer=4; for hf: models a config field, e.g. "
+            "--set num_hidden_layers=8 (repeatable)"
+        ),
     )
     p.add_argument("--batch-size", type=int, default=None, help="the model's batch_size option")
     p.add_argument(

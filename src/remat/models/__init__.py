@@ -1,4 +1,4 @@
-"""Built-in models and loading user models from a ``package.module:factory`` spec.
+"""Built-in models, transformers models (``hf:<model_type>``) and ``package.module:factory``.
 
 A model factory takes keyword-only options and returns ``(model, example_batch, loss_fn)``,
 where ``loss_fn(model, batch)`` runs the forward pass and returns a scalar loss.
@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from remat.errors import UsageError
-from remat.models import convnet_bn, gpt, mlp_hetero
+from remat.models import convnet_bn, gpt, hf, mlp_hetero
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.
 BUILTINS: dict[str, Callable[..., Any]] = {
@@ -31,10 +31,12 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _resolve(spec: str) -> Callable[..., Any]:
-    """Find the factory a spec names: a built-in name or ``package.module:attr``."""
+    """Find the factory a spec names: a built-in, ``hf:<model_type>`` or ``package.module:attr``."""
     if spec in BUILTINS:
         return BUILTINS[spec]
-    choices = ", ".join(BUILTINS)
+    if spec.startswith(hf.PREFIX):
+        return hf.hf_factory(spec)
+    choices = ", ".join([*BUILTINS, *(hf.PREFIX + name for name in hf.FAMILIES)])
     module_name, sep, attr = spec.partition(":")
     if not sep:
         raise UsageError(
@@ -93,7 +95,7 @@ def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, An
 
 
 def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[..., Any]]:
-    """Build a model from a built-in name or ``package.module:factory`` with ``options``.
+    """Build a model from a built-in name, ``hf:<model_type>`` or ``package.module:factory``.
 
     Returns ``(model, example_batch, loss_fn)``; raises UsageError for a spec or option
     the user can fix.

@@ -6,7 +6,8 @@ option is applied the way a plan applies it (``remat.runtime.apply``), so what a
 selective policy keeps (torch's selective-checkpoint cache plus the input the checkpoint
 saves) is what the runtime will keep. A no-save pass drops every saved tensor, which is
 what a stage costs inside a region's forward, and shows which stage outputs stay
-referenced from outside the chain. With ``time_ops`` a pass also times each aten op of
+referenced from outside the chain (after the chain moved on, or in what the model
+returns, e.g. its hidden states). With ``time_ops`` a pass also times each aten op of
 each stage's forward (:class:`~remat.profiling.optimes.OpTimer`).
 """
 
@@ -136,6 +137,14 @@ def forward_pass(
         storage = t.untyped_storage()
         return any(ref() is storage for ref in offered)
 
+    def returned(_model: nn.Module, _args: Any, _output: Any) -> None:
+        # The model's forward has returned and its loop variables are gone: an earlier
+        # stage's output still alive now is in what it returns (a transformers model with
+        # output_hidden_states=True returns every layer's output). The last stage's
+        # output may be the model's own output.
+        for j in range(n - 1):
+            kept[j] = kept[j] or alive(j)
+
     def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         order.append(i)
         for j in range(i - 1):  # the loop holds only the previous stage's output now
@@ -173,6 +182,9 @@ def forward_pass(
         tracker.register_existing(model)
         tracker.register_existing(list(iter_tensors(batch)))
         handle = apply(model, plan) if plan is not None else None
+        # kept_outside is read from the no-save pass only (nothing there is saved, so a
+        # live output is a reference from outside the chain)
+        root = None if save else model.register_forward_hook(returned)
         try:
             # The timer is entered first, so it is the last mode an op passes through and
             # times the kernel alone (see OpTimer).
@@ -191,6 +203,8 @@ def forward_pass(
                     for j in range(n):
                         kept[j] = kept[j] or alive(j)
         finally:
+            if root is not None:
+                root.remove()
             if handle is not None:
                 handle.remove()
     missing = [i for i, f in enumerate(found) if f is None]

@@ -1,0 +1,211 @@
+"""transformers models (``hf:gpt2``, ``hf:llama``, ``hf:qwen2``, ``hf:mistral``) end to end.
+
+Built from configs with random weights (nothing downloaded), tiny sizes: stage discovery,
+multi-stage and nested regions inside the transformers decoder loop checked by the verify
+harness with dropout on, predicted against measured peak, the ``hf-gc`` bench row, the
+``output_hidden_states`` flag and the ``use_cache`` warning, and the option errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import remat  # noqa: E402
+from remat.bench import parse_strategies  # noqa: E402
+from remat.bench.runners import enable_hf_gc  # noqa: E402
+from remat.cli import main  # noqa: E402
+from remat.errors import UsageError  # noqa: E402
+from remat.measure import measure_step  # noqa: E402
+from remat.models import load_model  # noqa: E402
+from remat.plan import Plan, Region  # noqa: E402
+from remat.planner import to_problem  # noqa: E402
+from remat.solve.simulate import simulate  # noqa: E402
+from remat.stages import discover_stages  # noqa: E402
+
+# Small enough for two shared CPU cores; long enough a sequence that activations, not
+# parameters, dominate the peak.
+TINY = {
+    "num_hidden_layers": 4,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "vocab_size": 64,
+    "seq_len": 64,
+    "batch_size": 2,
+}
+FAMILIES = ("gpt2", "llama", "qwen2", "mistral")
+LAYERS = {
+    "gpt2": "transformer.h",
+    "llama": "model.layers",
+    "qwen2": "model.layers",
+    "mistral": "model.layers",
+}
+# Two regions, the second with a nested one, and a selective stage inside a region.
+NESTED = (
+    (Region(0, 2), Region(2, 4), Region(2, 3)),
+    ("keep", "keep", "keep", "selective:save-matmuls"),
+)
+
+
+def _plan(family: str) -> Plan:
+    regions, options = NESTED
+    return Plan(
+        stages=tuple(f"{LAYERS[family]}.{i}" for i in range(4)), regions=regions, options=options
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_builds_from_a_config_offline_with_dropout_and_no_cache(family: str) -> None:
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # any download attempt would raise
+    model, batch, loss_fn = load_model(f"hf:{family}", **TINY)
+    cfg = model.config
+    assert cfg.model_type == family
+    assert cfg.num_hidden_layers == 4 and cfg.hidden_size == 32 and cfg.vocab_size == 64
+    assert cfg.use_cache is False
+    assert model.training
+    dropouts = (
+        ("resid_pdrop", "embd_pdrop", "attn_pdrop") if family == "gpt2" else ("attention_dropout",)
+    )
+    assert all(getattr(cfg, name) == 0.1 for name in dropouts)
+    assert batch["input_ids"].shape == (2, 64)
+    loss = loss_fn(model, batch)
+    assert loss.dim() == 0 and loss.isfinite()
+    # the same seed gives the same weights: every bench row starts from one state
+    again, _, _ = load_model(f"hf:{family}", **TINY)
+    first = next(iter(model.state_dict().values()))
+    assert first.equal(next(iter(again.state_dict().values())))
+
+
+def test_gpt2_takes_its_own_size_names_too() -> None:
+    model, _, _ = load_model("hf:gpt2", n_layer=3, n_embd=48, n_head=3, vocab_size=64)
+    assert (model.config.n_layer, model.config.n_embd, model.config.n_head) == (3, 48, 3)
+    assert len(model.transformer.h) == 3
+
+
+@pytest.mark.parametrize("family", ("gpt2", "llama"))
+def test_stage_discovery_finds_the_decoder_layers(family: str) -> None:
+    model, batch, loss_fn = load_model(f"hf:{family}", **TINY)
+    assert discover_stages(model, batch, loss_fn) == [f"{LAYERS[family]}.{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("family", ("gpt2", "llama", "qwen2"))
+def test_two_regions_and_a_nested_one_inside_the_decoder_loop_train_identically(
+    family: str,
+) -> None:
+    model, batch, loss_fn = load_model(f"hf:{family}", **TINY)
+    report = remat.verify(model, batch, _plan(family), loss_fn, steps=1)
+    failing = [(c.name, c.message) for c in report.checks if not c.passed]
+    assert report.ok, (failing, report.blocking_hazards)
+    assert report.value_check is not None and report.value_check.ok
+
+
+def test_verify_sees_dropout_in_the_rebuilds() -> None:
+    # The control: with the RNG state not replayed, the rebuilt dropout masks differ and
+    # the same harness must fail, so the equality above is not for want of dropout.
+    model, batch, loss_fn = load_model("hf:llama", **TINY)
+    report = remat.verify(model, batch, _plan("llama"), loss_fn, steps=1, preserve_rng_state=False)
+    assert not report.ok
+
+
+@pytest.mark.parametrize("family", ("gpt2", "llama"))
+def test_measured_peak_is_within_5pct_of_the_prediction(family: str) -> None:
+    model, batch, loss_fn = load_model(f"hf:{family}", **TINY)
+    prof = remat.profile(model, batch, loss_fn, repeats=1)
+    problem = to_problem(prof)
+    plan = _plan(family)
+    predicted = simulate(plan, problem).peak_bytes
+    fresh, batch, loss_fn = load_model(f"hf:{family}", **TINY)
+    handle = remat.apply(fresh, plan)
+    measured = measure_step(fresh, batch, loss_fn).peak_bytes
+    handle.remove()
+    assert prof.measured_peak_bytes is not None
+    assert measured < 0.8 * prof.measured_peak_bytes  # the plan really saves memory
+    assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)
+    assert abs(prof.measured_peak_bytes / prof.predicted_peak_bytes - 1) <= 0.05
+
+
+def test_bench_has_an_hf_gc_row_measured_and_gradient_checked() -> None:
+    report = remat.bench(
+        "hf:llama",
+        options={**TINY, "num_hidden_layers": 2},
+        budgets="100%",
+        strategies="hf-gc",
+        repeats=1,
+        warmup=0,
+        verify_steps=1,
+        profile_repeats=1,
+        microbatch_budget=None,
+        matched=False,
+    )
+    rows = {r.key: r for r in report.rows}
+    gc, none = rows["hf-gc"], rows["none"]
+    assert gc.status == "ok", gc.reason
+    assert gc.grads_match and gc.verify_ok, gc.grads_detail
+    assert gc.instrument == "tracker" and gc.step_time_s
+    assert gc.measured_peak_bytes is not None and none.measured_peak_bytes is not None
+    # transformers' checkpointing really ran, one region per layer: remat's per-stage
+    # plan is its prediction
+    assert gc.measured_peak_bytes < 0.8 * none.measured_peak_bytes
+    assert gc.regions == ("[0, 1)", "[1, 2)")
+    assert abs(gc.measured_peak_bytes / gc.predicted_peak_bytes - 1) <= 0.05
+
+
+def test_hf_gc_is_opt_in_and_refused_on_other_models() -> None:
+    assert parse_strategies("remat,hf-gc,none") == ("none", "hf-gc", "remat")
+    assert "hf-gc" not in remat.bench.STRATEGIES
+    model, _, _ = load_model("mlp-hetero")
+    with pytest.raises(UsageError, match="applies only to transformers models"):
+        enable_hf_gc(model)
+
+
+def test_output_hidden_states_is_flagged_in_the_profile() -> None:
+    def flags(**extra: object) -> tuple[list[bool], list[str]]:
+        model, batch, loss_fn = load_model("hf:llama", **TINY, **extra)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prof = remat.profile(model, batch, loss_fn, repeats=1, options=("keep",))
+        return [s.output_kept_outside for s in prof.stages], [str(w.message) for w in caught]
+
+    kept, said = flags(output_hidden_states=True)
+    # every layer's output is in the returned hidden states (the last one is the chain's
+    # own output, never inside a region)
+    assert kept == [True, True, True, False]
+    assert any("output_hidden_states=True" in s for s in said)
+    kept, said = flags()
+    assert kept == [False] * 4
+    assert not any("outside the chain" in s for s in said)
+
+
+def test_applying_regions_to_a_model_with_use_cache_on_warns() -> None:
+    model, _, _ = load_model("hf:llama", **TINY)
+    model.config.use_cache = True
+    with pytest.warns(UserWarning, match="use_cache=True"):
+        remat.apply(model, _plan("llama")).remove()
+    model.config.use_cache = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.apply(model, _plan("llama")).remove()
+
+
+def test_an_unknown_set_key_is_a_one_line_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["profile", "--model", "hf:llama", "--set", "num_layers=3"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1
+    assert "'num_layers'" in err and "num_hidden_layers" in err
+    with pytest.raises(UsageError, match="hf:gpt2, hf:llama, hf:qwen2"):
+        load_model("hf:gpt5")
+    with pytest.raises(UsageError, match="use_cache"):
+        load_model("hf:llama", use_cache=True)
+
+
+def test_without_transformers_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now fails
+    with pytest.raises(UsageError, match=r"pip install 'remat\[hf\]'"):
+        load_model("hf:llama")
