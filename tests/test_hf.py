@@ -156,10 +156,18 @@ def test_bench_has_an_hf_gc_row_measured_and_gradient_checked() -> None:
     assert abs(gc.measured_peak_bytes / gc.predicted_peak_bytes - 1) <= 0.05
 
 
-def test_hf_gc_is_opt_in_and_refused_on_other_models() -> None:
+def test_hf_gc_joins_the_default_rows_of_transformers_models_only() -> None:
+    from remat.bench.strategies import with_default_rows
+
+    default = remat.bench.STRATEGIES
+    assert "hf-gc" not in default
     assert parse_strategies("remat,hf-gc,none") == ("none", "hf-gc", "remat")
-    assert "hf-gc" not in remat.bench.STRATEGIES
+    hf_model, _, _ = load_model("hf:gpt2", **TINY)
+    assert with_default_rows(default, hf_model) == ("none", "per-stage", "hf-gc", *default[2:])
+    chosen = parse_strategies("none,remat")
+    assert with_default_rows(chosen, hf_model) == chosen  # a list the user gave stays as is
     model, _, _ = load_model("mlp-hetero")
+    assert with_default_rows(default, model) == default
     with pytest.raises(UsageError, match="applies only to transformers models"):
         enable_hf_gc(model)
 

@@ -42,6 +42,7 @@ from .strategies import (
     parse_budgets,
     parse_strategies,
     plan_rows,
+    with_default_rows,
 )
 
 __all__ = ["Progress", "Settings", "bench"]
@@ -345,11 +346,11 @@ def bench(
     eager rows wrapped (compile rows and the micro-batch comparison are left out) on its
     shard of the batch and reports its own peaks (``docs/distributed.md``).
     """
-    from remat.distributed import STRATEGIES
+    from remat.distributed import STRATEGIES as WRAPS
 
-    if distributed is not None and distributed not in STRATEGIES:
+    if distributed is not None and distributed not in WRAPS:
         raise UsageError(f"distributed={distributed!r} is unknown; use one of "
-                         f"{', '.join(STRATEGIES)}")
+                         f"{', '.join(WRAPS)}")
     if isinstance(compile_limit_s, bool) or not isinstance(compile_limit_s, (int, float)) \
             or compile_limit_s < 0:
         raise UsageError(f"compile_limit_s={compile_limit_s!r} is invalid; give seconds >= 0")
@@ -391,6 +392,7 @@ def _run(
         factory = ranks.shard(factory)
         s = replace(s, strategies=tuple(n for n in s.strategies if n != "compile"))
     model0, batch0, loss0 = factory(None)
+    s = replace(s, strategies=with_default_rows(s.strategies, model0))
     batch_size = batch_size_of(options, batch0)
     description = describe(model, options)
     scaling = None

@@ -36,6 +36,7 @@ __all__ = [
     "disable_hf_gc",
     "enable_hf_gc",
     "is_hf_gc",
+    "supports_hf_gc",
 ]
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -52,6 +53,14 @@ def is_hf_gc(plan: Plan) -> bool:
     return plan.solver == HF_GC
 
 
+def supports_hf_gc(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers model with its own gradient checkpointing."""
+    has = callable(getattr(model, "activation_checkpointing_enable", None)) or callable(
+        getattr(model, "gradient_checkpointing_enable", None)
+    )
+    return has and bool(getattr(model, "supports_gradient_checkpointing", False))
+
+
 def enable_hf_gc(model: nn.Module) -> None:
     """Turn on transformers' gradient checkpointing, non-reentrant (the ``hf-gc`` row).
 
@@ -59,16 +68,14 @@ def enable_hf_gc(model: nn.Module) -> None:
     False})``; transformers 5 renamed it ``activation_checkpointing_enable`` (the old
     name still works, with a FutureWarning), so the new name is used where it exists.
     """
-    new = getattr(model, "activation_checkpointing_enable", None)
-    old = getattr(model, "gradient_checkpointing_enable", None)
-    if not (callable(new) or callable(old)) or not getattr(
-        model, "supports_gradient_checkpointing", False
-    ):
+    if not supports_hf_gc(model):
         raise UsageError(
             f"strategy {HF_GC} applies only to transformers models that support "
             f"gradient_checkpointing_enable, and {type(model).__name__} does not; leave "
             f"{HF_GC} out of the strategies"
         )
+    new = getattr(model, "activation_checkpointing_enable", None)
+    old = getattr(model, "gradient_checkpointing_enable", None)
     kwargs = {"use_reentrant": False}
     if callable(new):
         new(activation_checkpointing_kwargs=kwargs)

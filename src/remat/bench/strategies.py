@@ -20,7 +20,7 @@ from remat.plan import Plan
 from remat.planner import plan as make_plan
 from remat.solve import Problem, StageCost, parse_budget
 
-from .runners import HF_GC
+from .runners import HF_GC, supports_hf_gc
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -32,6 +32,7 @@ __all__ = [
     "parse_budgets",
     "parse_strategies",
     "plan_rows",
+    "with_default_rows",
 ]
 
 #: Strategy names in report order; ``every-K`` takes any whole K (``every-2`` by default).
@@ -76,6 +77,14 @@ def parse_strategies(value: str | Sequence[str]) -> tuple[str, ...]:
             found.append(name)
     order = {name: i for i, name in enumerate(_ORDER)}
     return tuple(sorted(found, key=lambda n: order.get(n, order["every-2"])))
+
+
+def with_default_rows(strategies: tuple[str, ...], model: object) -> tuple[str, ...]:
+    """``strategies``, plus ``hf-gc`` when they are the default set and ``model`` is a
+    transformers model with its own gradient checkpointing (what its users run today)."""
+    if strategies == STRATEGIES and supports_hf_gc(model):  # type: ignore[arg-type]
+        return parse_strategies([*STRATEGIES, HF_GC])
+    return strategies
 
 
 def parse_budgets(value: str | Sequence[str | int | float]) -> tuple[str | int | float, ...]:
