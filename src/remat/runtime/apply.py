@@ -24,6 +24,7 @@ effects of a stage (e.g. appending to a key/value cache object); remove the plan
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from remat.errors import UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
-from remat.runtime.engine import Engine, StageObserver
+from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.policies import resolve
 from remat.stages import unknown_path_message
 
@@ -141,6 +142,15 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
         )
     plan.validate()  # again: a frozen dataclass can still be changed behind its back
     check_available()
+    if plan.regions and getattr(getattr(model, "config", None), "use_cache", False) is True:
+        # transformers: a key/value cache appended to in forward is appended to again by
+        # every rebuild, so the rebuilt attention sees other keys (remat verify: hazard)
+        warnings.warn(
+            "the model's config has use_cache=True: a rebuild would append to the key/value "
+            "cache again and compute other values; set model.config.use_cache = False for "
+            "training",
+            stacklevel=2,
+        )
     stages = _resolve_stages(model, plan)
     policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
 
@@ -150,9 +160,9 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
     for i, module in enumerate(stages):
         module.forward = engine.wrap(i, module.forward)
         _WRAPPED.add(module)
-    hooks = (
-        model.register_forward_pre_hook(engine.begin_pass),
-        model.register_forward_hook(engine.end_pass, always_call=True),
+    hooks = (  # opaque: see Note [torch.compile sees the engine ...] in engine.py
+        model.register_forward_pre_hook(opaque(engine.begin_pass)),
+        model.register_forward_hook(opaque(engine.end_pass), always_call=True),
     )
     installation = _Installation(engine, stages, previous, hooks)
     _APPLIED[model] = installation
