@@ -5,7 +5,7 @@ A row is a strategy at a budget. The checkpointing recipes (``none``, ``per-stag
 (the optimal plan) and ``compile`` (``torch.compile`` with
 ``activation_memory_budget``) give one row per budget. Plans come from
 :func:`remat.planner.plan`, so a row's predicted peak and step time are the simulator's.
-``hf-gc`` (transformers models only, asked for by name) is transformers' own
+``hf-gc`` (transformers models only; part of the default set on them) is transformers' own
 ``gradient_checkpointing_enable``, predicted as remat's per-stage plan: the same regions.
 """
 
@@ -37,7 +37,8 @@ __all__ = [
 
 #: Strategy names in report order; ``every-K`` takes any whole K (``every-2`` by default).
 STRATEGIES = ("none", "per-stage", "every-2", "sqrt", "selective", "compile", "remat")
-#: Strategies run only when asked for: ``hf-gc`` needs a transformers model.
+#: Strategies outside the default set: ``hf-gc`` needs a transformers model
+#: (:func:`with_default_rows` adds it to the default set on one).
 OPTIONAL_STRATEGIES = (HF_GC,)
 _ORDER = ("none", "per-stage", HF_GC, "every-2", "sqrt", "selective", "compile", "remat")
 DEFAULT_BUDGETS = ("100%", "75%", "50%", "35%", "25%")

@@ -43,8 +43,8 @@ def add_parser(sub: Any, name: str) -> None:
                    help=f"whole-step budgets, bytes or fractions (default {DEFAULT_BUDGETS})"
                    .replace("%", "%%"))
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"which strategies (default all: {DEFAULT_STRATEGIES}; every-K for any "
-                   "K); none always runs")
+                   help=f"which strategies (default all: {DEFAULT_STRATEGIES}, and hf-gc on a "
+                   "transformers model; every-K for any K); none always runs")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--verify-steps", type=int, default=2,
