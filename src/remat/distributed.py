@@ -55,10 +55,12 @@ __all__ = [
     "env_rank",
     "init_from_env",
     "local_bytes",
+    "plan_rank_peak",
     "rank_step_peak",
     "shard_batch",
     "shard_stages",
     "time_all_gather",
+    "warm_ddp",
     "wrap_ddp",
 ]
 
@@ -324,6 +326,57 @@ def allocated_bytes(fn: Callable[[], Any], *, cuda: bool = False) -> tuple[Any, 
     with _profiling(cuda) as prof:
         result = fn()
     return result, sum(n for _, n in _memory_events(prof, cuda))
+
+
+def warm_ddp(ddp: nn.Module, batch: Any, loss_fn: Callable[..., Any], optimizer: Any,
+             steps: int = 3) -> None:
+    """Run ``steps`` training steps so DDP's gradient buckets reach their final layout.
+
+    DDP allocates its buckets when it wraps and again in its second step; with gloo the
+    last collective of a step can still hold the old buckets when the step returns, so
+    the warm-up ends with a barrier and a collection (with two steps and no barrier a
+    second copy was sometimes still alive, and the measured residency doubled).
+    """
+    import torch.distributed as dist
+
+    for _ in range(steps):
+        loss_fn(ddp, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    gc.collect()
+
+
+def plan_rank_peak(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], plan: Plan, *,
+                   wrap: str, stages: Sequence[str], optimizer: str = "adamw") -> tuple[int, int]:
+    """This rank's peak of one training step with ``plan``, wrapped by ``wrap`` (``ddp``:
+    the plan, then the wrapper; ``fsdp``: :func:`shard_stages`, then the plan), and the
+    bytes the wrapper keeps outside the step (DDP's gradient buckets; 0 for FSDP2).
+
+    Run it in a process that measures nothing else: the allocator events of earlier work
+    (freed wrappers, gloo's buffers) leak into the figures otherwise.
+    """
+    import remat
+    from remat.measure.step import make_optimizer
+
+    if wrap not in STRATEGIES:
+        raise UsageError(f"wrap={wrap!r} is unknown; use one of {', '.join(STRATEGIES)}")
+    if wrap == "fsdp":
+        shard_stages(model, stages, plan)
+    remat.apply(model, plan)
+    opt = make_optimizer(model, optimizer)
+    if wrap == "fsdp":
+        return rank_step_peak(model, batch, loss_fn, opt), 0
+
+    def wrap_and_warm() -> Any:
+        ddp = wrap_ddp(model)
+        warm_ddp(ddp, batch, loss_fn, opt)
+        return ddp
+
+    ddp, allocated = allocated_bytes(wrap_and_warm)
+    buckets = allocated - local_bytes([*opt.state.values()])  # beyond the optimizer state
+    return rank_step_peak(ddp, batch, loss_fn, opt, warmup_steps=0, resident_bytes=buckets), buckets
 
 
 def local_bytes(*objects: Any) -> int:

@@ -115,10 +115,7 @@ class _Ranks:
 
             def wrap_and_warm() -> Any:
                 ddp = rd.wrap_ddp(model)
-                for _ in range(2):  # DDP allocates its buckets again in its second step
-                    loss_fn(ddp, batch).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                rd.warm_ddp(ddp, batch, loss_fn, opt)
                 return ddp
 
             runner.model, allocated = rd.allocated_bytes(wrap_and_warm)
