@@ -197,17 +197,18 @@ class Model:
 
     @functools.cached_property
     def _spans(self) -> tuple[list[list[int]], list[list[float]]]:
-        n, a, st = self.n, self.a, self.problem.stages
-        nt = [s.nosave_peak_extra_bytes for s in st]
+        n, st = self.n, self.problem.stages
+        a = np.array(self.a, dtype=np.int64)
+        nt = np.array([s.nosave_peak_extra_bytes for s in st], dtype=np.int64)
+        rebuild = np.array([s.rebuild_s for s in st])
         ns = [[0] * (n + 1) for _ in range(n + 1)]
         reb_t = [[0.0] * (n + 1) for _ in range(n + 1)]
         for k in range(n):
-            peak, reb = 0, 0.0
-            for p in range(k, n):
-                peak = max(peak, (a[p] if p > k else 0) + a[p + 1] + nt[p])
-                reb += st[p].rebuild_s
-                ns[k][p + 1] = peak
-                reb_t[k][p + 1] = self.ovh_s + reb
+            own = a[k + 1 : n + 1] + nt[k:]
+            own[1:] += a[k + 1 : n]  # (a[p] if p > k else 0) + a[p + 1] + nt[p]
+            ns[k][k + 1 :] = np.maximum.accumulate(own).tolist()
+            # cumsum adds left to right, as a running sum from k does
+            reb_t[k][k + 1 :] = (self.ovh_s + np.cumsum(rebuild[k:])).tolist()
         return ns, reb_t
 
     @property
@@ -229,14 +230,17 @@ class Model:
         ao_cost = [[0.0] * (n + 1) for _ in range(n + 1)]
         ao_need = [[0 if k == e else -1 for e in range(n + 1)] for k in range(n + 1)]
         if self.can_offload:
-            for e in range(n + 1):
-                cost, need = 0.0, 0
-                for k in range(e - 1, -1, -1):
-                    j = self.kinds[k].index(OFF)
-                    cost = self.t_top[k][j] + cost
-                    need = max(need, self.bwd(k, j, 0))
-                    ao_cost[k][e] = cost
-                    ao_need[k][e] = need
+            js = [self.kinds[k].index(OFF) for k in range(n)]
+            t = np.array([self.t_top[k][j] for k, j in enumerate(js)])
+            b = np.array([self.bwd(k, j, 0) for k, j in enumerate(js)], dtype=np.int64)
+            for e in range(1, n + 1):
+                # from e - 1 down to k: cost = t[k] + cost (IEEE addition commutes, so a
+                # cumulative sum of the reversed run is the same number), need a running max
+                costs = np.cumsum(t[e - 1 :: -1])[::-1].tolist()
+                needs = np.maximum.accumulate(b[e - 1 :: -1])[::-1].tolist()
+                for k in range(e):
+                    ao_cost[k][e] = costs[k]
+                    ao_need[k][e] = needs[k]
         return ao_cost, ao_need
 
     @property

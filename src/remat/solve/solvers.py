@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from remat import recipes
 from remat.errors import CheckFailed, UsageError
 from remat.plan import Plan, Region
@@ -228,19 +230,16 @@ def _recipes_by_time(problem: Problem) -> list[tuple[float, int, list[tuple[int,
     holds what it saved, on top of the forward's base.
     """
     base = simulate(_as_plan(problem, ([], None)), problem).step_time_s  # every stage keeps
-    rebuilt, kept = [base], [0]
-    for stage in problem.stages:
-        rebuilt.append(rebuilt[-1] + stage.rebuild_s)
-        kept.append(kept[-1] + stage.saved_bytes["keep"])
+    rebuilt = np.concatenate(([0.0], np.cumsum([s.rebuild_s for s in problem.stages])))
+    kept = np.concatenate(([0], np.cumsum([s.saved_bytes["keep"] for s in problem.stages])))
     ovh = problem.region_overhead_s
-    timed = [
-        (
-            base + sum(ovh + rebuilt[b] - rebuilt[a] for a, b in regions),
-            problem.forward_base_bytes + kept[-1] - sum(kept[b] - kept[a] for a, b in regions),
-            regions,
-        )
-        for regions in _recipe_regions(problem.n)
-    ]
+    timed = []
+    for regions in _recipe_regions(problem.n):
+        spans = np.array(regions, dtype=np.int64).reshape(-1, 2)
+        a, b = spans[:, 0], spans[:, 1]
+        estimate = base + float(np.sum(ovh + rebuilt[b] - rebuilt[a]))
+        least = problem.forward_base_bytes + int(kept[-1] - np.sum(kept[b] - kept[a]))
+        timed.append((estimate, least, regions))
     timed.sort(key=lambda item: item[0])
     return timed
 
