@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +139,8 @@ def test_findings_and_environment_explain_the_rows(report: BenchReport) -> None:
     assert env.torch_version and env.threads >= 1 and env.dtype == "float32"
     # the built-in gpt has dropout on: CPU attention then runs as separate ops
     assert env.attention_backend.startswith(("math", "fused"))
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert env.malloc.startswith("glibc, freed memory kept")  # bench's default, recorded
 
 
 def test_microbatch_comparison_keeps_the_global_batch(report: BenchReport) -> None:
@@ -164,7 +167,7 @@ def test_json_has_the_documented_keys(report: BenchReport) -> None:
                     "step_time_max_s", "overhead", "grads_match", "regions", "options",
                     "status", "reason", "peak_error", "within_budget"):
             assert key in row, key
-    assert {"torch_version", "device", "threads", "dtype", "attention_backend"} <= set(
+    assert {"torch_version", "device", "threads", "malloc", "dtype", "attention_backend"} <= set(
         data["environment"])
 
 

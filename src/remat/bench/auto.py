@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from remat.measure.malloc import set_malloc
 from remat.plan import Plan
 from remat.planner import plan as make_plan
 from remat.planner import to_problem
@@ -136,17 +137,20 @@ def auto(
     verify_steps: int = 2,
     profile_repeats: int = 2,
     progress: Callable[[str, int, int], None] | None = None,
+    malloc: str = "keep",
 ) -> AutoReport:
     """Profile ``model``, plan it under ``budget``, verify the plan and measure it.
 
     ``model`` and ``options`` as in :func:`remat.bench.bench`; ``budget`` is a whole-step
     peak (bytes, or a fraction of the measured peak without checkpointing). Raises
     :class:`remat.CheckFailed` (naming the smallest feasible budget) when no plan fits.
+    ``malloc`` as in :func:`remat.bench.bench` (``keep`` steadies CPU step times).
     """
     began = time.perf_counter()
     whole(repeats, "repeats", 1)
     whole(warmup, "warmup", 0)
     whole(verify_steps, "verify_steps", 1)
+    allocator = set_malloc(malloc)
     report = progress or (lambda _what, _done, _total: None)
     timings: dict[str, float] = {}
     factory, _ = make_factory(model, options)
@@ -157,7 +161,8 @@ def auto(
     prof = profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
                    description=description,
                    progress=lambda what, done, total: report(f"profiling: {what}", done, total))
-    environment = describe_environment(net, batch, loss_fn, dtype=prof.dtype, device=prof.device)
+    environment = describe_environment(net, batch, loss_fn, dtype=prof.dtype, device=prof.device,
+                                       malloc=allocator)
     del net
     timings["profile_s"] = time.perf_counter() - t
 

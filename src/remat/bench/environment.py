@@ -1,4 +1,4 @@
-"""What explains a report's figures: versions, device, threads, dtype, the attention kernel."""
+"""What explains a report's figures: versions, device, threads, allocator, dtype, attention."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Environment:
     rank: int | None = None
     world_size: int | None = None
     distributed: str | None = None
+    malloc: str = "system allocator"  # what the C allocator does with freed memory
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +84,7 @@ def describe_environment(
     rank: int | None = None,
     world_size: int | None = None,
     distributed: str | None = None,
+    malloc: str = "system allocator",
 ) -> Environment:
     from remat import __version__
 
@@ -100,4 +102,5 @@ def describe_environment(
         rank=rank,
         world_size=world_size,
         distributed=distributed,
+        malloc=malloc,
     )

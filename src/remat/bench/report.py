@@ -84,10 +84,10 @@ def markdown(report: BenchReport, plots: Sequence[Path] = (), plots_note: str | 
         f"measured peak without checkpointing {_size(report.no_checkpoint_peak_bytes)}; "
         f"took {report.elapsed_s:.0f} s.",
         "",
-        "| torch | device | threads | dtype | attention | torch.compile |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| torch | device | threads | C allocator | dtype | attention | torch.compile |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         f"| {env.torch_version} | {env.device} | {env.threads} (interop {env.interop_threads}) "
-        f"| {env.dtype} | {env.attention_backend} | {report.compile_status} |",
+        f"| {env.malloc} | {env.dtype} | {env.attention_backend} | {report.compile_status} |",
         "",
         "## Rows",
         "",

@@ -20,6 +20,7 @@ import torch
 
 from remat.distributed import RankInfo
 from remat.errors import UsageError
+from remat.measure.malloc import set_malloc
 from remat.plan import Plan
 from remat.planner import to_problem
 from remat.profile_format import Profile
@@ -295,6 +296,7 @@ class Settings:
     matched: bool
     microbatch_budget: str | int | float | None
     distributed: str | None = None
+    malloc: str = "keep"
 
 
 @contextmanager
@@ -329,6 +331,7 @@ def bench(
     progress: Progress | None = None,
     command: str | None = None,
     distributed: str | None = None,
+    malloc: str = "keep",
 ) -> BenchReport:
     """Measure every strategy on ``model`` side by side; see ``docs/bench.md``.
 
@@ -341,7 +344,9 @@ def bench(
     intra-op threads for the run (restored after). ``distributed`` (``ddp`` or ``fsdp``,
     under ``torchrun``): this process is one rank; it joins the process group, runs the
     eager rows wrapped (compile rows and the micro-batch comparison are left out) on its
-    shard of the batch and reports its own peaks (``docs/distributed.md``).
+    shard of the batch and reports its own peaks (``docs/distributed.md``). ``malloc``:
+    ``keep`` makes glibc keep freed memory for the rest of the process, which steadies CPU
+    step times (:mod:`remat.measure.malloc`); ``system`` leaves the allocator alone.
     """
     from remat.distributed import STRATEGIES as WRAPS
 
@@ -366,7 +371,9 @@ def bench(
             else parse_budgets([microbatch_budget])[0]
         ),
         distributed=distributed,
+        malloc=malloc,
     )
+    set_malloc(malloc)
     with _threads(threads):
         return _run(model, options or {}, stages, settings, progress or _no_progress, command)
 
@@ -411,6 +418,7 @@ def _run(
         rank=None if ranks is None else ranks.info.rank,
         world_size=None if ranks is None else ranks.info.world_size,
         distributed=s.distributed,
+        malloc=set_malloc(s.malloc),
     )
     if ranks is not None:
         ranks.stages = prof.stage_names

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         report = auto(
             args.model, options=model_options(args), stages=stage_list(args.stages),
             budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
-            verify_steps=args.verify_steps, progress=progress,
+            verify_steps=args.verify_steps, progress=progress, malloc=args.malloc,
         )
     console = console_for(args.json)
     render(report, console)

@@ -103,6 +103,8 @@ def command_line(args: argparse.Namespace) -> str:
         words.append("--no-matched")
     if args.threads is not None:
         words += ["--threads", str(args.threads)]
+    if args.malloc != "keep":
+        words += ["--malloc", args.malloc]
     if args.optimizer != "adamw":
         words += ["--optimizer", args.optimizer]
     if args.out:
@@ -200,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             command=command_line(args),
             distributed=args.distributed,
+            malloc=args.malloc,
         )
     json_path, out = rank_path(args.json, rank), rank_path(args.out, rank)
     console = console_for(json_path)

@@ -39,6 +39,15 @@ def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt"
         metavar="PATH,...",
         help="module paths of the stages, comma-separated (default: discovered)",
     )
+    p.add_argument(
+        "--malloc",
+        choices=("keep", "system"),
+        default="keep",
+        help=(
+            "keep: glibc keeps freed memory for reuse, which steadies CPU step times "
+            "(docs/bench.md); system: leave the C allocator alone (default keep)"
+        ),
+    )
 
 
 def stage_list(text: str | None) -> list[str] | None:
@@ -91,15 +100,18 @@ def profile_with_progress(
     optimizer: str = "adamw",
     repeats: int = 2,
     description: str | None = None,
+    malloc: str = "keep",
 ) -> Profile:
     """``remat.profile`` with a progress bar on stderr (shown only on a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from remat.measure.malloc import set_malloc
     from remat.profiler import profile
 
     if repeats < 1:
         raise UsageError(f"--repeats {repeats} is below 1; give 1 or more")
+    set_malloc(malloc)
     status = Console(stderr=True)
     bar = Progress(
         TextColumn("{task.description}"),

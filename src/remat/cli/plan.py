@@ -58,7 +58,8 @@ def _problem_source(args: argparse.Namespace) -> Any:
         args.model = "gpt"
     model, batch, loss_fn, stages, description = load(args)
     return profile_with_progress(
-        model, batch, loss_fn, stages, optimizer=args.optimizer, description=description
+        model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
+        malloc=args.malloc,
     )
 
 

@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         repeats=args.repeats,
         description=description,
+        malloc=args.malloc,
     )
     data = result.to_dict()
     console = console_for(args.json)

@@ -111,7 +111,7 @@ def _plan_for_budget(
     # Profiling trains the model it measures; verify must start from the untouched state.
     profile = profile_with_progress(
         copy.deepcopy(model), batch, loss_fn, stages,
-        optimizer=args.optimizer, description=description,
+        optimizer=args.optimizer, description=description, malloc=args.malloc,
     )
     return make_plan(profile, args.budget)
 
