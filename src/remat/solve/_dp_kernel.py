@@ -207,85 +207,123 @@ def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, s
 
 
 @numba.njit(cache=True, nogil=True)
-def _row_window(row: Any, M: int) -> tuple[int, int]:
-    """The first finite slot of a non-increasing row and the first from which it is
-    constant up to ``M``."""
-    f = first_finite(row, M)
-    m = M
-    while m > 0 and row[m - 1] == row[M]:
-        m -= 1
-    return f, m
-
-
-@numba.njit(cache=True, nogil=True)
 def flat_fill(top: Any, M: int, q: int, gs: int, ob: int, ovh_s: float, post: int, after: int,
               a: Any, g: Any, nt: Any, hold_b: Any, need_b: Any, t_b: Any, rh: Any,
-              hold_in: Any, bwd_in: Any, fb_in: Any, t_in: Any) -> None:
-    """The one-level solver's ``top`` (:mod:`remat.solve.flat`), pruned as in Note
-    [Pruning]; regions grow stop by stop until their monotone needs pass ``M``."""
+              hold_in: Any, bwd_in: Any, fb_in: Any, T: Any) -> None:
+    """The one-level solver's ``top`` (:mod:`remat.solve.flat`, Note [Flat records]):
+    per start a stop loop for the regions' needs, then one range minimum per slot."""
     n = top.shape[0] - 1
     inf = np.inf
-    first = np.empty(n + 1, dtype=np.int64)
-    sat = np.empty(n + 1, dtype=np.int64)
     top[n, :] = inf
     if post <= M:
         top[n, post:] = 0.0
-    first[n], sat[n] = _row_window(top[n], M)
+    # Per column m': the records of V[., m'] = T[.] + top[., m'] from the newest row on,
+    # stops falling and values rising with the index (the newest row, k + 1, last).
+    depth = np.zeros(M + 1, dtype=np.int64)
+    rec_stop = np.empty((M + 1, n + 1), dtype=np.int32)
+    rec_val = np.empty((M + 1, n + 1))
+    mark = np.empty(M + 1, dtype=np.int64)
+    out_stop = np.empty(n + 1, dtype=np.int64)
+    out_lo = np.empty(n + 1, dtype=np.int64)
+    out_hi = np.empty(n + 1, dtype=np.int64)
     best = np.empty(M + 1)
+    # ceil((worst forward + g) / q) from quotients and remainders: integer division is the
+    # slowest operation of the stop loop
+    fbq = fb_in // q
+    fbr = fb_in - fbq * q
+    gq = g // q
+    gr = g - gq * q
     for k in range(n - 1, -1, -1):
-        best[:] = inf
+        i = k + 1
+        ti = T[i]
+        row = top[i]
+        for mp in range(M + 1):
+            v = ti + row[mp]
+            d = depth[mp]
+            while d > 0 and rec_val[mp, d - 1] >= v:
+                d -= 1
+            rec_val[mp, d] = v
+            rec_stop[mp, d] = i
+            depth[mp] = d + 1
         # -- stage k bare ----------------------------------------------------------------
+        best[:] = inf
         shift = hold_b[k]
-        lo = max(need_b[k], shift + first[k + 1])
-        if lo <= M:
-            hi = min(M, max(lo, shift + sat[k + 1]))
-            row = top[k + 1]
-            tv = t_b[k]
-            x = row[lo - shift: hi - shift + 1]
-            b = best[lo: hi + 1]
-            for i in range(hi - lo + 1):
-                b[i] = tv + x[i]
-            spread(best, hi, M + 1, tv + row[hi - shift])
-        # -- a region [k, stop) ----------------------------------------------------------
+        tv = t_b[k]
+        for m in range(max(need_b[k], shift), M + 1):
+            best[m] = tv + row[m - shift]
+        # -- a region [k, stop): its need, the running maximum of the needs --------------
         r = rh[k]
+        mark[:] = k
+        nout = 0
         before = 0
         worst_b = 0
-        worst_f = 0
+        wq = 0  # the largest forward so far is wq * q + wr bytes (no division per stop)
+        wr = 0
         peak = 0
-        inside = 0.0
+        region_fwd = -(-a[k] // q) - gs
+        nstar = 0
         for stop in range(k + 1, n + 1):
             p = stop - 1
             h = 1 if p == k else 0
             worst_b = max(worst_b, before + bwd_in[h, p])
-            worst_f = max(worst_f, before * q + fb_in[h, p])
+            cq = before + fbq[h, p]
+            if cq > wq or (cq == wq and fbr[h, p] > wr):
+                wq = cq
+                wr = fbr[h, p]
             before += hold_in[h, p]
-            peak = max(peak, (a[p] if p > k else 0) + a[p + 1] + nt[p])
-            inside = inside + t_in[p]
-            region_fwd = -(-(a[k] + peak) // q) - gs
-            floor = max(region_fwd, max(worst_b, -(-worst_f // q)) + r + ob)
+            own = (a[p] if p > k else 0) + a[p + 1] + nt[p]
+            if own > peak:
+                peak = own
+                region_fwd = -(-(a[k] + peak) // q) - gs
+            floor = max(region_fwd, max(worst_b, wq + (1 if wr > 0 else 0)) + r + ob)
             if floor > M:
-                break  # floor only grows with stop: no longer region fits
-            c = ovh_s + inside
-            if not c < best[floor]:
-                # A longer region costs at least c (times are not negative) and needs at
-                # least floor slots, where best is already at most c: none can win.
-                break
-            need = max(region_fwd, max(worst_b, -(-(worst_f + g[stop]) // q)) + r + ob)
-            lo = max(need, r + first[stop])
-            if lo > M:
+                break  # floor only grows with stop, and every need is at least floor
+            rest = wr + gr[stop]
+            up = wq + gq[stop] + (0 if rest == 0 else 1 if rest <= q else 2)
+            need = max(region_fwd, max(worst_b, up) + r + ob)
+            if need > nstar:
+                nstar = need
+            if nstar <= M:
+                mark[nstar] = stop
+            if need < nstar:  # fits from need on, before the running maximum lets it in
+                out_stop[nout] = stop
+                out_lo[nout] = max(need, r)
+                out_hi[nout] = min(nstar, M + 1)
+                nout += 1
+        cst = ovh_s - T[k]
+        last = k
+        for m in range(M + 1):
+            if mark[m] > last:
+                last = mark[m]
+            if last == k or m < r:
                 continue
-            hi = min(M, max(lo, r + sat[stop]))
-            row = top[stop]
-            vmin = c + row[hi - r]
-            if not vmin < best[lo]:
-                continue
-            end = first_at_most(best, lo, M, vmin)
-            cnt = min(hi + 1, end) - lo
-            b = best[lo: lo + cnt]
-            x = row[lo - r: lo - r + cnt]
-            for i in range(cnt):
-                b[i] = min(c + x[i], b[i])
-            spread(best, hi, end, vmin)
+            mp = m - r
+            # The deepest record at or before stop ``last``: gallop down from the newest
+            # (few records lie within a region's reach), then bisect.
+            hi = depth[mp] - 1
+            step = 1
+            probe = hi - 1
+            while probe >= 0 and rec_stop[mp, probe] <= last:
+                hi = probe
+                step *= 2
+                probe = hi - step
+            lo = max(probe + 1, 0)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if rec_stop[mp, mid] <= last:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            c = cst + rec_val[mp, lo]
+            if c < best[m]:
+                best[m] = c
+        for o in range(nout):
+            s = out_stop[o]
+            ts = T[s]
+            srow = top[s]
+            for m in range(out_lo[o], out_hi[o]):
+                c = cst + (ts + srow[m - r])
+                if c < best[m]:
+                    best[m] = c
         top[k, :] = best
-        first[k], sat[k] = _row_window(best, M)
     top[0, : min(after, M + 1)] = inf  # the events after the chain

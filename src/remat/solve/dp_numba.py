@@ -116,5 +116,5 @@ def numba_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
     top = np.empty((fi.n + 1, max_slots + 1))
     _kernel().flat_fill(top, max_slots, fi.q, fi.gs, fi.ob, fi.ovh_s, fi.post, fi.after, fi.a,
                         fi.g, fi.nt, fi.hold_b, fi.need_b, fi.t_b, fi.rh, fi.hold_in, fi.bwd_in,
-                        fi.fb_in, fi.t_in)
+                        fi.fb_in, fi.T)
     return top

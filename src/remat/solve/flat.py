@@ -4,14 +4,24 @@ A flat plan is a set of disjoint regions over the chain, none inside another, wi
 stage under ``keep``: what ``segments-k`` and ``every-k`` choose from, at the best split.
 It is the top-level recursion of :mod:`remat.solve.dp` (Note [The recursion]) with the
 inside of each region fixed to bare keep stages, so a region ``[k, stop)`` is two
-numbers: the time of its inside (its stages' rebuilds, summed from ``k``) and the least
-memory its inside needs, both built up stage by stage as ``stop`` grows. No table is
-indexed by pairs of stages: the memory is ``O(n M)`` and the work ``O(n L M)`` at most,
-``L`` the longest region that fits (every stage a region holds takes at least a slot, so
-``L <= M``), and far less with the compiled kernel's pruning (Note [Pruning] in
-:mod:`remat.solve.dp_numba`). Chains of ten thousand stages solve in well under a second.
-"""
+numbers: the time of its inside (its stages' rebuilds) and the least memory its inside
+needs, built up stage by stage as ``stop`` grows. No table is indexed by pairs of stages.
 
+Note [Flat records]
+-------------------
+With ``T[p]`` the inside times of the stages before ``p`` summed, region ``[k, stop)``
+followed by the rest in ``m`` slots costs ``(ovh - T[k]) + V[stop, m - rh[k]]`` where
+``V[stop, m'] = T[stop] + top[stop, m']`` does not depend on ``k``. Its need is monotone
+in ``stop`` but for one term (the gradients alive at ``stop``), so for a slot ``m`` the
+stops that fit are a prefix ``k+1..L(m)``, ``L`` read off the running maximum of the needs,
+plus a few stops that fit early (their need is below the running maximum), which are
+applied one by one. The minimum of ``V`` over a prefix that starts at the newest row is
+kept per column as records (a stack: a new row removes every record it is not above), and
+read by bisection. Adding the constant after taking the minimum gives the same float as
+adding it to each candidate (rounding is monotone), so the compiled kernel, which takes
+minima first, and the numpy path, which adds first, fill bitwise equal tables. Work:
+``O(n (L + M log n))``, ``L`` the longest region that fits; memory ``O(n M)``.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,6 +60,7 @@ class FlatInputs:
     bwd_in: np.ndarray
     fb_in: np.ndarray
     t_in: np.ndarray
+    T: np.ndarray  # T[p]: t_in summed over the stages before p (Note [Flat records])
 
     @classmethod
     def of(cls, model: Model) -> FlatInputs:
@@ -87,7 +98,8 @@ class FlatInputs:
             hold_in=per_h(model.hold),
             bwd_in=per_h(model.bwd),
             fb_in=per_h(lambda p, j, h: model.inp(p, h) + model.a[p + 1] + model.tf[p][j]),
-            t_in=np.array([model.t_run[k][keep[k]] for k in range(n)]),
+            t_in=(t_in := np.array([model.t_run[k][keep[k]] for k in range(n)], dtype=float)),
+            T=np.concatenate(([0.0], np.cumsum(t_in))),
         )
 
 
@@ -99,9 +111,8 @@ class FlatTables:
         self.top = top
 
 
-def region_row(fi: FlatInputs, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """For every stop ``k+1..n``: the time of region ``[k, stop)`` beyond its rest (its
-    overhead and its stages' rebuilds, summed from ``k``) and the least memory it needs.
+def region_need(fi: FlatInputs, k: int) -> np.ndarray:
+    """For every stop ``k+1..n``: the least memory region ``[k, stop)`` needs.
 
     A stage ``p`` of the region runs its events on top of what ``k..p-1`` hold; the
     largest forward over ``p`` is ``ceil((max_p(H_p q + fwd bytes) + g(stop)) / q)``
@@ -117,8 +128,14 @@ def region_row(fi: FlatInputs, k: int) -> tuple[np.ndarray, np.ndarray]:
     inner_need = np.maximum(worst_b, -(-(worst_f + fi.g[ps + 1]) // q))
     own = np.where(ps > k, fi.a[ps], 0) + fi.a[ps + 1] + fi.nt[ps]
     region_fwd = -(-(fi.a[k] + np.maximum.accumulate(own)) // q) - fi.gs
-    need = np.maximum(region_fwd, inner_need + fi.rh[k] + fi.ob)
-    return fi.ovh_s + np.cumsum(fi.t_in[k:]), need
+    return np.maximum(region_fwd, inner_need + fi.rh[k] + fi.ob)
+
+
+def region_values(fi: FlatInputs, top: np.ndarray, k: int, stops: np.ndarray) -> np.ndarray:
+    """``(ovh - T[k]) + (T[stop] + top[stop, m - rh[k]])`` for each stop (rows) and slot:
+    the time of region ``[k, stop)`` and the rest, in the order every path adds it."""
+    rest = fi.T[stops, None] + _shift(top[stops], int(fi.rh[k]))
+    return (fi.ovh_s - fi.T[k]) + rest
 
 
 def _bare(fi: FlatInputs, top: np.ndarray, k: int) -> np.ndarray:
@@ -135,11 +152,10 @@ def numpy_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
     top[n] = np.where(ms >= fi.post, 0.0, INF)
     for k in range(n - 1, -1, -1):
         best = _bare(fi, top, k)
-        cost, need = region_row(fi, k)
+        need = region_need(fi, k)
         fits = np.flatnonzero(need <= M)
         if fits.size:
-            stops = fits + k + 1
-            rows = cost[fits, None] + _shift(top[stops], int(fi.rh[k]))
+            rows = region_values(fi, top, k, fits + k + 1)
             rows[ms[None, :] < need[fits, None]] = INF
             np.minimum(best, rows.min(axis=0), out=best)
         top[k] = best
@@ -173,12 +189,13 @@ def flat_plan(t: FlatTables, m: int) -> list[tuple[int, int]]:
         if m >= fi.need_b[k] and held >= 0 and fi.t_b[k] + top[k + 1, held] == target:
             m, k = held, k + 1
             continue
-        cost, need = region_row(fi, k)
-        rh = int(fi.rh[k])
+        need = region_need(fi, k)
         stops = np.arange(k + 1, fi.n + 1)
-        ok = (need <= m) & (m - rh >= 0)
-        values = np.where(ok, cost + top[stops, max(m - rh, 0)], INF)
+        rest_m = m - int(fi.rh[k])
+        ok = (need <= m) & (rest_m >= 0)
+        at = (fi.ovh_s - fi.T[k]) + (fi.T[stops] + top[stops, max(rest_m, 0)])
+        values = np.where(ok, at, INF)
         stop = k + 1 + int(np.flatnonzero(values == target)[0])
         regions.append((k, stop))
-        m, k = m - rh, stop
+        m, k = m - int(fi.rh[k]), stop
     return regions
