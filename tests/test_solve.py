@@ -843,3 +843,33 @@ def test_optimal_at_the_no_checkpoint_peak_is_no_checkpointing(name: str) -> Non
     plan = solvers.optimal(p, peak(none))
     assert plan.predicted_step_time_s == none.predicted_step_time_s
     assert plan.regions == () and set(plan.options) == {"keep"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains())
+def test_baseline_time_is_the_simulated_step_without_checkpointing(problem: Problem) -> None:
+    from remat.solve.simulate import baseline_time
+
+    problem = dataclasses.replace(problem, outside_chain_s=0.1)
+    stages = tuple(dataclasses.replace(s, fwd_s=s.fwd_s / 3, bwd_s=s.bwd_s / 7,
+                                       extra_bwd_s={**s.extra_bwd_s, "keep": 0.01 * i})
+                   for i, s in enumerate(problem.stages))
+    problem = dataclasses.replace(problem, stages=stages)  # times that round when summed
+    assert baseline_time(problem) == simulate(Plan(problem.stage_names), problem).time
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains(), st.integers(1, 9), st.data())
+def test_flat_inputs_built_from_the_problem_equal_the_models(problem: Problem, q: int,
+                                                             data: st.DataObject) -> None:
+    from remat.solve import flat
+
+    spare = data.draw(st.integers(0, q - 1))
+    built = flat.FlatInputs.build(problem, q, spare)
+    ref = flat.FlatInputs.of(dp.Model(problem, q, spare))
+    for field in dataclasses.fields(flat.FlatInputs):
+        ours, theirs = getattr(built, field.name), getattr(ref, field.name)
+        if isinstance(theirs, np.ndarray):
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), field.name
+        else:
+            assert ours == theirs and type(ours) is type(theirs), field.name

@@ -157,11 +157,16 @@ class Plan(JsonArtifact):
             raise UsageError(
                 f"the plan has {len(self.options)} options for {n} stages; give one per stage"
             )
+        valid: set[str] = set()  # each distinct option parsed once: chains can be long
         for name, option in zip(self.stages, self.options, strict=True):
+            if isinstance(option, str) and option in valid:
+                continue
             try:
                 parse_option(option)
             except UsageError as err:
                 raise UsageError(f"stage {name!r}: {err}") from None
+            if isinstance(option, str):
+                valid.add(option)
         for a, b in itertools.pairwise(self.regions):
             if a == b:
                 raise UsageError(f"region {a} is listed twice; list each region once")

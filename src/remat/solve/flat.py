@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.solve.dp import INF, KEEP, Model, _shift
+from remat.solve.problem import Problem
 
 __all__ = ["FlatInputs", "FlatTables", "flat_plan", "flat_tables"]
 
@@ -103,6 +104,59 @@ class FlatInputs:
         )
 
 
+    @classmethod
+    def build(cls, problem: Problem, slot_bytes: int, spare_bytes: int = 0) -> FlatInputs:
+        """The same inputs as ``of(Model(problem, slot_bytes, spare_bytes))`` (tested equal),
+        with numpy over the stages: a :class:`Model` prepares every option of every stage
+        in Python, which at ten thousand stages costs more than the table itself."""
+        q, n, st = slot_bytes, problem.n, problem.stages
+        assert 0 <= spare_bytes < q, (spare_bytes, q)
+        i64 = np.int64
+
+        def ints(values: object) -> np.ndarray:
+            return np.fromiter(values, dtype=i64, count=n)  # type: ignore[call-overload]
+
+        def ceil(x: np.ndarray | int) -> np.ndarray:
+            return -(-np.asarray(x, dtype=i64) // q)
+
+        a = np.append(ints(s.boundary_bytes for s in st), i64(problem.output_bytes))
+        sg = np.full(n + 1, problem.post_chain_grads_bytes, dtype=i64)
+        sg[:n] += np.cumsum(ints(s.grad_bytes for s in st)[::-1])[::-1]
+        save = ints(s.saved_bytes["keep"] for s in st)
+        tf = save + ints(s.fwd_transient_bytes for s in st)
+        keeps = np.fromiter((s.keeps_input("keep") for s in st), dtype=bool, count=n)
+        t_top = np.fromiter((s.extra_bwd_s.get("keep", 0.0) for s in st), dtype=float, count=n)
+        t_run = np.fromiter((s.rebuild_s for s in st), dtype=float, count=n) + t_top
+        bwd_tr = ints(s.bwd_transient_bytes for s in st)
+        gs = (spare_bytes + problem.unattributed_grads_bytes) // q
+        after = int(sg[0]) + problem.pre_chain_grads_bytes
+        inp = np.stack([a[:n], np.zeros(n, dtype=i64)])  # [h, p]: h = 1, the region holds it
+        held = np.where(keeps, inp, 0)
+        bwd_in = ceil(held + save + a[1:] + a[:n] + bwd_tr + sg[1:])
+        return cls(
+            n=n,
+            q=q,
+            gs=gs,
+            ob=int(ceil(problem.region_overhead_bytes)),
+            ovh_s=problem.region_overhead_s,
+            post=int(ceil(a[n] + problem.post_chain_bytes)),
+            after=int(ceil(max(0, int(a[0]) + after,
+                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes))),
+            a=a,
+            g=a + sg,
+            nt=ints(s.nosave_peak_extra_bytes for s in st),
+            hold_b=ceil(held[0] + save),
+            need_b=np.maximum(bwd_in[0], ceil(a[:n] + a[1:] + tf) - gs),
+            t_b=t_top,
+            rh=ceil(a[:n]),
+            hold_in=ceil(held + save),
+            bwd_in=bwd_in,
+            fb_in=inp + a[1:] + tf,
+            t_in=t_run,
+            T=np.concatenate(([0.0], np.cumsum(t_run))),
+        )
+
+
 class FlatTables:
     """``top[k, m]``: the least time of a flat plan for stages ``k..n-1`` in ``m`` slots."""
 
@@ -163,9 +217,9 @@ def numpy_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
     return top
 
 
-def flat_tables(model: Model, max_slots: int, path: str = "auto") -> FlatTables:
+def flat_tables(model: Model | FlatInputs, max_slots: int, path: str = "auto") -> FlatTables:
     """Fill ``top`` (``path``: ``numba`` when installed, else ``numpy``; bitwise equal)."""
-    fi = FlatInputs.of(model)
+    fi = model if isinstance(model, FlatInputs) else FlatInputs.of(model)
     if path == "auto":
         from remat.solve import dp_numba
 

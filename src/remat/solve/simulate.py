@@ -55,7 +55,7 @@ from remat.errors import UsageError
 from remat.plan import Plan, Region
 from remat.solve.problem import Problem
 
-__all__ = ["Event", "Item", "Simulation", "StepTime", "plan_tree", "simulate"]
+__all__ = ["Event", "Item", "Simulation", "StepTime", "baseline_time", "plan_tree", "simulate"]
 
 
 class Event(NamedTuple):
@@ -232,9 +232,10 @@ class _Walker:
                 self.taped(item.start, f"forward {self.p.stages[item.start].name}")
                 continue
             self.hold(item.start, item.region)
+            where = f"(in {item.region}, not saved)"
             for i in range(item.start, item.stop):
                 self.fwd_s += self.p.stages[i].fwd_s
-                self.not_saved(i, f"forward {self.p.stages[i].name} (in {item.region}, not saved)")
+                self.not_saved(i, f"forward {self.p.stages[i].name} {where}")
 
     def rebuild(self, region: Region, items: Sequence[Item]) -> None:
         """Region's rebuild: its items run again, with early stop as in the module note."""
@@ -249,17 +250,18 @@ class _Walker:
                 run, opener = (last + 1, None) if keeps else (last, last)
         cur = region.start
         self.hold(cur, _CUR)
+        for_region = f"(for {region})"
         for item in items[:run]:
             if item.region is None:
                 stage = self.p.stages[item.start]
                 self.rebuild_s += stage.rebuild_s
-                self.taped(item.start, f"rebuild {stage.name} (for {region})")
+                self.taped(item.start, f"rebuild {stage.name} {for_region}")
             else:
                 self.hold(item.start, item.region)
+                where = f"(for {region}, in {item.region}, not saved)"
                 for i in range(item.start, item.stop):
                     self.rebuild_s += self.p.stages[i].rebuild_s
-                    self.not_saved(i, f"rebuild {self.p.stages[i].name} (for {region}, "
-                                   f"in {item.region}, not saved)")
+                    self.not_saved(i, f"rebuild {self.p.stages[i].name} {where}")
             cur = item.stop
         for k in range(run, len(items)):
             item = items[k]
@@ -346,3 +348,17 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         outside_chain_s=p.outside_chain_s,
     )
     return Simulation(tuple(w.events), peak.live_bytes, peak.label, time, tuple(w.runs))
+
+
+def baseline_time(problem: Problem) -> StepTime:
+    """The step time :func:`simulate` predicts without checkpointing, without walking the
+    timeline: the same sums in the same order (forward from the first stage, backward
+    from the last), so the same floats."""
+    fwd = bwd = option = 0.0
+    for stage in problem.stages:
+        fwd += stage.fwd_s
+    for stage in reversed(problem.stages):
+        bwd += stage.bwd_s
+        option += stage.extra_bwd_s.get("keep", 0.0)
+    return StepTime(forward_s=fwd, backward_s=bwd, rebuild_s=0.0, option_s=option,
+                    overhead_s=0.0, outside_chain_s=problem.outside_chain_s)

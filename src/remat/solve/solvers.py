@@ -24,7 +24,7 @@ from remat.solve import dp
 from remat.solve.budget import parse_budget
 from remat.solve.minimum import min_peak_plan
 from remat.solve.problem import Problem
-from remat.solve.simulate import simulate
+from remat.solve.simulate import baseline_time, simulate
 from remat.units import format_bytes
 
 __all__ = [
@@ -65,7 +65,7 @@ def _finish(
         tuple(options) if options else ("keep",) * len(names),
     )
     sim = simulate(plan, problem)
-    baseline = simulate(Plan(names), problem).step_time_s
+    baseline = baseline_time(problem).total_s
     return Plan(
         stages=plan.stages,
         regions=plan.regions,
@@ -286,7 +286,7 @@ def segments_optimal(problem: Problem, budget: Budget) -> Plan:
     if avail >= 0:
         slot = max(1, -(-avail // problem.slots))
         m = avail // slot
-        tables = flat.flat_tables(dp.Model(problem, slot, avail - m * slot), m)
+        tables = flat.flat_tables(flat.FlatInputs.build(problem, slot, avail - m * slot), m)
         if math.isfinite(tables.top[0, m]):
             regions = flat.flat_plan(tables, m)
             plan = _finish(problem, regions, None, "segments-optimal", limit, t0)
