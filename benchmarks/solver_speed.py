@@ -164,10 +164,10 @@ def main() -> None:
               f"**{'met' if cold <= 1 else 'missed'}**)."]
     lines += ["", "One-level segment solver (`segments-optimal`, flat plans), same chains, "
               "budget a quarter of the way from the fixed bytes to no checkpointing's peak; the "
-              "table fill (numba, warm; median of 3) and the solver end to end (the table, "
+              "table fill (numba, warm; median of 3) and the solver end to end (median of 3: the table, "
               "the per-stage inputs, reconstruction and the simulator's check of the plan):",
-              "", "| stages | slots | table fill | `segments-optimal` end to end |",
-              "|---|---|---|---|"]
+              "", "| stages | slots | table fill | `segments-optimal` end to end | target |",
+              "|---|---|---|---|---|"]
     for n in args.flat_sizes:
         problem = random_chain(n)
         none = solvers.none(problem).predicted_peak_bytes
@@ -180,10 +180,17 @@ def main() -> None:
             t0 = time.perf_counter()
             dp_numba.numba_flat(fi, m) if dp_numba.available() else flat.numpy_flat(fi, m)
             fills.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        solvers.segments_optimal(problem, budget)
-        lines.append(f"| {n} | {m} | {statistics.median(fills):.3f} s "
-                     f"| {time.perf_counter() - t0:.3f} s |")
+        ends = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            solvers.segments_optimal(problem, budget)
+            ends.append(time.perf_counter() - t0)
+        fill, end = statistics.median(fills), statistics.median(ends)
+        verdict = ""
+        if n == 10000:
+            verdict = (f"fill **{'met' if fill <= 0.2 else 'missed'}**, end to end "
+                       f"**{'met' if end <= 0.2 else 'missed'}**")
+        lines.append(f"| {n} | {m} | {fill:.3f} s | {end:.3f} s | {verdict} |")
     lines += ["", "Target: 10,000 stages <= 0.2 s."]
     lines.append("")
     text = "\n".join(lines)
