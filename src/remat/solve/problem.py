@@ -367,6 +367,8 @@ class Problem(JsonArtifact):
 
     def check_option(self, i: int, option: str) -> None:
         """Raise UsageError if stage ``i`` cannot take ``option`` in this problem."""
+        if option == "keep":  # every stage can keep; the common case, on long chains too
+            return
         stage = self.stages[i]
         if option in self.options(i):
             return
