@@ -323,7 +323,7 @@ def bench(
     repeats: int = 10,
     warmup: int = 2,
     verify_steps: int = 2,
-    profile_repeats: int = 2,
+    profile_repeats: int = 5,
     compile_limit_s: float = 600.0,
     matched: bool = True,
     microbatch_budget: str | int | float | None = "50%",

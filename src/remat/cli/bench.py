@@ -49,8 +49,8 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--verify-steps", type=int, default=2,
                    help="training steps of each row's gradient check (default 2)")
-    p.add_argument("--profile-repeats", type=int, default=2,
-                   help="timed steps of each kind while profiling (default 2)")
+    p.add_argument("--profile-repeats", type=int, default=5,
+                   help="timed steps of each kind while profiling (default 5)")
     p.add_argument("--compile-limit", type=float, default=600.0, metavar="SECONDS",
                    help="skip further compile rows once compiling took this long (default 600)")
     p.add_argument("--microbatch-budget", default="50%", metavar="BUDGET",
@@ -99,6 +99,8 @@ def command_line(args: argparse.Namespace) -> str:
     words += ["--budgets", args.budgets, "--strategies", args.strategies,
               "--repeats", str(args.repeats), "--warmup", str(args.warmup),
               "--microbatch-budget", args.microbatch_budget]
+    if args.profile_repeats != 5:
+        words += ["--profile-repeats", str(args.profile_repeats)]
     if args.no_matched:
         words.append("--no-matched")
     if args.threads is not None:
