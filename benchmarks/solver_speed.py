@@ -164,8 +164,9 @@ def main() -> None:
               f"**{'met' if cold <= 1 else 'missed'}**)."]
     lines += ["", "One-level segment solver (`segments-optimal`, flat plans), same chains, "
               "budget a quarter of the way from the fixed bytes to no checkpointing's peak; the "
-              "table fill (numba, warm; median of 3) and the solver end to end (median of 3: the table, "
-              "the per-stage inputs, reconstruction and the simulator's check of the plan):",
+              "table fill (numba, warm; median of 3) and the solver end to end (median of 3: "
+              "the table, the per-stage inputs, reconstruction and the simulator's check of the "
+              "plan):",
               "", "| stages | slots | table fill | `segments-optimal` end to end | target |",
               "|---|---|---|---|---|"]
     for n in args.flat_sizes:
