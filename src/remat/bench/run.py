@@ -296,7 +296,7 @@ class Settings:
     matched: bool
     microbatch_budget: str | int | float | None
     distributed: str | None = None
-    malloc: str = "keep"
+    allocator: str = "system allocator"  # what set_malloc made of the malloc option
 
 
 @contextmanager
@@ -371,9 +371,8 @@ def bench(
             else parse_budgets([microbatch_budget])[0]
         ),
         distributed=distributed,
-        malloc=malloc,
+        allocator=set_malloc(malloc),  # before the profile: it times steps too
     )
-    set_malloc(malloc)
     with _threads(threads):
         return _run(model, options or {}, stages, settings, progress or _no_progress, command)
 
@@ -418,7 +417,7 @@ def _run(
         rank=None if ranks is None else ranks.info.rank,
         world_size=None if ranks is None else ranks.info.world_size,
         distributed=s.distributed,
-        malloc=set_malloc(s.malloc),
+        malloc=s.allocator,
     )
     if ranks is not None:
         ranks.stages = prof.stage_names

@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import sys
 
+from remat.errors import UsageError
+
 __all__ = ["MALLOC_MODES", "keep_freed_memory", "set_malloc"]
 
 MALLOC_MODES = ("keep", "system")
@@ -58,6 +60,4 @@ def set_malloc(mode: str) -> str:
         return keep_freed_memory()
     if mode == "system":
         return _state or "system allocator (glibc's adaptive thresholds)"
-    from remat.errors import UsageError
-
     raise UsageError(f"malloc={mode!r} is unknown; use one of {', '.join(MALLOC_MODES)}")

@@ -60,8 +60,7 @@ class FlatInputs:
     hold_in: np.ndarray
     bwd_in: np.ndarray
     fb_in: np.ndarray
-    t_in: np.ndarray
-    T: np.ndarray  # T[p]: t_in summed over the stages before p (Note [Flat records])
+    T: np.ndarray  # T[p]: the inside (rebuild) times of the stages before p summed
 
     @classmethod
     def of(cls, model: Model) -> FlatInputs:
@@ -99,8 +98,7 @@ class FlatInputs:
             hold_in=per_h(model.hold),
             bwd_in=per_h(model.bwd),
             fb_in=per_h(lambda p, j, h: model.inp(p, h) + model.a[p + 1] + model.tf[p][j]),
-            t_in=(t_in := np.array([model.t_run[k][keep[k]] for k in range(n)], dtype=float)),
-            T=np.concatenate(([0.0], np.cumsum(t_in))),
+            T=np.concatenate(([0.0], np.cumsum([model.t_run[k][keep[k]] for k in range(n)]))),
         )
 
 
@@ -152,7 +150,6 @@ class FlatInputs:
             hold_in=ceil(held + save),
             bwd_in=bwd_in,
             fb_in=inp + a[1:] + tf,
-            t_in=t_run,
             T=np.concatenate(([0.0], np.cumsum(t_run))),
         )
 
@@ -185,11 +182,12 @@ def region_need(fi: FlatInputs, k: int) -> np.ndarray:
     return np.maximum(region_fwd, inner_need + fi.rh[k] + fi.ob)
 
 
-def region_values(fi: FlatInputs, top: np.ndarray, k: int, stops: np.ndarray) -> np.ndarray:
-    """``(ovh - T[k]) + (T[stop] + top[stop, m - rh[k]])`` for each stop (rows) and slot:
-    the time of region ``[k, stop)`` and the rest, in the order every path adds it."""
-    rest = fi.T[stops, None] + _shift(top[stops], int(fi.rh[k]))
-    return (fi.ovh_s - fi.T[k]) + rest
+def region_values(fi: FlatInputs, k: int, stops: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """``(ovh - T[k]) + (T[stop] + rest)``: region ``[k, stop)`` and the rest after it
+    (``rest``: ``top`` of each stop, rows over slots or one slot each), added in the order
+    the compiled kernel adds them (Note [Flat records])."""
+    at_stop = fi.T[stops].reshape(-1, *(1,) * (rest.ndim - 1))
+    return (fi.ovh_s - fi.T[k]) + (at_stop + rest)
 
 
 def _bare(fi: FlatInputs, top: np.ndarray, k: int) -> np.ndarray:
@@ -209,7 +207,8 @@ def numpy_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
         need = region_need(fi, k)
         fits = np.flatnonzero(need <= M)
         if fits.size:
-            rows = region_values(fi, top, k, fits + k + 1)
+            stops = fits + k + 1
+            rows = region_values(fi, k, stops, _shift(top[stops], int(fi.rh[k])))
             rows[ms[None, :] < need[fits, None]] = INF
             np.minimum(best, rows.min(axis=0), out=best)
         top[k] = best
@@ -247,9 +246,8 @@ def flat_plan(t: FlatTables, m: int) -> list[tuple[int, int]]:
         stops = np.arange(k + 1, fi.n + 1)
         rest_m = m - int(fi.rh[k])
         ok = (need <= m) & (rest_m >= 0)
-        at = (fi.ovh_s - fi.T[k]) + (fi.T[stops] + top[stops, max(rest_m, 0)])
-        values = np.where(ok, at, INF)
+        values = np.where(ok, region_values(fi, k, stops, top[stops, max(rest_m, 0)]), INF)
         stop = k + 1 + int(np.flatnonzero(values == target)[0])
         regions.append((k, stop))
-        m, k = m - int(fi.rh[k]), stop
+        m, k = rest_m, stop
     return regions
