@@ -30,7 +30,7 @@ from remat.solve import Problem, parse_budget
 from .environment import describe_environment
 from .factory import batch_size_of, describe, failure, make_factory, whole
 from .findings import findings
-from .grads import check_compiled, check_plan
+from .grads import GradCheck, check_compiled, check_plan
 from .measure import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
 from .microbatch import compare_microbatches
 from .results import BenchReport, Row
@@ -75,6 +75,23 @@ def _planned_row(spec: RowSpec) -> Row:
         predicted_step_time_s=plan.predicted_step_time_s,
         predicted_overhead=predicted,
         predicted_rebuild_time_s=extra,
+    )
+
+
+def _measured(row: Row, memory: MemoryMeasure, check: GradCheck, **more: Any) -> Row:
+    """``row`` with its measured peaks and its gradient check (eager and compiled rows)."""
+    return replace(
+        row,
+        measured_peak_bytes=memory.peak_bytes,
+        instrument=memory.instrument,
+        cuda_allocated_peak_bytes=memory.cuda_allocated_peak_bytes,
+        cuda_reserved_peak_bytes=memory.cuda_reserved_peak_bytes,
+        grads_match=check.grads_match,
+        verify_ok=check.verify_ok,
+        grads_max_rel_error=check.max_rel_error,
+        grads_detail=check.detail,
+        grads_rounding_only=check.rounding_only,
+        **more,
     )
 
 
@@ -180,19 +197,9 @@ class _Bench:
                 continue
             self.runners[spec.key] = runner
             self.timelines[spec.key] = memory.timeline
-            self.rows[spec.key] = replace(
-                row,
-                measured_peak_bytes=memory.peak_bytes,
-                instrument=memory.instrument,
-                profiler_peak_bytes=cross.peak_bytes,
-                peak_by_category=memory.by_category,
-                cuda_allocated_peak_bytes=memory.cuda_allocated_peak_bytes,
-                cuda_reserved_peak_bytes=memory.cuda_reserved_peak_bytes,
-                grads_match=check.grads_match,
-                verify_ok=check.verify_ok,
-                grads_max_rel_error=check.max_rel_error,
-                grads_detail=check.detail,
-            )
+            self.rows[spec.key] = _measured(row, memory, check,
+                                            profiler_peak_bytes=cross.peak_bytes,
+                                            peak_by_category=memory.by_category)
 
     def compiled(self, specs: Sequence[RowSpec], limit_s: float) -> str:
         spent, statuses = 0.0, []
@@ -223,19 +230,9 @@ class _Bench:
             statuses.append("ok")
             self.runners[spec.key] = runner
             self.timelines[spec.key] = memory.timeline
-            self.rows[spec.key] = replace(
-                row,
-                measured_peak_bytes=memory.peak_bytes,
-                instrument=memory.instrument,
-                profiler_peak_bytes=memory.peak_bytes,
-                cuda_allocated_peak_bytes=memory.cuda_allocated_peak_bytes,
-                cuda_reserved_peak_bytes=memory.cuda_reserved_peak_bytes,
-                grads_match=check.grads_match,
-                grads_max_rel_error=check.max_rel_error,
-                grads_detail=check.detail,
-                grads_rounding_only=check.rounding_only,
-                compile_time_s=compile_s,
-            )
+            self.rows[spec.key] = _measured(row, memory, check,
+                                            profiler_peak_bytes=memory.peak_bytes,
+                                            compile_time_s=compile_s)
         if not statuses:
             return "not requested"
         if "ok" in statuses:
