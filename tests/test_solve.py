@@ -873,3 +873,25 @@ def test_flat_inputs_built_from_the_problem_equal_the_models(problem: Problem, q
             assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), field.name
         else:
             assert ours == theirs and type(ours) is type(theirs), field.name
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(), st.integers(1, 30))
+def test_recipe_estimates_bound_the_simulation_and_optimal_never_loses_to_a_recipe(
+    problem: Problem, slots: int
+) -> None:
+    """The closed forms that order the recipes beside the tables (Note [Recipes beside the
+    tables]): each estimate is the recipe's simulated time up to rounding and each least
+    peak a lower bound; at each recipe's own peak, with coarse slots, optimal is no slower."""
+    problem = dataclasses.replace(problem, slots=slots, region_overhead_s=0.25)
+    estimates = solvers._recipes_by_time(problem)
+    families = {family for _, _, family, _ in estimates}
+    assert families == {"none", "every", "groups", "segments", "block"}
+    assert [e for e, *_ in estimates] == sorted(e for e, *_ in estimates)
+    for estimate, least, family, k in estimates:
+        regions = solvers._recipe(problem.n, family, k)
+        sim = simulate(Plan(problem.stage_names, tuple(Region(*r) for r in regions)), problem)
+        assert math.isclose(estimate, sim.step_time_s, rel_tol=1e-12, abs_tol=1e-12)
+        assert least <= sim.peak_bytes
+        plan = solvers.optimal(problem, max(sim.peak_bytes, 1))  # budgets are > 0
+        assert seconds(plan) <= sim.step_time_s * (1 + 1e-12)

@@ -14,7 +14,7 @@ import numpy as np
 
 from remat.solve.dp import KEEP, OFF
 
-__all__ = ["fill", "flat_fill"]
+__all__ = ["fill", "fill_top", "flat_fill"]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -180,6 +180,37 @@ def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: A
     while m > 0 and out[m - 1] == out[M]:
         m -= 1
     sat[h, p] = m
+
+@numba.njit(cache=True, nogil=True)
+def fill_top(top: Any, seg1: Any, kbase: Any, first1: Any, n: int, M: int, post: int,
+             after: int, gs: int, q: int, nopt: Any, t_top: Any, need_top: Any, hold0: Any,
+             hold_open0: Any, inp0: Any, ns: Any, ovh_s: float, ob: int) -> None:
+    """``dp.fill_top`` compiled: the same sums in the same order, so the same floats."""
+    inf = np.inf
+    for m in range(M + 1):
+        top[n, m] = 0.0 if m >= post else inf
+    for k in range(n - 1, -1, -1):
+        best = top[k]
+        best[:] = inf
+        nxt = top[k + 1]
+        for j in range(nopt[k]):
+            sh = hold0[k, j]
+            tv = t_top[k, j]
+            for m in range(max(need_top[k, j], sh), M + 1):
+                best[m] = min(tv + nxt[m - sh], best[m])
+        rh = hold_open0[k]
+        sh = rh + ob
+        for stop in range(k + 1, n + 1):
+            ri = kbase[k] + stop
+            need = -(-(inp0[k] + ns[k, stop]) // q) - gs
+            lo = max(need, sh + first1[ri], 0)
+            inner = seg1[ri]
+            rest = top[stop]
+            for m in range(lo, M + 1):
+                best[m] = min((ovh_s + inner[m - sh]) + rest[m - rh], best[m])
+    for m in range(min(after, M + 1)):
+        top[0, m] = inf  # the events after the chain
+
 
 @numba.njit(cache=True, nogil=True)
 def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, sat: Any,

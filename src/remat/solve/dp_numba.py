@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from remat.solve.dp import Model, Tables, fill_top
+from remat.solve.dp import Model, Tables
 
 if TYPE_CHECKING:
     from remat.solve.flat import FlatInputs
@@ -107,7 +107,15 @@ def numba_tables(model: Model, max_slots: int) -> Tables:
          np.array(model.a, dtype=np.int64), np.array(model.sg, dtype=np.int64),
          np.array(model.reb), np.array(model.ns, dtype=np.int64),
          np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.ovh_s, model.ob)
-    fill_top(t)
+    need_top = np.full((n, width), M + 1, dtype=np.int64)
+    t_top = np.zeros((n, width))
+    for k in range(n):
+        for j in range(len(model.kinds[k])):
+            need_top[k, j] = max(model.bwd(k, j, 0), model.fwd(k, j, 0, None) - model.gs)
+            t_top[k, j] = model.t_top[k][j]
+    _kernel().fill_top(t.top, t.seg1, t.kbase, first[1], n, M, model.post, model.after, model.gs,
+                       model.q, nopt, t_top, need_top, hold[:, :, 0], hold_open[:, 0], inp[:, 0],
+                       np.array(model.ns, dtype=np.int64), model.ovh_s, model.ob)
     return t
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from remat.errors import UsageError
@@ -86,19 +87,25 @@ class StepTime:
 class Simulation:
     """The memory timeline, peak and step time of one training step under a plan."""
 
-    events: tuple[Event, ...]
+    labels: tuple[str, ...]  # each event's label, in order
+    live: tuple[int, ...]  # the bytes alive at each event's peak
     peak_bytes: int
     peak_event: str
     time: StepTime
     forward_runs: tuple[int, ...]  # how many times each stage's forward ran in full
+
+    @cached_property
+    def events(self) -> tuple[Event, ...]:
+        """The timeline as (label, live bytes) pairs (built on first use: long chains
+        have tens of thousands of events and most callers need only the peak)."""
+        return tuple(map(Event._make, zip(self.labels, self.live, strict=True)))
 
     @property
     def step_time_s(self) -> float:
         return self.time.total_s
 
 
-@dataclass(frozen=True)
-class Item:
+class Item(NamedTuple):
     """One entry of a level of the region tree: a bare stage, or a region and its items."""
 
     start: int
@@ -131,28 +138,62 @@ def plan_tree(plan: Plan) -> tuple[Item, ...]:
 
 
 _CUR = "current"
+_STAGE = "stage"  # a stage holding its own input (only ever in that boundary's holders)
 
 
 class _Walker:
-    """Walks one step, keeping the live bytes (boundaries deduplicated by holder)."""
+    """Walks one step, keeping the live bytes (boundaries deduplicated by holder).
+
+    Each stage's numbers under its option are read once up front: a step visits every
+    stage a few times, and chains of thousands of stages make those visits the cost.
+    """
 
     def __init__(self, problem: Problem, options: Sequence[str]) -> None:
         self.p = problem
         self.options = options
         stages = problem.stages
+        n = problem.n
         self.a = [s.boundary_bytes for s in stages] + [problem.output_bytes]
-        self.holders: dict[int, set[Hashable]] = {}
+        self.holders: list[set[Hashable]] = [set() for _ in range(n + 1)]
         self.blocks: dict[Hashable, int] = {}
+        self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
+        self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.live = 0
-        self.events: list[Event] = []
-        self.runs = [0] * problem.n
+        self.labels: list[str] = []
+        self.lives: list[int] = []
+        self.runs = [0] * n
         self.fwd_s = self.bwd_s = self.rebuild_s = self.option_s = self.overhead_s = 0.0
         self.rebuilt_in_full: set[int] = set()  # selective stages whose rebuild stopped early
+        self.names = [s.name for s in stages]
+        self.forward_labels = [f"forward {s.name}" for s in stages]
+        off = [o == "offload" for o in options]
+        self.save = [0 if f else s.saved_bytes[o]
+                     for s, o, f in zip(stages, options, off, strict=True)]
+        # Offloaded copies leave as they are packed: a taped forward peaks like no saving.
+        self.taped_extra = [
+            s.nosave_peak_extra_bytes if f else s.saved_bytes[o] + s.fwd_transient_bytes
+            for s, o, f in zip(stages, options, off, strict=True)
+        ]
+        self.keeps = [s.keeps_input(o) for s, o in zip(stages, options, strict=True)]
+        self.nosave_extra = [s.nosave_peak_extra_bytes for s in stages]
+        # During its backward a keep or selective stage holds everything keep saves (a
+        # selective one rebuilds the rest first); an offloaded one has its saved tensors
+        # back from the host. That replaces what it held since its forward.
+        self.backward_extra = [
+            (s.offload_bytes if f else s.saved_bytes["keep"]) + s.bwd_transient_bytes
+            for s, f in zip(stages, off, strict=True)
+        ]
+        self.transfer_s: list[float | None] = [None] * n
+        if any(off):
+            bandwidth = problem.offload_bandwidth_bytes_per_s
+            assert bandwidth is not None
+            self.transfer_s = [2 * s.offload_bytes / bandwidth if f else None
+                               for s, f in zip(stages, off, strict=True)]
 
     # -- the live set ------------------------------------------------------------------------
 
     def hold(self, i: int, holder: Hashable) -> None:
-        holders = self.holders.setdefault(i, set())
+        holders = self.holders[i]
         if not holders:
             self.live += self.a[i]
         holders.add(holder)
@@ -173,69 +214,74 @@ class _Walker:
         self.live -= nbytes
         return nbytes
 
+    def keep_saved(self, i: int, nbytes: int) -> None:
+        assert self.saved[i] is None, i
+        self.saved[i] = nbytes
+        self.live += nbytes
+
     def event(self, label: str, extra: int = 0) -> None:
-        self.events.append(Event(label, self.live + extra))
+        self.labels.append(label)
+        self.lives.append(self.live + extra)
 
     # -- one stage ---------------------------------------------------------------------------
 
     def taped(self, i: int, label: str) -> None:
         """Stage i runs with grad under its option; its input is the current activation."""
-        stage, option = self.p.stages[i], self.options[i]
         self.runs[i] += 1
         self.hold(i + 1, _CUR)
-        if option == "offload":  # copies leave as they are packed: peak like no saving
-            self.event(label, stage.nosave_peak_extra_bytes)
-        else:
-            self.event(label, stage.saved_bytes[option] + stage.fwd_transient_bytes)
-            if stage.keeps_input(option):
-                self.hold(i, ("stage", i))
-        self.add(("saved", i), 0 if option == "offload" else stage.saved_bytes[option])
+        self.event(label, self.taped_extra[i])
+        if self.keeps[i]:
+            self.hold(i, _STAGE)
+        self.keep_saved(i, self.save[i])
         self.release(i, _CUR)
 
     def not_saved(self, i: int, label: str) -> None:
         """Stage i runs inside a region's forward (or a child's, in a rebuild): nothing kept."""
         self.runs[i] += 1
         self.hold(i + 1, _CUR)
-        self.event(label, self.p.stages[i].nosave_peak_extra_bytes)
+        self.event(label, self.nosave_extra[i])
         self.release(i, _CUR)
 
     def backward_stage(self, i: int) -> None:
-        stage, option = self.p.stages[i], self.options[i]
-        # During its backward a keep or selective stage holds everything keep saves (a
-        # selective one rebuilds the rest first); an offloaded one has its saved tensors
-        # back from the host. That replaces what it held since its forward.
-        self.drop(("saved", i))
-        during = stage.offload_bytes if option == "offload" else stage.saved_bytes["keep"]
-        self.add(("grad", i), self.a[i])
-        self.event(f"backward {stage.name}", during + stage.bwd_transient_bytes)
+        stage = self.p.stages[i]
+        saved = self.saved[i]
+        assert saved is not None, i
+        assert self.grad[i] is None, i
+        self.saved[i] = None
+        self.grad[i] = self.a[i]
+        self.live += self.a[i] - saved
+        self.event(f"backward {stage.name}", self.backward_extra[i])
         self.add(("param grads", i), stage.grad_bytes)  # after its peak, to the optimizer
         self.bwd_s += stage.bwd_s
-        if option == "offload":
-            bandwidth = self.p.offload_bandwidth_bytes_per_s
-            assert bandwidth is not None
-            self.option_s += 2 * stage.offload_bytes / bandwidth
+        transfer = self.transfer_s[i]
+        if transfer is not None:
+            self.option_s += transfer
         if i in self.rebuilt_in_full:
             self.runs[i] += 1
             self.rebuild_s += stage.rebuild_s
         else:
-            self.option_s += stage.extra_bwd_s.get(option, 0.0)
-        if ("stage", i) in self.holders.get(i, ()):
-            self.release(i, ("stage", i))
-        self.drop(("grad", i + 1))
+            self.option_s += stage.extra_bwd_s.get(self.options[i], 0.0)
+        if _STAGE in self.holders[i]:
+            self.release(i, _STAGE)
+        grad = self.grad[i + 1]
+        assert grad is not None, i
+        self.grad[i + 1] = None
+        self.live -= grad
 
     # -- levels ------------------------------------------------------------------------------
 
     def forward_level(self, items: Sequence[Item]) -> None:
+        stages, labels = self.p.stages, self.forward_labels
         for item in items:
             if item.region is None:
-                self.fwd_s += self.p.stages[item.start].fwd_s
-                self.taped(item.start, f"forward {self.p.stages[item.start].name}")
+                self.fwd_s += stages[item.start].fwd_s
+                self.taped(item.start, labels[item.start])
                 continue
             self.hold(item.start, item.region)
             where = f"(in {item.region}, not saved)"
             for i in range(item.start, item.stop):
-                self.fwd_s += self.p.stages[i].fwd_s
-                self.not_saved(i, f"forward {self.p.stages[i].name} {where}")
+                self.fwd_s += stages[i].fwd_s
+                self.not_saved(i, f"{labels[i]} {where}")
 
     def rebuild(self, region: Region, items: Sequence[Item]) -> None:
         """Region's rebuild: its items run again, with early stop as in the module note."""
@@ -248,31 +294,31 @@ class _Walker:
                 last = packers[-1]
                 keeps = items[last].region is None and self.options[items[last].start] == "keep"
                 run, opener = (last + 1, None) if keeps else (last, last)
+        stages, names = self.p.stages, self.names
         cur = region.start
         self.hold(cur, _CUR)
         for_region = f"(for {region})"
         for item in items[:run]:
             if item.region is None:
-                stage = self.p.stages[item.start]
-                self.rebuild_s += stage.rebuild_s
-                self.taped(item.start, f"rebuild {stage.name} {for_region}")
+                self.rebuild_s += stages[item.start].rebuild_s
+                self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
             else:
                 self.hold(item.start, item.region)
                 where = f"(for {region}, in {item.region}, not saved)"
                 for i in range(item.start, item.stop):
-                    self.rebuild_s += self.p.stages[i].rebuild_s
-                    self.not_saved(i, f"rebuild {self.p.stages[i].name} {where}")
+                    self.rebuild_s += stages[i].rebuild_s
+                    self.not_saved(i, f"rebuild {names[i]} {where}")
             cur = item.stop
         for k in range(run, len(items)):
             item = items[k]
             if k == opener and item.region is not None:
                 self.hold(item.start, item.region)
             elif k == opener:  # a selective stage: hands over its input, caches nothing
-                self.hold(item.start, ("stage", item.start))
-                self.add(("saved", item.start), 0)
+                self.hold(item.start, _STAGE)
+                self.keep_saved(item.start, 0)
                 self.rebuilt_in_full.add(item.start)
             else:  # an offloaded stage after the last hand-over: nothing on the device
-                self.add(("saved", item.start), 0)
+                self.keep_saved(item.start, 0)
         self.release(cur, _CUR)
 
     def backward_level(self, items: Sequence[Item]) -> None:
@@ -326,19 +372,24 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.event("backward post-chain", p.post_chain_bytes)
     w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
     w.release(n, _CUR)
-    w.add(("grad", n), w.a[n])
+    w.grad[n] = w.a[n]
+    w.live += w.a[n]
     w.backward_level(top)
     w.add(("param grads", "pre-chain"), p.pre_chain_grads_bytes)
     w.event("backward pre-chain")
-    w.drop(("grad", 0))
+    assert w.grad[0] is not None
+    w.live -= w.grad[0]
+    w.grad[0] = None
     w.drop("pre-chain")
     w.event("optimizer step", p.optimizer_step_bytes)
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain"),
              *(("param grads", i) for i in range(n))}
-    assert not any(w.holders.values()) and set(w.blocks) == {
+    assert not any(w.holders) and set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
-    peak = max(w.events, key=lambda e: e.live_bytes)
+    assert all(s is None for s in w.saved) and all(g is None for g in w.grad)
+    peak_bytes = max(w.lives)
+    peak = w.lives.index(peak_bytes)  # the first event at the peak
     time = StepTime(
         forward_s=w.fwd_s,
         backward_s=w.bwd_s,
@@ -347,7 +398,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         overhead_s=w.overhead_s,
         outside_chain_s=p.outside_chain_s,
     )
-    return Simulation(tuple(w.events), peak.live_bytes, peak.label, time, tuple(w.runs))
+    return Simulation(tuple(w.labels), tuple(w.lives), peak_bytes, w.labels[peak], time,
+                      tuple(w.runs))
 
 
 def baseline_time(problem: Problem) -> StepTime:

@@ -197,11 +197,16 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     if found is not None:
         sim = simulate(_as_plan(problem, found), problem)
         best_s = sim.step_time_s if sim.peak_bytes <= limit else math.inf
-    for estimate, least, regions in _recipes_by_time(problem):
+    simulated: set[tuple[tuple[int, int], ...]] = set()  # recipes can coincide
+    for estimate, least, family, k in _recipes_by_time(problem):
         if estimate > best_s * (1 + 1e-9):
             break
         if least > limit:
             continue
+        regions = _recipe(problem.n, family, k)
+        if tuple(regions) in simulated:
+            continue
+        simulated.add(tuple(regions))
         sim = simulate(_as_plan(problem, (regions, None)), problem)
         if sim.peak_bytes <= limit and sim.step_time_s < best_s:
             found, best_s = (regions, None), sim.step_time_s
@@ -220,42 +225,49 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     return plan
 
 
-def _recipes_by_time(problem: Problem) -> list[tuple[float, int, list[tuple[int, int]]]]:
-    """The recipes' region lists, fastest first: (estimated step time, least peak, regions).
+def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
+    """The classic recipes, fastest first: (estimated step time, least peak, family, k).
 
     Every stage of a recipe keeps, so each region adds its overhead and its stages'
     rebuilds (with early stop too: each stage hands the next its output) to the time
     without regions; the estimate differs from the simulator's only by float rounding.
     The least peak is a lower bound: at the end of the forward every bare stage still
-    holds what it saved, on top of the forward's base.
+    holds what it saved, on top of the forward's base. Both are closed forms per family
+    (``every`` alone needs a strided sum), so the regions are built (:func:`_recipe`) only
+    for the few recipes that get simulated.
     """
-    base = simulate(_as_plan(problem, ([], None)), problem).step_time_s  # every stage keeps
-    rebuilt = np.concatenate(([0.0], np.cumsum([s.rebuild_s for s in problem.stages])))
-    kept = np.concatenate(([0], np.cumsum([s.saved_bytes["keep"] for s in problem.stages])))
-    ovh = problem.region_overhead_s
-    timed = []
-    for regions in _recipe_regions(problem.n):
-        spans = np.array(regions, dtype=np.int64).reshape(-1, 2)
-        a, b = spans[:, 0], spans[:, 1]
-        estimate = base + float(np.sum(ovh + rebuilt[b] - rebuilt[a]))
-        least = problem.forward_base_bytes + int(kept[-1] - np.sum(kept[b] - kept[a]))
-        timed.append((estimate, least, regions))
+    n = problem.n
+    if n == 0:
+        return []
+    base = baseline_time(problem).total_s  # no regions: every stage keeps
+    rebuild = np.array([s.rebuild_s for s in problem.stages])
+    kept = np.array([s.saved_bytes["keep"] for s in problem.stages], dtype=np.int64)
+    rebuilt, kept_before = np.cumsum(rebuild), np.cumsum(kept)
+    ovh, fwd_base, all_kept = problem.region_overhead_s, problem.forward_base_bytes, int(kept.sum())
+    ks = np.arange(1, n + 1)
+    timed: list[tuple[float, int, str, int]] = [(base, fwd_base + all_kept, "none", 0)]
+    for k in range(1, n + 1):  # every-k: stages 0, k, 2k, ... alone
+        count = -(-n // k)
+        timed.append((base + ovh * count + float(rebuild[::k].sum()),
+                      fwd_base + all_kept - int(kept[::k].sum()), "every", k))
+    # groups of k and k segments cover the chain: every stage is rebuilt, nothing kept.
+    for family, counts in (("groups", -(-n // ks)), ("segments", ks)):
+        estimates = base + ovh * counts + float(rebuilt[-1])
+        timed += [(float(t), fwd_base, family, int(k)) for t, k in zip(estimates, ks, strict=True)]
+    block = base + ovh * ks + rebuilt  # the first k stages alone
+    timed += [(float(t), fwd_base + all_kept - int(c), "block", int(k))
+              for t, c, k in zip(block, kept_before, ks, strict=True)]
     timed.sort(key=lambda item: item[0])
     return timed
 
 
-def _recipe_regions(n: int) -> list[list[tuple[int, int]]]:
-    """Every distinct region list of the classic recipes (none, every-k, groups,
-    segments-k, block)."""
-    if n == 0:
+def _recipe(n: int, family: str, k: int) -> list[tuple[int, int]]:
+    """The regions of one classic recipe (none, every-k, groups, segments-k, block)."""
+    if family == "none":
         return []
-    lists: list[list[tuple[int, int]]] = [[]]  # no checkpointing: fits a budget of its peak
-    lists += [recipes.every(n, k) for k in range(1, n + 1)]
-    lists += [recipes.groups(n, size) for size in range(1, n + 1)]
-    lists += [recipes.segments(n, k) for k in range(1, n + 1)]
-    lists += [recipes.block(n, count) for count in range(1, n + 1)]
-    unique = {tuple(spans): spans for spans in lists}
-    return list(unique.values())
+    build = {"every": recipes.every, "groups": recipes.groups, "segments": recipes.segments,
+             "block": recipes.block}[family]
+    return build(n, k)
 
 
 def _as_plan(
