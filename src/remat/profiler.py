@@ -27,6 +27,7 @@ from remat.measure.tracker import iter_tensors
 from remat.plan import parse_option
 from remat.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
+from remat.profiling.optimes import region_overhead_s
 from remat.profiling.run import measure_all, part_names
 from remat.solve.from_profile import predict_no_checkpoint_peak
 from remat.stages import discover_stages, resolve_stages
@@ -152,7 +153,7 @@ def profile(
         batch_size=batch_size,
         stages=tuple(stage_list),
         fixed=fixed_bytes(m, stage_list[0].boundary_bytes, post_grads, pre_grads),
-        region_overhead_s=m.overhead.time_s,
+        region_overhead_s=region_overhead_s(m.plain_steps, m.per_stage_steps, m.overhead.time_s),
         region_overhead_bytes=m.overhead.memory_bytes,
         outside_chain_s=max(0.0, m.times.step_s - sum(m.times.fwd_s) - sum(m.times.bwd_s)),
         step_s=m.times.step_s,
@@ -191,8 +192,9 @@ def notes(result: Profile) -> tuple[str, ...]:
 
 # -- batch scaling -------------------------------------------------------------------------
 
-# Not fitted: bookkeeping, the prediction (recomputed), and the region's fixed cost, which
-# a micro-benchmark independent of the model measures (its two figures differ by noise).
+# Not fitted: bookkeeping, the prediction (recomputed), and the region's fixed cost, a
+# residual of a few per-stage steps (or the tiny chain's figure) whose two values differ
+# mostly by noise: a line through them would extrapolate the noise.
 _NOT_FITTED = frozenset(
     {
         "schema_version",

@@ -35,7 +35,7 @@ def add_parser(sub: Any, name: str) -> None:
     )
     add_model_options(p)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
-    p.add_argument("--repeats", type=int, default=2, help="timed steps of each kind (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds of steps (default 2)")
     add_json_option(p)
     p.set_defaults(run=run)
 

@@ -10,10 +10,11 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
   its input's gradient (the simulator counts it), plus its output when it saved that (the
   simulator no longer counts it there). The parameter gradients it has created by its
   peak are in it; the simulator adds the stage's ``grad_bytes`` after that peak.
-* selective options' extra backward time: the stage's forward time times the share of
-  its ops the option does not save, from the op times of the selective passes (medians
-  over them), plus one checkpoint frame (``region_overhead_s``): see :mod:`.optimes`.
-  When no selective pass ran, no stage runs an op any option saves: each rebuilds all.
+* selective options' extra time (``extra_bwd_s``): what the stage's forward and backward
+  took with the option on every stage beyond the plain step of the same round (the
+  median over rounds): the option's replay in backward and its dispatch mode's cost in
+  forward, which the simulator charges together at the stage's backward; see
+  :mod:`.optimes`.
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
   first stage's input. Post-chain: its larger rise in forward and in backward above the
   live total at the chain's end (the backward's with the parameter gradients it has
@@ -29,7 +30,7 @@ from torch import nn
 
 from remat.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
-from remat.profiling.optimes import policy_op_names, selective_extra_s
+from remat.profiling.optimes import option_extra_s
 from remat.profiling.run import Measurements
 
 __all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]
@@ -63,7 +64,7 @@ def gradient_owners(
 
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     found = []
-    timed = [p.op_seconds for p in m.selective.values() if p.op_seconds]
+    extras = {o: option_extra_s(m.plain_steps, m.option_steps[o]) for o in m.selective_options}
     for i, name in enumerate(m.names):
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
         saved = {"keep": max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)}
@@ -77,13 +78,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output else 0
-        samples = [op_seconds[i] for op_seconds in timed]
-        extra = {
-            option: selective_extra_s(
-                m.times.fwd_s[i], m.overhead.time_s, samples, policy_op_names(option, name)
-            )
-            for option in m.selective_options
-        }
+        extra = {option: extras[option][i] for option in m.selective_options}
         found.append(
             StageProfile(
                 name=name,

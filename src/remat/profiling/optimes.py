@@ -1,30 +1,31 @@
-"""What a selective option costs in time: the stage's ops it does not save, rebuilt.
+"""What a selective option and a checkpoint region cost in time, from timed steps.
 
-A stage under ``selective:<policy>`` runs in its own checkpoint frame: in backward,
-torch replays its forward and every op the policy does not save runs again (the saved
-ones come from the cache). So the option costs the time of those ops plus the frame's
-fixed cost. Timing each op in a forward pass (:class:`OpTimer`) gives each op's share of
-the stage's forward; the share of the ops a policy does not save, times the stage's
-measured forward time, is what its rebuild costs. Shares rather than raw sums: per-op
-timing runs under the tracker and adds its own per-call overhead, while ``fwd_s`` comes
-from plain timed steps.
+A stage under ``selective:<policy>`` runs in its own checkpoint frame under torch's
+selective-checkpoint dispatch mode: its forward pays the mode's cost on every op, and its
+backward replays the forward, running again every op the policy does not save. Pricing
+that as the unsaved ops' share of the stage's forward (each aten op timed in a forward
+pass, as remat did before) missed the mode's cost: on the built-in ``gpt`` the share
+came to 0.6x a block's forward for ``save-matmuls`` while timed steps showed 0.9x, and
+``bench`` measured selective-everywhere 20 points slower than predicted. So the profile
+times training steps with each option applied to every stage, interleaved with plain
+steps, and charges each stage what its forward and backward took beyond the plain ones
+(:func:`option_extra_s`).
 
-The ops a policy saves are the runtime's own (:func:`remat.runtime.policies.resolve`:
-``MATMUL_OPS``, ``ATTENTION_OPS`` or the listed ops), so the charge follows what the
-runtime really caches.
+A region's fixed cost is measured on a chain of tiny stages (:mod:`.overhead`), which sees
+the checkpoint frame but not what grows with the stage (a pack and an unpack hook per
+saved tensor, the rebuilt stage's backward finding its inputs in fresh memory). The
+profile's steps with one region per stage show the whole of it: their time beyond the
+plain step and the stages' timed rebuilds, per region (:func:`region_overhead_s`).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from remat.profiling.timing import StepTimes
 
-__all__ = ["OpTimer", "cuda_sync", "policy_op_names", "selective_extra_s", "unsaved_share"]
+__all__ = ["option_extra_s", "policy_op_names", "region_overhead_s"]
 
 
 def policy_op_names(option: str, stage: str) -> frozenset[str]:
@@ -34,76 +35,36 @@ def policy_op_names(option: str, stage: str) -> frozenset[str]:
     return frozenset(str(op) for op in resolve(option, stage).ops)
 
 
-class OpTimer(TorchDispatchMode):
-    """Seconds spent in each aten op while stage ``stage`` runs (``None``: not timing).
-
-    Enter it *before* any other dispatch mode (the tracker, torch's selective-checkpoint
-    cache): the mode entered first is the last one an op passes through, so the time
-    around its ``func(*args)`` is the kernel's alone, not the other modes' bookkeeping.
-    On CUDA the device is synchronized around each op (this is a measuring pass).
-    """
-
-    def __init__(self, n_stages: int, *, sync: Callable[[], None] | None = None) -> None:
-        super().__init__()
-        self.stage: int | None = None
-        self.seconds: list[dict[str, float]] = [{} for _ in range(n_stages)]
-        self._sync = sync
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        stage = self.stage
-        if stage is None:
-            return func(*args, **kwargs)
-        if self._sync is not None:
-            self._sync()
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        if self._sync is not None:
-            self._sync()
-        elapsed = time.perf_counter() - t0
-        found = self.seconds[stage]
-        name = str(func)
-        found[name] = found.get(name, 0.0) + elapsed
-        return out
+def _rounds(plain: Sequence[StepTimes], other: Sequence[StepTimes]) -> None:
+    if not plain or len(plain) != len(other):
+        raise ValueError(f"need paired rounds, got {len(plain)} plain and {len(other)} other")
 
 
-def unsaved_share(samples: Sequence[Mapping[str, float]], saved: frozenset[str]) -> float:
-    """The share of a stage's forward time in ops not in ``saved``, in ``[0, 1]``.
-
-    ``samples``: seconds per op from one or more forward passes; each op's time is its
-    median over them (an op missing from a pass counts 0 there). No time at all: 1 (the
-    whole forward is rebuilt).
-    """
-    ops = sorted({op for sample in samples for op in sample})
-    median = {op: float(statistics.median([s.get(op, 0.0) for s in samples])) for op in ops}
-    total = sum(median.values())
-    if total <= 0:
-        return 1.0
-    return sum(t for op, t in median.items() if op not in saved) / total
-
-
-def selective_extra_s(
-    fwd_s: float,
-    overhead_s: float,
-    samples: Sequence[Mapping[str, float]],
-    saved: frozenset[str],
-) -> float:
-    """Extra backward seconds of a selective option: its unsaved ops rebuilt, one frame."""
-    return fwd_s * unsaved_share(samples, saved) + overhead_s
+def option_extra_s(plain: Sequence[StepTimes], with_option: Sequence[StepTimes]
+                   ) -> tuple[float, ...]:
+    """Per stage: what its forward and backward took under the option beyond the plain
+    step of the same round (round ``r`` of each list ran back to back), the median over
+    rounds, at least 0."""
+    _rounds(plain, with_option)
+    n = len(plain[0].fwd_s)
+    return tuple(
+        max(0.0, statistics.median(
+            (o.fwd_s[i] + o.bwd_s[i]) - (p.fwd_s[i] + p.bwd_s[i])
+            for p, o in zip(plain, with_option, strict=True)
+        ))
+        for i in range(n)
+    )
 
 
-def cuda_sync(device: torch.device | None) -> Callable[[], None] | None:
-    """A synchronize for ``device`` if it is an accelerator (else ``None``: CPU is in order)."""
-    if device is None or device.type != "cuda":
-        return None
-
-    def sync() -> None:
-        torch.cuda.synchronize(device)
-
-    return sync
+def region_overhead_s(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                      floor_s: float) -> float:
+    """Seconds one region costs beyond rebuilding its stage: per round, the step with one
+    region per stage less the plain step and the timed rebuilds, over the number of
+    regions; the median over rounds, at least ``floor_s`` (the tiny chain's figure)."""
+    _rounds(plain, per_stage)
+    n = len(plain[0].fwd_s)
+    residual = statistics.median(
+        (r.step_s - p.step_s - sum(r.rebuild_s)) / n
+        for p, r in zip(plain, per_stage, strict=True)
+    )
+    return max(floor_s, residual)

@@ -7,8 +7,7 @@ selective policy keeps (torch's selective-checkpoint cache plus the input the ch
 saves) is what the runtime will keep. A no-save pass drops every saved tensor, which is
 what a stage costs inside a region's forward, and shows which stage outputs stay
 referenced from outside the chain (after the chain moved on, or in what the model
-returns, e.g. its hidden states). With ``time_ops`` a pass also times each aten op of
-each stage's forward (:class:`~remat.profiling.optimes.OpTimer`).
+returns, e.g. its hidden states).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from remat.profiling._tensors import (
     stage_hooks,
     storage_bytes,
 )
-from remat.profiling.optimes import OpTimer, cuda_sync
 
 __all__ = ["ForwardPass", "StageForward", "forward_pass"]
 
@@ -81,8 +79,6 @@ class ForwardPass:
     # Per stage: its output was still referenced after the chain moved past it (two
     # stages later, or after the forward) although nothing was saved.
     kept_outside: tuple[bool, ...]
-    # Per stage: seconds in each aten op of its forward, by op name (with time_ops only).
-    op_seconds: tuple[dict[str, float], ...] = ()
 
 
 def _never(_packed: None) -> torch.Tensor:
@@ -98,12 +94,10 @@ def forward_pass(
     device: torch.device | None,
     plan: Plan | None = None,
     save: bool = True,
-    time_ops: bool = False,
 ) -> ForwardPass:
     """Run one forward under the tracker with ``plan`` applied (or none) and read each stage.
 
     ``save=False`` drops everything autograd saves (no backward is possible).
-    ``time_ops``: also time every aten op each stage's forward runs.
     """
     from remat.runtime import apply
 
@@ -115,7 +109,6 @@ def forward_pass(
     kept = [False] * n
     # Saved tensors need no classifying here: the live bytes are the same either way.
     tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
-    timer = OpTimer(n, sync=cuda_sync(device)) if time_ops else None
 
     def alive(j: int) -> bool:
         ref = outputs[j]
@@ -153,12 +146,8 @@ def forward_pass(
         entries[i] = (tracker.live_bytes, main_input(args, kwargs))
         current[:] = [i]
         offered.clear()
-        if timer is not None:
-            timer.stage = i
 
     def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if timer is not None:
-            timer.stage = None
         live, peak = tracker.live_bytes, tracker.peak_bytes
         entry, x = entries.pop(i)
         y = main_output(out)
@@ -186,13 +175,7 @@ def forward_pass(
         # live output is a reference from outside the chain)
         root = None if save else model.register_forward_hook(returned)
         try:
-            # The timer is entered first, so it is the last mode an op passes through and
-            # times the kernel alone (see OpTimer).
-            with (
-                timer if timer is not None else contextlib.nullcontext(),
-                stage_hooks(modules, pre, post),
-                tracker,
-            ):
+            with stage_hooks(modules, pre, post), tracker:
                 if save:
                     loss = loss_fn(model, batch)
                 else:
@@ -219,8 +202,4 @@ def forward_pass(
             f"the forward calls the stages as {called}, ..., not once each in the order "
             "given; list the stages in the order the forward calls them, once each"
         )
-    return ForwardPass(
-        tuple(f for f in found if f is not None),
-        tuple(kept),
-        tuple(timer.seconds) if timer is not None else (),
-    )
+    return ForwardPass(tuple(f for f in found if f is not None), tuple(kept))

@@ -1,22 +1,22 @@
 """One profiling run: every measurement a Profile is built from, in a fixed order.
 
-It costs ``2 * (repeats + 1)`` training steps, one step measured by the tracker and up to
-three tracked forwards (on the built-in models at their defaults, 10 to 12 plain steps in
-all):
+It costs ``(2 + s) * (repeats + 1)`` training steps (``s`` selective options), one step
+measured by the tracker and up to four tracked forwards:
 
 1. a forward that saves nothing (what a stage costs inside a region; which outputs stay
    referenced outside the chain; what ``selective:save-nothing`` keeps);
-2. ``repeats + 1`` training steps with one region per stage, timing each stage's rebuild,
-   alternating with ``repeats + 1`` plain training steps, timing each stage's forward and
-   backward; the first of each kind is a warm-up whose times are dropped (it creates the
-   optimizer state, right after which the tracker counts parameters, buffers, gradients,
-   optimizer state and the batch, and it grows the allocator to the step's size);
-4. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
-5. for each selective option, one forward with the option applied to the stages that run
-   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps), timing each
-   aten op of every stage (what each option leaves to rebuild costs its share of the
-   stage's forward time, :mod:`.optimes`);
-6. the fixed cost of one region (:mod:`.overhead`).
+2. ``repeats + 1`` rounds of training steps, each round one step with one region per
+   stage (timing each stage's rebuild), one plain step (timing each stage's forward and
+   backward) and one step with each selective option on every stage (what the option
+   costs each stage, :mod:`.optimes`); the first round is a warm-up whose times are
+   dropped (it creates the optimizer state, right after which the tracker counts
+   parameters, buffers, gradients, optimizer state and the batch, and it grows the
+   allocator to the step's size);
+3. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
+4. for each selective option, one forward with the option applied to the stages that run
+   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps);
+5. the fixed cost of one region on a chain of tiny stages (:mod:`.overhead`), the floor
+   under what the steps with a region per stage show (:func:`.optimes.region_overhead_s`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,12 @@ class Measurements:
     nosave: ForwardPass
     times: StepTimes  # medians of the plain steps
     rebuild: StepTimes  # medians of the steps with a region per stage
+    plain_steps: tuple[StepTimes, ...]  # round by round, paired with the two below
+    per_stage_steps: tuple[StepTimes, ...]
+    option_steps: dict[str, tuple[StepTimes, ...]]  # option -> its steps, round by round
     step: StepMemory
     spans: StepSpans
-    selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs),
-    # with each stage's op times
+    selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs)
     measured_in: dict[str, frozenset[int]]  # option -> stages measured in its pass
     counts: dict[str, int]  # params_bytes, buffers_bytes, grads_bytes, ... by the tracker
     overhead: RegionOverhead
@@ -126,13 +128,19 @@ def measure_all(
         if not counts:
             counts.update(_fixed_counts(model, optimizer, batch, device))
 
-    # Plain and per-stage steps alternate, so both see the same machine (a loaded one
-    # slows both alike), and the first of each is a warm-up whose time is dropped: it
-    # creates the optimizer state and grows the allocator to the step's size, which made
-    # the step without checkpointing look up to 40% slower than it is.
+    # Plain, per-stage and selective steps alternate, so all see the same machine (a
+    # loaded one slows them alike), and the first round is a warm-up whose times are
+    # dropped: it creates the optimizer state and grows the allocator to the step's size,
+    # which made the step without checkpointing look up to 40% slower than it is.
     per_stage = plans.per_stage(model, stages=names)
+    option_plans = {
+        option: plans.selective(model, option.removeprefix("selective:"), stages=names)
+        for option in options
+        if option != "keep"
+    }
     rebuilt: list[StepTimes] = []
     plain: list[StepTimes] = []
+    with_option: dict[str, list[StepTimes]] = {option: [] for option in option_plans}
     for r in range(repeats + 1):
         if r == 1:
             part(parts[2])
@@ -148,6 +156,10 @@ def measure_all(
             on_step=count_fixed,
         )
         plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1, device=device)
+        for option, plan in option_plans.items():
+            with_option[option] += timed_steps(
+                model, batch, loss_fn, optimizer, modules, steps=1, plan=plan, device=device
+            )
     rebuilt, plain = rebuilt[1:], plain[1:]
 
     part(parts[3])
@@ -175,9 +187,7 @@ def measure_all(
             options=tuple(option if i in wanted else "keep" for i in range(len(names))),
             solver="profile",
         )
-        selective[option] = forward_pass(
-            model, batch, loss_fn, names, device=device, plan=plan, time_ops=True
-        )
+        selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
         measured_in[option] = wanted
 
     part(parts[-1])
@@ -188,6 +198,9 @@ def measure_all(
         nosave=nosave,
         times=median_times(plain),
         rebuild=median_times(rebuilt),
+        plain_steps=tuple(plain),
+        per_stage_steps=tuple(rebuilt),
+        option_steps={option: tuple(steps[1:]) for option, steps in with_option.items()},
         step=step,
         spans=spans,
         selective=selective,
