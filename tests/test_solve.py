@@ -570,6 +570,55 @@ def test_numba_tables_equal_numpy_tables(problem: Problem, top: int) -> None:
     assert np.array_equal(fast.top, ref.top)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_numba_tables_filled_in_waves_of_tiles_equal_numpy_tables(threads: int) -> None:
+    """Chains long enough for many tiles (8 starts x 16 columns) and waves: whichever
+    thread fills a tile, and in whatever order a wave's tiles go, every cell is the same."""
+    import random
+
+    dp_numba = _numba()
+    for seed in range(3):
+        rng = random.Random(seed)
+        n = rng.randint(30, 50)
+        a = [rng.randint(1, 8) * MiB for _ in range(n + 1)]
+        stages = tuple(StageCost(
+            f"s{i}", a[i], a[i + 1],
+            {"keep": rng.randint(2, 12) * a[i], "selective:save-matmuls": rng.randint(1, 4) * a[i]},
+            fwd_s=rng.uniform(1e-3, 1e-2), bwd_s=rng.uniform(2e-3, 2e-2),
+            rebuild_s=rng.uniform(1e-3, 1e-2),
+            extra_bwd_s={"selective:save-matmuls": rng.uniform(1e-4, 5e-3)},
+            fwd_transient_bytes=rng.randint(0, 3) * a[i],
+            bwd_transient_bytes=rng.randint(0, 4) * a[i],
+            nosave_transient_bytes=rng.randint(0, 3) * a[i],
+            grad_bytes=rng.randint(0, 4) * MiB,
+        ) for i in range(n))
+        p = Problem(stages, params_bytes=64 * MiB, grads_bytes=256 * MiB,
+                    optimizer_bytes=128 * MiB, post_chain_bytes=32 * MiB,
+                    region_overhead_s=1e-4, offload_bandwidth_bytes_per_s=2e10)
+        model = dp.Model(p, 4 * MiB)
+        top = 60
+        fast = dp_numba.numba_tables(model, top, threads=threads)  # type: ignore[attr-defined]
+        ref = dp.numpy_tables(model, top)
+        for name in ("seg0", "seg1", "segp", "top"):
+            assert np.array_equal(getattr(fast, name), getattr(ref, name)), (seed, name)
+        assert np.isfinite(ref.top[0]).any() and not np.isfinite(ref.top[0]).all()
+
+
+def test_solver_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    dp_numba = _numba()
+    monkeypatch.setenv("REMAT_SOLVER_THREADS", "3")
+    assert dp_numba.solver_threads() == 3  # type: ignore[attr-defined]
+    monkeypatch.setenv("REMAT_SOLVER_THREADS", "two")
+    with pytest.raises(UsageError, match="REMAT_SOLVER_THREADS='two' is not a whole number"):
+        dp_numba.solver_threads()  # type: ignore[attr-defined]
+    monkeypatch.delenv("REMAT_SOLVER_THREADS")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert dp_numba.solver_threads() == 2  # type: ignore[attr-defined]
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))  # a core is busy
+    assert dp_numba.solver_threads() == 1  # type: ignore[attr-defined]
+
+
 @settings(max_examples=40, deadline=None)
 @given(chains(), st.integers(0, 40))
 def test_numba_flat_table_equals_numpy_flat_table(problem: Problem, top: int) -> None:

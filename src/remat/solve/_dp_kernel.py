@@ -212,29 +212,47 @@ def fill_top(top: Any, seg1: Any, kbase: Any, first1: Any, n: int, M: int, post:
         top[0, m] = inf  # the events after the chain
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, sat: Any,
-         n: int, M: int, block: int, early_stop: bool, q: int, nopt: Any, kinds: Any,
-         t_run: Any, t_open: Any, bwd: Any, fwd_base: Any, hold: Any, hold_open: Any,
-         inp: Any, a: Any, sg: Any, reb: Any, ns: Any, ao_cost: Any, ao_need: Any,
-         ovh_s: float, ob: int) -> None:
-    best = np.empty(M + 1)
-    # Note [Table layout]: the columns e in blocks, k from the right, so (k, e) finds
-    # (stop, e) for every stop > k done (same column, a larger k) and (k, stop) for
-    # every stop < e (earlier in this block for this k, or an earlier block). Within a
-    # block one k's inside rows serve every e, and the block's columns stay in cache
-    # across k. One thread: on a shared two-core machine, spinning worker threads
-    # cost more than they gain.
-    for e0 in range(1, n + 1, block):
-        e1 = min(n + 1, e0 + block)
-        for k in range(e1 - 2, -1, -1):
-            for e in range(max(e0, k + 1), e1):
-                for h in (1, 0):
-                    subproblem(k, e, h, best, seg0, seg1, segp0, kbase, ebase, first, sat,
-                               M, early_stop, q, nopt, kinds, t_run, t_open, bwd, fwd_base,
-                               hold, hold_open, inp, a, sg, reb, ns, ao_cost, ao_need, ovh_s,
-                               ob)
-
+         n: int, M: int, block: int, rows: int, workers: int, early_stop: bool, q: int,
+         nopt: Any, kinds: Any, t_run: Any, t_open: Any, bwd: Any, fwd_base: Any, hold: Any,
+         hold_open: Any, inp: Any, a: Any, sg: Any, reb: Any, ns: Any, ao_cost: Any,
+         ao_need: Any, ovh_s: float, ob: int) -> None:
+    # Note [Table layout]: tiles of ``block`` columns e by ``rows`` starts k. Cell (k, e)
+    # reads (stop, e) for every stop > k (same column, a larger k) and (k, stop) for
+    # every stop < e (same row, a smaller e). So within a tile, k runs from the top and e
+    # from the left, and tile (B, j) (column block B, row chunk j) needs tiles (B, j + 1)
+    # and (B - 1, j) first: the tiles of one anti-diagonal t = B + (top chunk - j) are
+    # independent, and ``workers`` threads share each one (a wavefront), with the
+    # diagonal's end as the barrier. Within a tile one k's inside rows serve every e, and
+    # its columns stay in cache across k.
+    nb = (n + block - 1) // block  # column block B: e in [1 + B * block, 1 + (B + 1) * block)
+    nr = (n + rows - 1) // rows  # row chunk j: k in [j * rows, (j + 1) * rows)
+    tile_b = np.empty(nb * nr, dtype=np.int64)
+    tile_j = np.empty(nb * nr, dtype=np.int64)
+    for t in range(nb + nr - 1):
+        count = 0
+        for b in range(nb):
+            e1 = min(n + 1, 1 + (b + 1) * block)
+            top_chunk = (e1 - 2) // rows
+            j = top_chunk - (t - b)
+            if 0 <= j <= top_chunk:
+                tile_b[count] = b
+                tile_j[count] = j
+                count += 1
+        for w in numba.prange(workers):
+            best = np.empty(M + 1)
+            for i in range(w, count, workers):
+                e0 = 1 + tile_b[i] * block
+                e1 = min(n + 1, e0 + block)
+                j = tile_j[i]
+                for k in range(min(e1 - 2, (j + 1) * rows - 1), j * rows - 1, -1):
+                    for e in range(max(e0, k + 1), e1):
+                        for h in (1, 0):
+                            subproblem(k, e, h, best, seg0, seg1, segp0, kbase, ebase, first,
+                                       sat, M, early_stop, q, nopt, kinds, t_run, t_open, bwd,
+                                       fwd_base, hold, hold_open, inp, a, sg, reb, ns,
+                                       ao_cost, ao_need, ovh_s, ob)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -19,25 +19,54 @@ bisection) are evaluated. Skipping only slots where the candidate cannot be lowe
 the tables exact.
 
 The kernel (:mod:`remat.solve._dp_kernel`) compiles on first use, a few seconds, once:
-numba caches it on disk.
+numba caches it on disk. It fills the tables tile by tile in anti-diagonal waves (Note
+[Table layout]), with :func:`solver_threads` threads sharing each wave; the order of the
+cells changes nothing in them.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from remat.errors import UsageError
 from remat.solve.dp import Model, Tables
 
 if TYPE_CHECKING:
     from remat.solve.flat import FlatInputs
 
-__all__ = ["available", "numba_flat", "numba_tables"]
+__all__ = ["available", "numba_flat", "numba_tables", "solver_threads"]
 
 _KERNEL: Any = None
-BLOCK = 16  # columns per block (Note [Table layout])
+BLOCK = 16  # columns per tile (Note [Table layout])
+ROWS = 8  # starts per tile
+
+
+def solver_threads() -> int:
+    """Threads for the table fill: ``REMAT_SOLVER_THREADS`` when set, else 2 when a core
+    is idle (the one-minute load average is below the number of cores less one), else 1.
+
+    Two threads fill the tables about 1.4x faster on an idle two-core machine, but when
+    another job holds one of the cores, each wave waits for the thread that shares it
+    and the fill took 1.7x as long as with one thread (benchmarks/solver_speed.md).
+    """
+    text = os.environ.get("REMAT_SOLVER_THREADS")
+    if text is not None:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise UsageError(
+                f"REMAT_SOLVER_THREADS={text!r} is not a whole number >= 1; unset it or "
+                "give a thread count such as 1 or 2"
+            )
+        return int(text)
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 1
+    return 2 if cores >= 2 and load < cores - 1 else 1
 
 
 def available() -> bool:
@@ -66,8 +95,13 @@ def _kernel() -> Any:
     return _KERNEL
 
 
-def numba_tables(model: Model, max_slots: int) -> Tables:
-    """Fill the same tables as :func:`remat.solve.dp.numpy_tables` with a compiled loop."""
+def numba_tables(model: Model, max_slots: int, threads: int | None = None) -> Tables:
+    """Fill the same tables as :func:`remat.solve.dp.numpy_tables` with a compiled loop
+    (``threads``: default :func:`solver_threads`)."""
+    import numba
+
+    workers = solver_threads() if threads is None else threads
+    workers = max(1, min(workers, numba.get_num_threads()))
     fill = _kernel().fill
     t = Tables(model, max_slots)
     n, M = model.n, max_slots
@@ -102,8 +136,8 @@ def numba_tables(model: Model, max_slots: int) -> Tables:
     for e in range(n + 1):
         first[0, t.k0(e, e)] = 0  # Seg(h, e, e) = 0; SegP(e, e) is never read
         first[1, t.k1(e, e)] = 0
-    fill(t.seg0, t.seg1, t.segp, t.kbase, t.ebase, first, sat, n, M, BLOCK, model.early_stop,
-         model.q, nopt, kinds, t_run, t_open, bwd, fwd_base, hold, hold_open, inp,
+    fill(t.seg0, t.seg1, t.segp, t.kbase, t.ebase, first, sat, n, M, BLOCK, ROWS, workers,
+         model.early_stop, model.q, nopt, kinds, t_run, t_open, bwd, fwd_base, hold, hold_open, inp,
          np.array(model.a, dtype=np.int64), np.array(model.sg, dtype=np.int64),
          np.array(model.reb), np.array(model.ns, dtype=np.int64),
          np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.ovh_s, model.ob)

@@ -137,8 +137,6 @@ def plan_tree(plan: Plan) -> tuple[Item, ...]:
     return level(0, len(plan.stages))
 
 
-_CUR = "current"
-_STAGE = "stage"  # a stage holding its own input (only ever in that boundary's holders)
 
 
 class _Walker:
@@ -154,10 +152,17 @@ class _Walker:
         stages = problem.stages
         n = problem.n
         self.a = [s.boundary_bytes for s in stages] + [problem.output_bytes]
-        self.holders: list[set[Hashable]] = [set() for _ in range(n + 1)]
+        # Who holds each boundary: how many (the current activation, its stage, regions
+        # starting there), and whether the current activation and the stage are among them.
+        # Counts and flags rather than a set per boundary: at ten thousand stages, that
+        # many sets cost a full garbage collection.
+        self.holders = [0] * (n + 1)
+        self.current = [False] * (n + 1)
+        self.by_stage = [False] * (n + 1)
         self.blocks: dict[Hashable, int] = {}
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
+        self.grads_made = [False] * n  # each stage's parameter gradients, once created
         self.live = 0
         self.labels: list[str] = []
         self.lives: list[int] = []
@@ -192,17 +197,31 @@ class _Walker:
 
     # -- the live set ------------------------------------------------------------------------
 
-    def hold(self, i: int, holder: Hashable) -> None:
-        holders = self.holders[i]
-        if not holders:
+    def hold(self, i: int) -> None:
+        if not self.holders[i]:
             self.live += self.a[i]
-        holders.add(holder)
+        self.holders[i] += 1
 
-    def release(self, i: int, holder: Hashable) -> None:
-        holders = self.holders[i]
-        holders.remove(holder)
-        if not holders:
+    def release(self, i: int) -> None:
+        self.holders[i] -= 1
+        assert self.holders[i] >= 0, i
+        if not self.holders[i]:
             self.live -= self.a[i]
+
+    def hold_current(self, i: int) -> None:
+        assert not self.current[i], i
+        self.current[i] = True
+        self.hold(i)
+
+    def release_current(self, i: int) -> None:
+        assert self.current[i], i
+        self.current[i] = False
+        self.release(i)
+
+    def hold_by_stage(self, i: int) -> None:
+        assert not self.by_stage[i], i
+        self.by_stage[i] = True
+        self.hold(i)
 
     def add(self, key: Hashable, nbytes: int) -> None:
         assert key not in self.blocks, key
@@ -228,19 +247,19 @@ class _Walker:
     def taped(self, i: int, label: str) -> None:
         """Stage i runs with grad under its option; its input is the current activation."""
         self.runs[i] += 1
-        self.hold(i + 1, _CUR)
+        self.hold_current(i + 1)
         self.event(label, self.taped_extra[i])
         if self.keeps[i]:
-            self.hold(i, _STAGE)
+            self.hold_by_stage(i)
         self.keep_saved(i, self.save[i])
-        self.release(i, _CUR)
+        self.release_current(i)
 
     def not_saved(self, i: int, label: str) -> None:
         """Stage i runs inside a region's forward (or a child's, in a rebuild): nothing kept."""
         self.runs[i] += 1
-        self.hold(i + 1, _CUR)
+        self.hold_current(i + 1)
         self.event(label, self.nosave_extra[i])
-        self.release(i, _CUR)
+        self.release_current(i)
 
     def backward_stage(self, i: int) -> None:
         stage = self.p.stages[i]
@@ -251,7 +270,9 @@ class _Walker:
         self.grad[i] = self.a[i]
         self.live += self.a[i] - saved
         self.event(f"backward {stage.name}", self.backward_extra[i])
-        self.add(("param grads", i), stage.grad_bytes)  # after its peak, to the optimizer
+        assert not self.grads_made[i], i
+        self.grads_made[i] = True  # after its peak, alive to the optimizer step
+        self.live += stage.grad_bytes
         self.bwd_s += stage.bwd_s
         transfer = self.transfer_s[i]
         if transfer is not None:
@@ -261,8 +282,9 @@ class _Walker:
             self.rebuild_s += stage.rebuild_s
         else:
             self.option_s += stage.extra_bwd_s.get(self.options[i], 0.0)
-        if _STAGE in self.holders[i]:
-            self.release(i, _STAGE)
+        if self.by_stage[i]:
+            self.by_stage[i] = False
+            self.release(i)
         grad = self.grad[i + 1]
         assert grad is not None, i
         self.grad[i + 1] = None
@@ -277,7 +299,7 @@ class _Walker:
                 self.fwd_s += stages[item.start].fwd_s
                 self.taped(item.start, labels[item.start])
                 continue
-            self.hold(item.start, item.region)
+            self.hold(item.start)  # the region's input
             where = f"(in {item.region}, not saved)"
             for i in range(item.start, item.stop):
                 self.fwd_s += stages[i].fwd_s
@@ -296,14 +318,14 @@ class _Walker:
                 run, opener = (last + 1, None) if keeps else (last, last)
         stages, names = self.p.stages, self.names
         cur = region.start
-        self.hold(cur, _CUR)
+        self.hold_current(cur)
         for_region = f"(for {region})"
         for item in items[:run]:
             if item.region is None:
                 self.rebuild_s += stages[item.start].rebuild_s
                 self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
             else:
-                self.hold(item.start, item.region)
+                self.hold(item.start)  # the child region's input
                 where = f"(for {region}, in {item.region}, not saved)"
                 for i in range(item.start, item.stop):
                     self.rebuild_s += stages[i].rebuild_s
@@ -312,14 +334,14 @@ class _Walker:
         for k in range(run, len(items)):
             item = items[k]
             if k == opener and item.region is not None:
-                self.hold(item.start, item.region)
+                self.hold(item.start)  # the child region's input
             elif k == opener:  # a selective stage: hands over its input, caches nothing
-                self.hold(item.start, _STAGE)
+                self.hold_by_stage(item.start)
                 self.keep_saved(item.start, 0)
                 self.rebuilt_in_full.add(item.start)
             else:  # an offloaded stage after the last hand-over: nothing on the device
                 self.keep_saved(item.start, 0)
-        self.release(cur, _CUR)
+        self.release_current(cur)
 
     def backward_level(self, items: Sequence[Item]) -> None:
         for item in reversed(items):
@@ -331,7 +353,7 @@ class _Walker:
             self.rebuild(item.region, item.items)
             self.backward_level(item.items)
             self.drop(("overhead", item.region))
-            self.release(item.start, item.region)
+            self.release(item.start)  # the region's input
 
 
 def simulate(plan: Plan, problem: Problem) -> Simulation:
@@ -360,7 +382,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.add("optimizer", p.optimizer_bytes)
     w.add("input", p.input_bytes)
     w.add("pre-chain", p.pre_chain_bytes)
-    w.hold(0, _CUR)
+    w.hold_current(0)
     w.event("forward pre-chain")
     top = plan_tree(plan)
     w.forward_level(top)
@@ -371,7 +393,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
     w.event("backward post-chain", p.post_chain_bytes)
     w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
-    w.release(n, _CUR)
+    w.release_current(n)
     w.grad[n] = w.a[n]
     w.live += w.a[n]
     w.backward_level(top)
@@ -383,11 +405,12 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.drop("pre-chain")
     w.event("optimizer step", p.optimizer_step_bytes)
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
-             ("param grads", "pre-chain"),
-             *(("param grads", i) for i in range(n))}
-    assert not any(w.holders) and set(w.blocks) == {
+             ("param grads", "pre-chain")}
+    assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
+    assert set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)
+    assert all(w.grads_made)
     peak_bytes = max(w.lives)
     peak = w.lives.index(peak_bytes)  # the first event at the peak
     time = StepTime(
