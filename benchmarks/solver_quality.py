@@ -12,8 +12,9 @@ time, that is recompute, not rebuild alone.
 Target (issue "Plan optimally under a memory budget"): on heterogeneous chains like
 mlp-hetero, at least 15% less rebuild time than the best baseline at the same peak.
 
-Chains: a fresh profile of the built-in ``mlp-hetero`` (``remat profile --model
-mlp-hetero``; or ``--profile PATH`` for a saved one), and the ``chain_hetero_6`` fixture.
+Chains: a fresh profile of the built-in ``mlp-hetero`` (``OMP_NUM_THREADS=1 remat profile
+--model mlp-hetero --repeats 5``; or ``--profile PATH`` for a saved one), and the
+``chain_hetero_6`` fixture.
 
 Run from the repository root::
 
@@ -167,9 +168,12 @@ def report(title: str, problem: Problem) -> tuple[str, list[float]]:
 
 def profile_mlp_hetero() -> Path:
     out = Path(tempfile.mkdtemp()) / "mlp-hetero.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    # As `remat bench` profiles (README-bench.md): one intra-op thread, five timed rounds;
+    # with two threads on this shared machine and two rounds, per-stage option times were
+    # noise-sized and made selective stages look free.
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "remat", "profile", "--model", "mlp-hetero",
-                    "--json", str(out)], check=True, env=env, cwd=ROOT,
+                    "--repeats", "5", "--json", str(out)], check=True, env=env, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
     return out
 
@@ -196,7 +200,9 @@ def main() -> None:
         "which is what `optimal` minimizes.", "",
     ]
     verdicts = []
-    for title, problem in (("mlp-hetero (profiled on this machine)", mlp),
+    mlp_title = ("mlp-hetero (profiled on this machine, one thread, 5 rounds)" if not args.profile
+                 else f"mlp-hetero (the profile {path.name})")
+    for title, problem in ((mlp_title, mlp),
                            ("chain_hetero_6 fixture", hetero)):
         text, savings = report(title, problem)
         parts.append(text)

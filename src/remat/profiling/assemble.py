@@ -13,8 +13,8 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
 * selective options' extra time (``extra_bwd_s``): what the stage's forward and backward
   took with the option on every stage beyond the plain step of the same round (the
   median over rounds): the option's replay in backward and its dispatch mode's cost in
-  forward, which the simulator charges together at the stage's backward; see
-  :mod:`.optimes`.
+  forward, which the simulator charges together at the stage's backward; never less than
+  one checkpoint frame (``region_overhead`` on the tiny chain); see :mod:`.optimes`.
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
   first stage's input. Post-chain: its larger rise in forward and in backward above the
   live total at the chain's end (the backward's with the parameter gradients it has
@@ -64,7 +64,10 @@ def gradient_owners(
 
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     found = []
-    extras = {o: option_extra_s(m.plain_steps, m.option_steps[o]) for o in m.selective_options}
+    extras = {
+        o: option_extra_s(m.plain_steps, m.option_steps[o], m.overhead.time_s)
+        for o in m.selective_options
+    }
     for i, name in enumerate(m.names):
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
         saved = {"keep": max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)}

@@ -40,15 +40,16 @@ def _rounds(plain: Sequence[StepTimes], other: Sequence[StepTimes]) -> None:
         raise ValueError(f"need paired rounds, got {len(plain)} plain and {len(other)} other")
 
 
-def option_extra_s(plain: Sequence[StepTimes], with_option: Sequence[StepTimes]
-                   ) -> tuple[float, ...]:
+def option_extra_s(plain: Sequence[StepTimes], with_option: Sequence[StepTimes],
+                   floor_s: float = 0.0) -> tuple[float, ...]:
     """Per stage: what its forward and backward took under the option beyond the plain
     step of the same round (round ``r`` of each list ran back to back), the median over
-    rounds, at least 0."""
+    rounds, at least ``floor_s`` (the checkpoint frame every selective stage opens: a
+    noisy round can make a stage look free, and none is)."""
     _rounds(plain, with_option)
     n = len(plain[0].fwd_s)
     return tuple(
-        max(0.0, statistics.median(
+        max(floor_s, statistics.median(
             (o.fwd_s[i] + o.bwd_s[i]) - (p.fwd_s[i] + p.bwd_s[i])
             for p, o in zip(plain, with_option, strict=True)
         ))
