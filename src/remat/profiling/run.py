@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -49,10 +50,8 @@ class Measurements:
     names: tuple[str, ...]
     options: tuple[str, ...]  # keep and the selective options asked for
     nosave: ForwardPass
-    times: StepTimes  # medians of the plain steps
-    rebuild: StepTimes  # medians of the steps with a region per stage
     plain_steps: tuple[StepTimes, ...]  # round by round, paired with the two below
-    per_stage_steps: tuple[StepTimes, ...]
+    per_stage_steps: tuple[StepTimes, ...]  # one region per stage
     option_steps: dict[str, tuple[StepTimes, ...]]  # option -> its steps, round by round
     step: StepMemory
     spans: StepSpans
@@ -60,6 +59,16 @@ class Measurements:
     measured_in: dict[str, frozenset[int]]  # option -> stages measured in its pass
     counts: dict[str, int]  # params_bytes, buffers_bytes, grads_bytes, ... by the tracker
     overhead: RegionOverhead
+
+    @cached_property
+    def times(self) -> StepTimes:
+        """Medians of the plain steps."""
+        return median_times(self.plain_steps)
+
+    @cached_property
+    def rebuild(self) -> StepTimes:
+        """Medians of the steps with a region per stage."""
+        return median_times(self.per_stage_steps)
 
     @property
     def selective_options(self) -> tuple[str, ...]:
@@ -161,6 +170,7 @@ def measure_all(
                 model, batch, loss_fn, optimizer, modules, steps=1, plan=plan, device=device
             )
     rebuilt, plain = rebuilt[1:], plain[1:]
+    with_option = {option: steps[1:] for option, steps in with_option.items()}
 
     part(parts[3])
     # measure_step collects garbage first; freezing what exists now makes that collection
@@ -196,11 +206,9 @@ def measure_all(
         names=names,
         options=tuple(options),
         nosave=nosave,
-        times=median_times(plain),
-        rebuild=median_times(rebuilt),
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),
-        option_steps={option: tuple(steps[1:]) for option, steps in with_option.items()},
+        option_steps={option: tuple(steps) for option, steps in with_option.items()},
         step=step,
         spans=spans,
         selective=selective,

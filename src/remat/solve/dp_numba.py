@@ -136,10 +136,11 @@ def numba_tables(model: Model, max_slots: int, threads: int | None = None) -> Ta
     for e in range(n + 1):
         first[0, t.k0(e, e)] = 0  # Seg(h, e, e) = 0; SegP(e, e) is never read
         first[1, t.k1(e, e)] = 0
+    ns = np.array(model.ns, dtype=np.int64)
     fill(t.seg0, t.seg1, t.segp, t.kbase, t.ebase, first, sat, n, M, BLOCK, ROWS, workers,
          model.early_stop, model.q, nopt, kinds, t_run, t_open, bwd, fwd_base, hold, hold_open, inp,
          np.array(model.a, dtype=np.int64), np.array(model.sg, dtype=np.int64),
-         np.array(model.reb), np.array(model.ns, dtype=np.int64),
+         np.array(model.reb), ns,
          np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.ovh_s, model.ob)
     need_top = np.full((n, width), M + 1, dtype=np.int64)
     t_top = np.zeros((n, width))
@@ -149,7 +150,7 @@ def numba_tables(model: Model, max_slots: int, threads: int | None = None) -> Ta
             t_top[k, j] = model.t_top[k][j]
     _kernel().fill_top(t.top, t.seg1, t.kbase, first[1], n, M, model.post, model.after, model.gs,
                        model.q, nopt, t_top, need_top, hold[:, :, 0], hold_open[:, 0], inp[:, 0],
-                       np.array(model.ns, dtype=np.int64), model.ovh_s, model.ob)
+                       ns, model.ovh_s, model.ob)
     return t
 
 
