@@ -21,7 +21,9 @@ from remat.models.convnet_bn import ResBlock
 from remat.models.gpt import Block
 from remat.models.mlp_hetero import DEFAULT_PATTERN, HeteroBlock
 
-NAMES = list(BUILTINS)
+# The built-ins with one ``blocks`` container; the shaped models have their own section.
+NAMES = ["gpt", "mlp-hetero", "convnet-bn"]
+SHAPED = ["resnet", "convnext", "encdec", "unet"]
 # Small options so every test stays fast; each still builds the real architecture.
 SMALL: dict[str, dict[str, Any]] = {
     "gpt": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "batch_size": 2},
@@ -52,7 +54,7 @@ def _same_state(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_registry() -> None:
-    assert set(BUILTINS) == {"gpt", "mlp-hetero", "convnet-bn"}
+    assert set(BUILTINS) == {"gpt", "mlp-hetero", "convnet-bn", *SHAPED}
     assert DEFAULT_MODEL == "gpt"
 
 
@@ -241,6 +243,144 @@ def test_convnet_bn_downsamples_with_projection_skips() -> None:
     projected = [b for b in model.blocks if not isinstance(b.skip, nn.Identity)]
     assert len(projected) == 2  # two stage transitions at the default n_stages=3
     assert model.fc.in_features == 4 * 32
+
+
+# --- resnet, convnext, encdec, unet: the shapes users bring --------------------------------
+
+SHAPED_SMALL: dict[str, dict[str, Any]] = {
+    "resnet": {"width": 4, "image_size": 16, "batch_size": 2},
+    "convnext": {"width": 4, "depths": "1,1,2,1", "image_size": 32, "batch_size": 2},
+    "encdec": {
+        "n_encoder_layers": 2,
+        "n_decoder_layers": 2,
+        "d_model": 16,
+        "d_ff": 32,
+        "vocab_size": 32,
+        "src_len": 6,
+        "tgt_len": 5,
+        "batch_size": 2,
+    },
+    "unet": {"channels": 8, "levels": 2, "image_size": 8, "batch_size": 2},
+}
+SHAPED_KEYS = {
+    "resnet": ("images", "labels"),
+    "convnext": ("images", "labels"),
+    "encdec": ("input_ids", "decoder_input_ids", "labels"),
+    "unet": ("noisy", "timesteps", "noise"),
+}
+
+
+def _train_step(name: str, seed: int, rng: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One SGD step at ``seed``, forward RNG seeded with ``rng``: the loss and new weights."""
+    model, batch, loss_fn = _build(name, seed=seed, **SHAPED_SMALL[name])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(rng)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+    opt.step()
+    return loss.item(), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_shaped_models_train_at_defaults(name: str) -> None:
+    model, batch, loss_fn = _build(name)
+    assert model.training
+    loss = loss_fn(model, batch)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_shaped_models_train_deterministically_under_their_seed(name: str) -> None:
+    loss_a, state_a = _train_step(name, seed=1, rng=7)
+    loss_b, state_b = _train_step(name, seed=1, rng=7)
+    loss_c, state_c = _train_step(name, seed=2, rng=7)
+    assert loss_a == loss_b
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert loss_a != loss_c
+    assert not all(torch.equal(state_a[k], state_c[k]) for k in state_a)
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_shaped_models_leave_the_global_rng_alone(name: str) -> None:
+    before = torch.get_rng_state()
+    load_model(name, **SHAPED_SMALL[name])
+    assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_shaped_models_take_a_dict_batch(name: str) -> None:
+    model, batch, loss_fn = _build(name, **SHAPED_SMALL[name])
+    model.eval()
+    as_dict = dict(zip(SHAPED_KEYS[name], batch, strict=True))
+    assert torch.equal(loss_fn(model, batch), loss_fn(model, as_dict))
+
+
+def test_resnet_has_four_layers_of_basic_blocks_downsampling_from_layer2() -> None:
+    from remat.models.resnet import BasicBlock
+
+    model, (images, _), _ = _build("resnet")
+    assert images.shape == (8, 3, 32, 32)
+    for i in range(1, 5):
+        layer = getattr(model, f"layer{i}")
+        assert isinstance(layer, nn.Sequential) and len(layer) == 2
+        assert all(isinstance(b, BasicBlock) for b in layer)
+        assert (layer[0].downsample is None) == (i == 1)
+        assert layer[1].downsample is None
+    assert model.fc.in_features == 8 * 8
+
+
+def test_convnext_stages_downsample_then_run_their_blocks() -> None:
+    from remat.models.convnext import ConvNeXtBlock
+
+    model, _, _ = _build("convnext", depths="1,2,3,1")
+    assert [len(stage.blocks) for stage in model.stages] == [1, 2, 3, 1]
+    assert isinstance(model.stages[0].downsample, nn.Identity)
+    assert all(isinstance(s.downsample, nn.Sequential) for s in model.stages[1:])
+    assert all(isinstance(b, ConvNeXtBlock) for s in model.stages for b in s.blocks)
+    with pytest.raises(UsageError, match="depths='1,2'"):
+        load_model("convnext", depths="1,2")
+    with pytest.raises(UsageError, match="image_size=48"):
+        load_model("convnext", image_size=48)
+
+
+def test_encdec_decoder_blocks_get_the_encoder_output() -> None:
+    model, batch, loss_fn = _build("encdec", **SHAPED_SMALL["encdec"])
+    assert isinstance(model.encoder.block, nn.ModuleList)
+    assert isinstance(model.decoder.block, nn.ModuleList)
+    seen: list[tuple[str, int]] = []
+    for stack in ("encoder", "decoder"):
+        for block in getattr(model, stack).block:
+            block.register_forward_pre_hook(
+                lambda _m, args, stack=stack: seen.append((stack, len(args)))
+            )
+    loss_fn(model, batch)
+    assert seen == [("encoder", 1)] * 2 + [("decoder", 2)] * 2
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def test_unet_resnets_get_temb_by_keyword_and_up_blocks_concatenate_skips() -> None:
+    from remat.models.unet import ResnetBlock
+
+    model, batch, loss_fn = _build("unet", **SHAPED_SMALL["unet"])
+    calls: list[tuple[int, tuple[str, ...]]] = []
+    for m in model.modules():
+        if isinstance(m, ResnetBlock):
+            m.register_forward_pre_hook(
+                lambda _m, args, kwargs: calls.append((len(args), tuple(kwargs))),
+                with_kwargs=True,
+            )
+    loss_fn(model, batch)
+    # 2 levels x 2 resnets down, 2 in the middle, 2 x 2 up.
+    assert calls == [(1, ("temb",))] * 10
+    up0 = model.up_blocks[0].resnets[0]
+    assert up0.norm1.num_channels == 2 * up0.conv1.out_channels  # h and the skip, concatenated
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    with pytest.raises(UsageError, match="image_size=10"):
+        load_model("unet", image_size=10)
 
 
 # --- load_model -----------------------------------------------------------------------

@@ -15,13 +15,17 @@ from typing import Any
 from torch import nn
 
 from remat.errors import UsageError
-from remat.models import convnet_bn, gpt, hf, mlp_hetero
+from remat.models import convnet_bn, convnext, encdec, gpt, hf, mlp_hetero, resnet, unet
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.
 BUILTINS: dict[str, Callable[..., Any]] = {
     "gpt": gpt.gpt,
     "mlp-hetero": mlp_hetero.mlp_hetero,
     "convnet-bn": convnet_bn.convnet_bn,
+    "resnet": resnet.resnet,
+    "convnext": convnext.convnext,
+    "encdec": encdec.encdec,
+    "unet": unet.unet,
 }
 DEFAULT_MODEL = "gpt"
 
