@@ -52,11 +52,15 @@ saved-tensor hooks around a stage must match between forward and that rebuild:
 
 Note [Code between the stages of a region]
 ------------------------------------------
-The model's own code between two stages of an open region (collecting hidden states, an
-auxiliary loss) runs in forward but is not replayed by the rebuild, which calls only the
-stages. Had the region's frame seen what that code saves, the rebuild would save fewer
-tensors and torch would reject it; so between stages the engine pushes identity
-saved-tensor hooks (a GAP entry), and that code saves for real, as outside any region.
+The model's own code between two stages of an open region (a residual add, a skip
+concatenation, a norm, collecting hidden states, an auxiliary loss) runs inside the
+region's frame and is recorded (a GAP entry holds the recorder), and the rebuild replays
+it between the stage calls: Note [Glue between stages] in ``glue.py``. Each stage call
+inside a region is recorded the same way, its arguments by slot, so the rebuild feeds
+each stage what the rebuilt code before it made, whichever argument that is. A link
+whose code cannot be replayed raises in forward; the profile finds those links first
+(``Engine.breaks``, a pass with one region over the chain) and the planner never puts a
+region across them.
 
 Note [Buffers mutated in forward]
 ---------------------------------
@@ -121,10 +125,12 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError, UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import CheckpointFrame
+from remat.runtime.glue import GlueRecorder, GlueStep, Slot, Tape, Template, bind
 from remat.runtime.policies import (
     StagePolicy,
     discard_saved_tensors,
@@ -133,7 +139,7 @@ from remat.runtime.policies import (
     wants_offload,
 )
 
-__all__ = ["Engine", "StageObserver", "main_output", "opaque"]
+__all__ = ["Engine", "StageObserver", "main_input", "main_output", "opaque"]
 
 
 class StageObserver(Protocol):
@@ -172,16 +178,16 @@ class _Where(enum.Enum):
 
 @dataclass(eq=False)
 class CallRecord:
-    """One stage call inside a region, enough to replay it.
+    """One stage call, enough to replay it inside a region.
 
-    The boundary (first positional argument) is not kept: the rebuild feeds the
-    rebuilt output of the previous stage instead, and keeping forward intermediates
-    here would defeat the region.
+    ``inputs`` holds the call's arguments with the tensors made inside the pass's regions
+    as slots (Note [Glue between stages]): keeping forward intermediates here would
+    defeat the region. Outside regions (a selective or offload stage) it is None.
     """
 
     stage: int
-    rest: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    inputs: Template | None = None
+    outputs: tuple[int | None, ...] = ()  # the output's tensors' slots
     mutated: tuple[torch.Tensor, ...] = ()  # Note [Buffers mutated in forward]
     sac_cache: Any = None  # Note [Options inside regions]
 
@@ -191,8 +197,26 @@ class _Entry:
     region: int
     kind: Kind
     frame: CheckpointFrame | None  # None while REPLAYING, and for a GAP
-    calls: list[CallRecord] = field(default_factory=list)
-    hooks: Any = None  # a GAP's entered saved-tensor hooks
+    calls: list[CallRecord | GlueStep] = field(default_factory=list)
+    hooks: Any = None  # a GAP's entered recorder
+    input_slot: int = -1  # the slot of the region's input
+    first_slot: int = 0  # slots from here on are made inside the region
+    externals: dict[int, torch.Tensor] = field(default_factory=dict)  # older slots it uses
+
+    def add(self, step: CallRecord | GlueStep, template: Template, leaves: list[Any]) -> None:
+        """Append a step; hold the tensors it uses from enclosing regions, by slot."""
+        self.calls.append(step)
+        for leaf, value in zip(template.leaves, leaves, strict=True):
+            if isinstance(leaf, Slot) and leaf.k < self.first_slot and leaf.k != self.input_slot:
+                self.externals[leaf.k] = value
+
+
+def main_input(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The hidden state a stage receives: its first tensor argument, positional first."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
 
 
 def main_output(out: object) -> torch.Tensor | None:
@@ -206,10 +230,6 @@ def main_output(out: object) -> torch.Tensor | None:
     else:
         return None
     return first if isinstance(first, torch.Tensor) else None
-
-
-def _same(x: Any) -> Any:
-    return x
 
 
 def _never_rebuilt(*_args: Any) -> None:
@@ -314,7 +334,10 @@ class Engine:
         self.phase = Phase.IDLE
         self.next_stage = 0
         self.stack: list[_Entry] = []
-        self.last_main: torch.Tensor | None = None  # previous stage's output, in regions
+        self.tape = Tape()  # slots of the tensors made inside regions (Note [Glue ...])
+        # The profile's probe pass sets this to [None] * n: link hazards are noted here
+        # (why no region may span the link into stage i) instead of raised.
+        self.breaks: list[str | None] | None = None
         self.current: CallRecord | None = None  # the call a rebuild is replaying
         self.rebuilds = 0
         self.offload_noop: dict[int, str] = {}  # stage -> device of its input
@@ -364,8 +387,8 @@ class Engine:
     def _reset(self) -> None:
         self.phase = Phase.IDLE
         self.next_stage = 0
-        self.last_main = None
         self.current = None
+        self.tape.reset()
 
     def _unwind(self, depth: int) -> None:
         """Abort the frames above ``depth``, innermost first (their hooks are a stack)."""
@@ -393,7 +416,7 @@ class Engine:
     def _call_in_forward(
         self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        boundary = args[0] if args else None
+        boundary = main_input(args, kwargs)
         if self.stack and self.stack[-1].kind is Kind.GAP:
             self._unwind(len(self.stack) - 1)
         if not torch.is_grad_enabled():
@@ -404,40 +427,74 @@ class Engine:
                     "keep grad mode unchanged within a region"
                 )
             return orig(*args, **kwargs)
-        if self.stack and boundary is not self.last_main:
-            r = self.regions[self.stack[0].region]
-            raise UsageError(
-                f"stage {self.names[i]!r} did not get stage {self.names[i - 1]!r}'s output as "
-                f"its first argument, so region {r} cannot replay them as a chain; the model "
-                "changes the hidden state between them, so end the region between these stages"
-            )
+        if self.stack:
+            self._check_link(i, boundary)
         for k in self.opens_at[i]:
             self._open(k, boundary, Kind.OPEN)
-        record = CallRecord(i, args[1:], kwargs)
         if not self.stack:  # a selective or offload stage outside regions
-            return self._run_recording(i, orig, args, kwargs, record, _Where.TOP)
+            return self._run_recording(i, orig, args, kwargs, CallRecord(i), _Where.TOP)
+        template = self.tape.encode((args, kwargs))
+        record = CallRecord(i, template)
+        flat = tree_flatten((args, kwargs))[0]
         for entry in self.stack:
-            entry.calls.append(record)
+            entry.add(record, template, flat)
         out = self._run_recording(i, orig, args, kwargs, record, _Where.IN_REGION)
+        record.outputs = self.tape.outputs(out, i + 1)
         for k in self.closes_at[i]:
             entry = self.stack.pop()
             assert entry.region == k and entry.frame is not None
             entry.frame.close()
         if not self.stack:
-            self.last_main = None
+            self.tape.reset()
             return out
-        self.last_main = main_output(out)
-        if self.last_main is None:
-            r = self.regions[self.stack[-1].region]
-            raise UsageError(
-                f"stage {self.names[i]!r} returned {type(out).__name__}, but region {r} "
-                "passes its output on to the next stage; return a tensor, or a tuple, list "
-                "or dict whose first item is the hidden state"
-            )
-        gap = torch.autograd.graph.saved_tensors_hooks(_same, _same)
-        gap.__enter__()
-        self.stack.append(_Entry(-1, Kind.GAP, None, hooks=gap))
+        recorder = GlueRecorder(self.tape, i + 1, self._glue_step, self._glue_hazard)
+        recorder.__enter__()
+        self.stack.append(_Entry(-1, Kind.GAP, None, hooks=recorder))
         return out
+
+    def _check_link(self, i: int, boundary: torch.Tensor | None) -> None:
+        """Stage ``i``'s input must be made inside its innermost open region (or be its input).
+
+        In the profile's probe pass (``self.breaks`` set) a link whose input was made before
+        the previous stage ran is noted as a break instead: a region over it would hold
+        that tensor from forward to its rebuild, which the cost model does not count.
+        """
+        k = self.tape.slot_of(boundary)
+        if self.breaks is not None:
+            if k is None or self.tape.made_after[k] < i:
+                self.breaks[i] = self.breaks[i] or (
+                    f"stage {self.names[i]!r} does not get a tensor made after stage "
+                    f"{self.names[i - 1]!r} ran as its input"
+                )
+            return
+        inner = next(e for e in reversed(self.stack) if e.kind is not Kind.GAP)
+        if k is None or (k < inner.first_slot and k != inner.input_slot):
+            r = self.regions[inner.region]
+            raise UsageError(
+                f"stage {self.names[i]!r} does not get a tensor made inside region {r} as its "
+                f"input (its first tensor argument), so the region cannot rebuild it from "
+                f"{self.names[r.start]!r}'s input; end the region before this stage"
+            )
+
+    def _glue_step(self, step: GlueStep, leaves: list[Any]) -> None:
+        for entry in self.stack:
+            if entry.kind is not Kind.GAP:
+                entry.add(step, step.inputs, leaves)
+
+    def _glue_hazard(self, reason: str) -> None:
+        i = self.next_stage
+        if self.breaks is not None:
+            if i < len(self.breaks):
+                before = f"the code before stage {self.names[i]!r}"
+                self.breaks[i] = self.breaks[i] or f"{before}: {reason}"
+            return
+        inner = next(e for e in reversed(self.stack) if e.kind is not Kind.GAP)
+        r = self.regions[inner.region]
+        after = self.names[i - 1] if i > 0 else "the start"
+        raise UsageError(
+            f"the model's code after stage {after!r} cannot be replayed by region {r}'s rebuild "
+            f"({reason}); end the region at {after!r}"
+        )
 
     def _run_recording(
         self,
@@ -476,7 +533,7 @@ class Engine:
         else:  # REPLAYING: open the child starting here, or run as the innermost region
             child = next((k for k in self.opens_at[i] if self.parent[k] == top.region), -1)
             if child >= 0:
-                self._open(child, args[0], Kind.SHADOW)
+                self._open(child, main_input(args, kwargs), Kind.SHADOW)
                 out = orig(*args, **kwargs)
             else:
                 out = self._run(i, orig, args, kwargs, record, _Where.REBUILD)
@@ -510,6 +567,9 @@ class Engine:
                 "that take the hidden state as their first positional argument"
             )
         entry = _Entry(k, kind, None)
+        if kind is Kind.OPEN:
+            entry.input_slot = self.tape.give(boundary, self.next_stage - 1)
+            entry.first_slot = self.tape.count
         fn = functools.partial(self._rebuild, entry) if kind is Kind.OPEN else _never_rebuilt
         entry.frame = CheckpointFrame.open(
             fn, boundary, preserve_rng_state=self.preserve_rng_state
@@ -518,21 +578,28 @@ class Engine:
 
     def _rebuild(self, entry: _Entry, boundary: torch.Tensor) -> None:
         """Replay region ``entry.region``'s calls (torch calls this from backward)."""
-        saved = (self.phase, self.next_stage, self.last_main, self.current)
+        saved = (self.phase, self.next_stage, self.current)
         depth = len(self.stack)
         self.stack.append(_Entry(entry.region, Kind.REPLAYING, None, entry.calls))
         self.phase = Phase.REBUILD
         self.rebuilds += 1
+        env = dict(entry.externals)
+        env[entry.input_slot] = boundary
         try:
-            hidden: torch.Tensor | None = boundary
-            for record in entry.calls:
-                self.current = record
-                module = self.modules[record.stage]
-                out = _call_restoring(record.mutated, module, hidden, *record.rest, **record.kwargs)
-                hidden = main_output(out)
+            for step in entry.calls:
+                if isinstance(step, GlueStep):
+                    step.replay(env)
+                    continue
+                self.current = step
+                name = f"stage {self.names[step.stage]!r}"
+                assert step.inputs is not None
+                args, kwargs = step.inputs.decode(env, name)
+                module = self.modules[step.stage]
+                out = _call_restoring(step.mutated, module, *args, **kwargs)
+                bind(step.outputs, out, env, name)
         finally:
             self._unwind(depth)
-            self.phase, self.next_stage, self.last_main, self.current = saved
+            self.phase, self.next_stage, self.current = saved
 
     # -- options ------------------------------------------------------------------------
 
@@ -550,7 +617,7 @@ class Engine:
         if policy.kind == "keep":
             return orig(*args, **kwargs)
         if policy.kind == "offload":
-            boundary = args[0] if args else None
+            boundary = main_input(args, kwargs)
             if not wants_offload(boundary):
                 device = boundary.device.type if isinstance(boundary, torch.Tensor) else "none"
                 self.offload_noop.setdefault(i, device)
