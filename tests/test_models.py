@@ -323,7 +323,7 @@ def test_resnet_has_four_layers_of_basic_blocks_downsampling_from_layer2() -> No
     from remat.models.resnet import BasicBlock
 
     model, (images, _), _ = _build("resnet")
-    assert images.shape == (8, 3, 32, 32)
+    assert images.shape == (16, 3, 32, 32)
     for i in range(1, 5):
         layer = getattr(model, f"layer{i}")
         assert isinstance(layer, nn.Sequential) and len(layer) == 2

@@ -126,10 +126,10 @@ def convnext(
     width: int = 16,
     mlp_ratio: int = 4,
     layer_scale: float = 1e-1,
-    image_size: int = 32,
+    image_size: int = 64,
     in_channels: int = 3,
     num_classes: int = 10,
-    batch_size: int = 8,
+    batch_size: int = 16,
     seed: int = 0,
 ) -> tuple[ConvNeXt, tuple[torch.Tensor, torch.Tensor], Any]:
     """Build the ConvNeXt, a random ``(images, labels)`` batch and the loss.

@@ -77,7 +77,7 @@ def resnet(
     image_size: int = 32,
     in_channels: int = 3,
     num_classes: int = 10,
-    batch_size: int = 8,
+    batch_size: int = 16,
     seed: int = 0,
 ) -> tuple[ResNet, tuple[torch.Tensor, torch.Tensor], Any]:
     """Build the ResNet, a random ``(images, labels)`` batch and the loss.

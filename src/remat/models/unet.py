@@ -195,9 +195,9 @@ def unet(
     layers_per_block: int = 2,
     groups: int = 4,
     dropout: float = 0.1,
-    image_size: int = 16,
+    image_size: int = 32,
     in_channels: int = 3,
-    batch_size: int = 4,
+    batch_size: int = 8,
     seed: int = 0,
 ) -> tuple[UNet, tuple[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
     """Build the UNet, a random ``(noisy, timesteps, noise)`` batch and the loss.
