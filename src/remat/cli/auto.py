@@ -71,11 +71,15 @@ def _categories(report: AutoReport) -> Table:
 
 def render(report: AutoReport, console: Console) -> None:
     from remat.bench.report import options_summary
+    from remat.coverage import coverage_lines
     from remat.units import format_bytes
 
     plan = report.plan
     console.print(f"remat auto: {report.model}, budget {report.budget} = "
                   f"{format_bytes(report.budget_bytes)}")
+    if report.profile is not None:
+        for line in coverage_lines(report.profile):
+            console.print(line)
     regions = " ".join(str(r) for r in plan.regions) or "none"
     console.print(f"plan: regions {regions}; options {options_summary(plan.options)}")
     verdict = "within the budget" if report.within_budget else "[bold red]OVER the budget[/]"

@@ -8,9 +8,11 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from remat.cli.common import add_model_options, load, profile_with_progress
+from remat.cli.common import add_model_options, load, profile_with_progress, stage_list
 from remat.cli.output import add_json_option, console_for, write_json
+from remat.coverage import coverage_lines
 from remat.errors import UsageError
+from remat.profile_format import Profile
 from remat.units import format_bytes
 
 
@@ -97,9 +99,13 @@ def run(args: argparse.Namespace) -> int:
     params = _solver_params(args)
     if args.budget is None and args.solver in ("optimal",):
         raise UsageError("--solver optimal needs --budget, e.g. --budget 50% or --budget 6GiB")
+    console = console_for(args.json)
+    if isinstance(source, Profile):  # before solving, so it shows when no plan fits
+        given = None if args.profile is not None else stage_list(args.stages) is not None
+        for text in coverage_lines(source, given=given):
+            console.print(text)
     problem = to_problem(source, slots=args.slots)
     result = make_plan(problem, args.budget, args.solver, **params)
-    console = console_for(args.json)
     console.print(plan_table(result))
     peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
     assert peak is not None  # every solver fills in its prediction

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from remat.cli.common import add_model_options, load, profile_with_progress
 from remat.cli.output import add_json_option, console_for, write_json
+from remat.coverage import coverage_lines
 from remat.units import format_bytes
 
 _OPTION_COLUMNS = (
@@ -131,5 +132,7 @@ def run(args: argparse.Namespace) -> int:
     console = console_for(args.json)
     console.print(_table(data))
     _summary(console, data)
+    for line in coverage_lines(result, given=stages is not None):
+        console.print(line)
     write_json(data, args.json)
     return 0
