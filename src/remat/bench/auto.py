@@ -5,32 +5,163 @@ from the simulator. Measurement runs the plain model and the planned one side by
 (the tracker for the peak, interleaved steps for the time). Whatever disagrees (a
 measured peak over the budget, a prediction off by more than 5%, gradients that differ)
 is listed in ``problems``, never hidden; ``ok`` is True only when there are none.
+
+A run that cannot go on raises :class:`Stopped`, which names the step (loading the model,
+the first training step, profiling, planning, applying, verifying, measuring) and says
+why in one sentence: the user's own code failing (factory, forward, loss) is a usage
+error; a rebuild torch rejects is described by the hazard ``remat verify`` finds.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from remat.errors import CheckFailed, RematError, UsageError
 from remat.measure.malloc import set_malloc
 from remat.plan import Plan
 from remat.planner import plan as make_plan
 from remat.planner import to_problem
 from remat.profile_format import Profile
 from remat.profiler import profile
-from remat.solve import simulate
+from remat.solve import minimum_budget, simulate
 from remat.units import format_bytes
 
 from .environment import Environment, describe_environment
-from .factory import describe, make_factory, whole
+from .factory import describe, failure, make_factory, whole
 from .findings import PEAK_TOLERANCE
 from .grads import check_plan
 from .measure import by_tracker, interleaved, paired, time_stats
 from .runners import EagerRunner, Runner
 
-__all__ = ["AutoReport", "auto"]
+__all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
+           "rebuild_rejected", "step"]
+
+#: The steps of the main job, in order (``Stopped.stage`` is one of them).
+STAGES = ("loading the model", "the first training step", "profiling", "planning",
+          "applying", "verifying", "measuring")
+# Where an exception that is not remat's comes from the user's own code.
+_USER_CODE = {
+    "loading the model": "the model factory raised {error}; fix the factory (calling it in "
+                         "Python shows the traceback)",
+    "the first training step": "the model's forward, loss_fn or backward raised {error}; fix "
+                               "them so that one plain training step runs",
+}
+# What torch says when a checkpointed region's rebuild differs from its forward
+# (CheckpointError, and selective checkpointing's plain RuntimeError).
+_REJECTED = ("different number of tensors was saved", "different metadata",
+             "not found in storage", "more tensors during recomputation")
+
+
+class Stopped(RematError):
+    """A run stopped before its report: at which step (``stage``), and why.
+
+    ``exit_code`` is the cause's (2 for the user's mistakes, 1 for a failed check); the
+    cause stays chained. ``minimum_budget_bytes``: with an infeasible budget, the least
+    one any plan fits.
+    """
+
+    def __init__(self, stage: str, reason: str, exit_code: int,
+                 minimum_budget_bytes: int | None = None) -> None:
+        super().__init__(f"{stage}: {reason}")
+        self.stage, self.reason, self.exit_code = stage, reason, exit_code
+        self.minimum_budget_bytes = minimum_budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"stage": self.stage, "message": self.reason,
+                                 "exit_code": self.exit_code}
+        if self.minimum_budget_bytes is not None:
+            found["minimum_budget_bytes"] = self.minimum_budget_bytes
+        return found
+
+
+def rebuild_rejected(err: BaseException) -> bool:
+    """Whether ``err`` is torch refusing a rebuild that did not match its forward."""
+    from torch.utils.checkpoint import CheckpointError
+
+    return isinstance(err, CheckpointError) or (
+        isinstance(err, RuntimeError) and any(text in str(err) for text in _REJECTED))
+
+
+def hazard_reason(err: BaseException, factory: Callable[[], Any] | None,
+                  stages: Sequence[str] | None) -> str:
+    """One sentence for a rejected rebuild: the hazard ``remat verify`` finds behind it.
+
+    ``factory()`` builds a fresh ``(model, batch, loss_fn)``; verify runs one step of it
+    with one region per stage and its hazard detectors watching.
+    """
+    from remat import plans
+    from remat.verify.harness import verify
+
+    said = str(err).strip().removeprefix("torch.utils.checkpoint: ").splitlines()
+    rejected = (f"torch rejected the rebuild of a checkpointed region "
+                f"({type(err).__name__}: {said[0][:200] if said else ''})")
+    hint = "run remat verify --plan per-stage on the model to see why"
+    if factory is None:
+        return f"{rejected}; {hint}"
+    try:
+        model, batch, loss_fn = factory()
+        report = verify(model, batch, plans.per_stage(model, stages=stages), loss_fn, steps=1)
+    except Exception:  # the diagnosis is a courtesy: the rejection is the error
+        return f"{rejected}; {hint}"
+    hazards = report.blocking_hazards
+    if not hazards:
+        return f"{rejected}; {hint}"
+    h = hazards[0]
+    where = f" in stage {h.stage!r}" if h.stage else ""
+    more = (f" ({len(hazards) - 1} more: remat verify --plan per-stage lists them)"
+            if len(hazards) > 1 else "")
+    return f"{rejected}: remat verify finds a {h.kind} hazard{where}: {h.message}{more}"
+
+
+@contextmanager
+def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
+         ) -> Iterator[None]:
+    """Run one step of a command; what stops it becomes :class:`Stopped` naming the step.
+
+    remat's own errors keep their message and exit code; a rejected rebuild becomes the
+    hazard sentence (``diagnose``, default :func:`hazard_reason` without a model), exit
+    1; any other exception while loading the model or in the first training step is the
+    user's code failing, exit 2. Anything else propagates: it is a bug, with a traceback.
+    """
+    try:
+        yield
+    except Stopped:
+        raise
+    except RematError as err:
+        raise Stopped(stage, str(err), err.exit_code) from err
+    except Exception as err:
+        if rebuild_rejected(err):
+            reason = diagnose(err) if diagnose else hazard_reason(err, None, None)
+            raise Stopped(stage, reason, CheckFailed.exit_code) from err
+        if stage in _USER_CODE:
+            reason = _USER_CODE[stage].format(error=failure(err))
+            raise Stopped(stage, reason, UsageError.exit_code) from err
+        raise
+
+
+def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """One plain training step (gradients dropped after), so that the user's own code
+    fails here, named, instead of deep inside profiling."""
+    with step("the first training step"):
+        loss = loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor):
+            raise UsageError(
+                f"loss_fn returned a {type(loss).__name__}, not a tensor; make "
+                "loss_fn(model, batch) return the loss as a scalar tensor"
+            )
+        if loss.numel() != 1 or not loss.is_floating_point():
+            raise UsageError(
+                f"loss_fn returned a {str(loss.dtype).removeprefix('torch.')} tensor of shape "
+                f"{tuple(loss.shape)}, not a scalar loss; reduce it to one number (e.g. .mean())"
+            )
+        loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 @dataclass(frozen=True)
@@ -103,6 +234,7 @@ class AutoReport:
             "environment": None if self.environment is None else self.environment.to_dict(),
             "timings_s": dict(self.timings_s),
             "elapsed_s": self.elapsed_s,
+            "error": None,
         }
 
 
@@ -138,29 +270,61 @@ def auto(
     profile_repeats: int = 2,
     progress: Callable[[str, int, int], None] | None = None,
     malloc: str = "keep",
+    threads: int | None = None,
 ) -> AutoReport:
     """Profile ``model``, plan it under ``budget``, verify the plan and measure it.
 
     ``model`` and ``options`` as in :func:`remat.bench.bench`; ``budget`` is a whole-step
     peak (bytes, or a fraction of the measured peak without checkpointing). Raises
-    :class:`remat.CheckFailed` (naming the smallest feasible budget) when no plan fits.
-    ``malloc`` as in :func:`remat.bench.bench` (``keep`` steadies CPU step times).
+    :class:`Stopped` (a :class:`remat.RematError`) naming the step that could not go on:
+    for a budget no plan fits, planning, exit code 1, with ``minimum_budget_bytes``.
+    ``malloc`` as in :func:`remat.bench.bench` (``keep`` steadies CPU step times);
+    ``threads`` sets torch's intra-op threads for the run (restored after).
     """
-    began = time.perf_counter()
+    from .run import torch_threads  # run imports this module
+
     whole(repeats, "repeats", 1)
     whole(warmup, "warmup", 0)
     whole(verify_steps, "verify_steps", 1)
+    if threads is not None:
+        whole(threads, "threads", 1)
+    with torch_threads(threads):
+        return _auto(model, options, stages, budget, optimizer, repeats, warmup, verify_steps,
+                     profile_repeats, progress, malloc)
+
+
+def _auto(
+    model: str | Callable[..., Any],
+    options: Mapping[str, Any] | None,
+    stages: Sequence[str] | None,
+    budget: str | int | float,
+    optimizer: str,
+    repeats: int,
+    warmup: int,
+    verify_steps: int,
+    profile_repeats: int,
+    progress: Callable[[str, int, int], None] | None,
+    malloc: str,
+) -> AutoReport:
+    began = time.perf_counter()
     allocator = set_malloc(malloc)
     report = progress or (lambda _what, _done, _total: None)
     timings: dict[str, float] = {}
     factory, _ = make_factory(model, options)
     description = describe(model, options or {})
 
+    def diagnose(err: BaseException) -> str:
+        return hazard_reason(err, lambda: factory(None), stages)
+
     t = time.perf_counter()
-    net, batch, loss_fn = factory(None)
-    prof = profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
-                   description=description,
-                   progress=lambda what, done, total: report(f"profiling: {what}", done, total))
+    with step("loading the model"):
+        net, batch, loss_fn = factory(None)
+    first_step(net, batch, loss_fn)
+    with step("profiling", diagnose=diagnose):
+        prof = profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
+                       description=description,
+                       progress=lambda what, done, total: report(f"profiling: {what}", done,
+                                                                 total))
     environment = describe_environment(net, batch, loss_fn, dtype=prof.dtype, device=prof.device,
                                        malloc=allocator)
     del net
@@ -168,26 +332,36 @@ def auto(
 
     t = time.perf_counter()
     report("planning", 0, 1)
-    problem = to_problem(prof)
-    plan = make_plan(problem, budget, "optimal")
-    predicted_event = simulate(plan, problem).peak_event
+    with step("planning"):
+        problem = to_problem(prof)
+        try:
+            plan = make_plan(problem, budget, "optimal")
+        except CheckFailed as err:  # no plan fits: say the least budget that does
+            raise Stopped("planning", str(err), err.exit_code,
+                          minimum_budget(problem)) from err
+        predicted_event = simulate(plan, problem).peak_event
     timings["plan_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    report("verifying", 0, 1)
-    check = check_plan(factory, plan, optimizer=optimizer, steps=verify_steps)
-    timings["verify_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    report("measuring", 0, 1)
-    plain = Runner(*factory(None), optimizer)
-    planned = EagerRunner(*factory(None), optimizer, plan)
+    report("applying", 0, 1)
+    with step("applying"):
+        plain = Runner(*factory(None), optimizer)
+        planned = EagerRunner(*factory(None), optimizer, plan)
     try:
-        base_memory, memory = by_tracker(plain), by_tracker(planned)
-        times = interleaved(
-            {"plain": plain.step, "planned": planned.step}, repeats=repeats, warmup=warmup,
-            progress=lambda done, total: report("timing (interleaved)", done, total),
-        )
+        t = time.perf_counter()
+        report("verifying", 0, 1)
+        with step("verifying", diagnose=diagnose):
+            check = check_plan(factory, plan, optimizer=optimizer, steps=verify_steps)
+        timings["verify_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        report("measuring", 0, 1)
+        with step("measuring", diagnose=diagnose):
+            base_memory, memory = by_tracker(plain), by_tracker(planned)
+            times = interleaved(
+                {"plain": plain.step, "planned": planned.step}, repeats=repeats,
+                warmup=warmup,
+                progress=lambda done, total: report("timing (interleaved)", done, total),
+            )
     finally:
         planned.close()
         plain.close()

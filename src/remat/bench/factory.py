@@ -24,6 +24,7 @@ def make_factory(
 ) -> tuple[Factory, bool]:
     """``factory(batch_size)`` for a model spec or factory, and whether it takes batch_size."""
     from remat.models import _resolve, load_model
+    from remat.runtime.apply import cache_off_for_training
 
     base = dict(options or {})
     if isinstance(model, str):
@@ -41,11 +42,10 @@ def make_factory(
 
     def factory(batch_size: int | None) -> Any:
         opts = base if batch_size is None else {**base, "batch_size": batch_size}
-        if isinstance(model, str):
-            return load_model(model, **opts)
-        result = model(**opts)
+        result = load_model(model, **opts) if isinstance(model, str) else model(**opts)
         if not (isinstance(result, tuple) and len(result) == 3):
             raise UsageError("the model factory must return (model, example_batch, loss_fn)")
+        cache_off_for_training(result[0])  # every model built here is trained
         return result
 
     return factory, takes

@@ -27,6 +27,7 @@ from remat.profile_format import Profile
 from remat.profiler import profile, profile_scaling
 from remat.solve import Problem, parse_budget
 
+from .auto import first_step, hazard_reason, step
 from .environment import describe_environment
 from .factory import batch_size_of, describe, failure, make_factory, whole
 from .findings import findings
@@ -297,7 +298,8 @@ class Settings:
 
 
 @contextmanager
-def _threads(threads: int | None) -> Iterator[None]:
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside (None: left alone), restored after."""
     if threads is None:
         yield
         return
@@ -370,7 +372,7 @@ def bench(
         distributed=distributed,
         allocator=set_malloc(malloc),  # before the profile: it times steps too
     )
-    with _threads(threads):
+    with torch_threads(threads):
         return _run(model, options or {}, stages, settings, progress or _no_progress, command)
 
 
@@ -391,15 +393,19 @@ def _run(
         ranks = _Ranks(s.distributed, init_from_env())
         factory = ranks.shard(factory)
         s = replace(s, strategies=tuple(n for n in s.strategies if n != "compile"))
-    model0, batch0, loss0 = factory(None)
+    with step("loading the model"):
+        model0, batch0, loss0 = factory(None)
+    if ranks is None:  # a wrapped model's step is a collective: leave it to the profile
+        first_step(model0, batch0, loss0)
     s = replace(s, strategies=with_default_rows(s.strategies, model0))
     batch_size = batch_size_of(options, batch0)
     description = describe(model, options)
     scaling = None
     if s.microbatch_budget is not None and takes_batch and batch_size:
         scaling = (batch_size, batch_size // 2) if batch_size > 1 else (1, 2)
-    prof = _profile(factory, scaling, stages, s.optimizer, s.profile_repeats, description,
-                    progress)
+    with step("profiling", diagnose=lambda err: hazard_reason(err, lambda: factory(None), stages)):
+        prof = _profile(factory, scaling, stages, s.optimizer, s.profile_repeats, description,
+                        progress)
     if ranks is not None:
         import torch.distributed as dist
 

@@ -12,9 +12,9 @@ from rich import box
 from rich.table import Table
 
 from remat.cli.bench import progress_bar
-from remat.cli.common import add_model_options, model_options, stage_list
+from remat.cli.common import add_model_options, check_threads, model_options, stage_list
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import UsageError
+from remat.errors import RematError, UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -32,7 +32,8 @@ def add_parser(sub: Any, name: str) -> None:
             "predicted against measured peak, the step-time overhead, whether gradients are "
             "equal, and where the memory went. Exits 0 only when every step ran, verify "
             "passed and the measured peak is within the budget and within 5%% of the "
-            "prediction; 1 otherwise."
+            "prediction; 1 otherwise. With --json, a run that stops early writes the step it "
+            "stopped at and why in an error object."
         ),
     )
     add_model_options(p)
@@ -44,6 +45,8 @@ def add_parser(sub: Any, name: str) -> None:
                    help="timed steps of each model, interleaved (default 6)")
     p.add_argument("--verify-steps", type=int, default=2,
                    help="training steps the verify harness compares (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the run (default: torch's own)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write auto.json, plan.json, profile.json and auto.md here")
     add_json_option(p)
@@ -131,18 +134,50 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
     return paths
 
 
+def _stopped(args: argparse.Namespace, error: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of a run that stopped early: what was asked, and the error."""
+    from remat.cli.common import describe
+
+    try:
+        model = describe(args.model, model_options(args))
+    except UsageError:
+        model = args.model
+    return {"ok": False, "model": model, "budget": args.budget, "error": error}
+
+
 def run(args: argparse.Namespace) -> int:
+    from remat.bench import auto, parse_budgets
+    from remat.bench.auto import Stopped
+    from remat.bench.factory import failure
+
+    try:
+        with progress_bar("auto") as progress:
+            check_threads(args.threads)
+            parse_budgets([args.budget])
+            report = auto(
+                args.model, options=model_options(args), stages=stage_list(args.stages),
+                budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
+                verify_steps=args.verify_steps, progress=progress, malloc=args.malloc,
+                threads=args.threads,
+            )
+    except Stopped as err:
+        write_json(_stopped(args, err.to_dict()), args.json)
+        raise
+    except RematError as err:  # an option, before any step ran
+        write_json(_stopped(args, {"stage": "checking the options", "message": str(err),
+                                   "exit_code": err.exit_code}), args.json)
+        raise
+    except Exception as err:  # a bug: the traceback follows, and the JSON still says so
+        write_json(_stopped(args, {"stage": None, "message": failure(err), "exit_code": 1}),
+                   args.json)
+        raise
+    _report(args, report)
+    return 0 if report.ok else 1
+
+
+def _report(args: argparse.Namespace, report: AutoReport) -> None:
     from rich.console import Console
 
-    from remat.bench import auto, parse_budgets
-
-    parse_budgets([args.budget])
-    with progress_bar("auto") as progress:
-        report = auto(
-            args.model, options=model_options(args), stages=stage_list(args.stages),
-            budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
-            verify_steps=args.verify_steps, progress=progress, malloc=args.malloc,
-        )
     console = console_for(args.json)
     render(report, console)
     if args.out:
@@ -151,4 +186,3 @@ def run(args: argparse.Namespace) -> int:
         paths = _write_folder(report, args.out, recorder.export_text())
         console.print(f"wrote {', '.join(str(p) for p in paths)}")
     write_json(report.to_dict(), args.json)
-    return 0 if report.ok else 1

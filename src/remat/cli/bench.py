@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich import box
 from rich.table import Table
 
-from remat.cli.common import add_model_options, model_options, stage_list
+from remat.cli.common import add_model_options, check_threads, model_options, stage_list
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.errors import UsageError
 
@@ -181,8 +181,7 @@ def run(args: argparse.Namespace) -> int:
         parse_budgets([micro])
     if args.compile_limit < 0:
         raise UsageError(f"--compile-limit {args.compile_limit:g} is negative; give seconds >= 0")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads {args.threads} is below 1; give 1 or more")
+    check_threads(args.threads)
     rank = None
     if args.distributed:
         from remat.distributed import env_rank

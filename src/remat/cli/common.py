@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remat.errors import UsageError
@@ -78,13 +79,26 @@ def describe(spec: str, options: dict[str, Any]) -> str:
     return " ".join([spec, *(f"{k}={v}" for k, v in options.items())])
 
 
+def check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads {threads} is below 1; give 1 or more")
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str] | None, str]:
-    """``(model, batch, loss_fn, stages, description)`` from the model options."""
+    """``(model, batch, loss_fn, stages, description)`` from the model options.
+
+    A factory that raises is the user's code failing: one line naming the step, exit 2.
+    A transformers model's key/value cache is switched off for training, with a note.
+    """
+    from remat.bench.auto import step
     from remat.models import load_model
+    from remat.runtime.apply import cache_off_for_training
     from remat.stages import resolve_stages
 
     options = model_options(args)
-    model, batch, loss_fn = load_model(args.model, **options)
+    with step("loading the model"):
+        model, batch, loss_fn = load_model(args.model, **options)
+    cache_off_for_training(model)
     stages = stage_list(args.stages)
     if stages is not None:
         resolve_stages(model, stages)  # a wrong path fails before any measuring
@@ -101,11 +115,17 @@ def profile_with_progress(
     repeats: int = 2,
     description: str | None = None,
     malloc: str = "keep",
+    fresh: Callable[[], tuple[Any, Any, Any]] | None = None,
 ) -> Profile:
-    """``remat.profile`` with a progress bar on stderr (shown only on a terminal)."""
+    """``remat.profile`` with a progress bar on stderr (shown only on a terminal).
+
+    A rebuild torch rejects stops it with the hazard ``remat verify`` finds on a fresh
+    ``(model, batch, loss_fn)`` from ``fresh()`` (default: the profiled model itself).
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from remat.bench.auto import hazard_reason, step
     from remat.measure.malloc import set_malloc
     from remat.profiler import profile
 
@@ -121,7 +141,11 @@ def profile_with_progress(
         transient=True,
         disable=not status.is_terminal,
     )
-    with bar:
+    def diagnose(err: BaseException) -> str:
+        # verify copies the model it is given, if what profiling left in it allows
+        return hazard_reason(err, fresh or (lambda: (model, batch, loss_fn)), stages)
+
+    with bar, step("profiling", diagnose=diagnose):
         task = bar.add_task("profiling", total=None)
 
         def progress(what: str, done: int, total: int) -> None:

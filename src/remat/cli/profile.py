@@ -117,7 +117,10 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from remat.bench.auto import first_step
+
     model, batch, loss_fn, stages, description = load(args)
+    first_step(model, batch, loss_fn)
     result = profile_with_progress(
         model,
         batch,
@@ -127,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         description=description,
         malloc=args.malloc,
+        fresh=lambda: load(args)[:3],
     )
     data = result.to_dict()
     console = console_for(args.json)

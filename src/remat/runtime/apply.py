@@ -115,6 +115,55 @@ class Handle:
         )
 
 
+def kv_cache_in_training(model: nn.Module) -> bool:
+    """Whether a transformers model builds a key/value cache in its training forwards.
+
+    ``config.use_cache`` is True by default almost everywhere, but only decoders read it:
+    a config that declares ``is_decoder`` (BERT, RoBERTa, ...) has a cache only when that
+    or ``is_encoder_decoder`` is set or the model generates (a causal LM head).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is not True:
+        return False
+    if not hasattr(config, "is_decoder") or getattr(config, "is_decoder", False):
+        return True
+    if getattr(config, "is_encoder_decoder", False):
+        return True
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
+
+
+USE_CACHE_NOTE = (
+    "the model's config has use_cache=True, which checkpointing cannot replay (a rebuild "
+    "appends to the key/value cache again), so remat set model.config.use_cache = False for "
+    "this run, as transformers' gradient_checkpointing_enable does; set it so in your "
+    "training too"
+)
+
+
+_NOTED: list[str] = []  # notes already issued in this process
+_CACHE_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def cache_off_for_training(model: nn.Module) -> bool:
+    """Switch a transformers model's key/value cache off, with a note, where it has one.
+
+    For models remat builds itself to train (``remat profile``, ``auto``, ``bench``). Every
+    submodule's config counts (T5's stacks keep copies). The note is issued once per
+    process, however many models a command builds.
+    """
+    if not kv_cache_in_training(model):
+        return False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False  # type: ignore[union-attr]
+    if USE_CACHE_NOTE not in _NOTED:
+        _NOTED.append(USE_CACHE_NOTE)
+        warnings.warn(USE_CACHE_NOTE, stacklevel=2)
+    return True
+
+
 def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> Handle:
     """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
 
@@ -142,9 +191,11 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
         )
     plan.validate()  # again: a frozen dataclass can still be changed behind its back
     check_available()
-    if plan.regions and getattr(getattr(model, "config", None), "use_cache", False) is True:
+    if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
+        _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
         # transformers: a key/value cache appended to in forward is appended to again by
-        # every rebuild, so the rebuilt attention sees other keys (remat verify: hazard)
+        # every rebuild, so the rebuilt attention sees other keys (remat verify: hazard).
+        # Only a warning: the model is the caller's, and eval forwards may want the cache.
         warnings.warn(
             "the model's config has use_cache=True: a rebuild would append to the key/value "
             "cache again and compute other values; set model.config.use_cache = False for "
