@@ -17,7 +17,8 @@ def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt"
         "--model",
         default=default,
         help=(
-            "gpt, mlp-hetero, convnet-bn, hf:gpt2, hf:llama, hf:qwen2, hf:mistral "
+            "gpt, mlp-hetero, convnet-bn, resnet, convnext, encdec, unet, hf:gpt2, hf:llama, "
+            "hf:<model_type> "
             "(transformers from a config, random weights; pip install 'remat[hf]') "
             "or package.module:factory" + (f" (default {default})" if default else "")
         ),
