@@ -29,6 +29,7 @@ from remat.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_p
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.optimes import region_overhead_s
 from remat.profiling.run import measure_all, part_names
+from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
 from remat.solve.from_profile import predict_no_checkpoint_peak
 from remat.stages import discover_stages, resolve_stages
 
@@ -76,6 +77,7 @@ def _device_name(device: torch.device | None) -> str:
     return str(device)
 
 
+@without_own_checkpointing  # flags and checkpoint_wrapper off while profiling, with a warning
 def profile(
     model: nn.Module,
     batch: Any,
@@ -116,6 +118,7 @@ def profile(
         if stages is not None
         else discover_stages(model, batch, loss_fn)
     )
+    refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code
     first = next(model.parameters(), None)
     device = first.device if first is not None else None
     dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())

@@ -37,6 +37,7 @@ from remat.errors import UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.engine import Engine, StageObserver, opaque
+from remat.runtime.existing import check_apply
 from remat.runtime.policies import resolve
 from remat.stages import unknown_path_message
 
@@ -190,6 +191,7 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
             "applying another"
         )
     plan.validate()  # again: a frozen dataclass can still be changed behind its back
+    check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
     if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
