@@ -44,6 +44,9 @@ class CacheNet(nn.Module):
         return x
 
 
+CACHING = {"on": True}  # off: the blocks leave the cache alone (a hazard-free model)
+
+
 class CacheBlock(nn.Module):
     def __init__(self, owner: CacheNet) -> None:
         super().__init__()
@@ -51,6 +54,8 @@ class CacheBlock(nn.Module):
         self.owner = [owner]  # a list, so the owner is not registered as a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not CACHING["on"]:
+            return torch.tanh(self.lin(x))
         cache = self.owner[0].cache
         cache.append(x)  # a rebuild appends again and stacks a longer list
         return torch.tanh(self.lin(x + torch.stack(cache).mean(0)))
@@ -153,6 +158,28 @@ def test_a_rebuild_torch_rejects_exits_1_with_the_hazard_verify_names(
         error = json.loads((tmp_path / "a.json").read_text())["error"]
         assert error["stage"] == "profiling" and error["exit_code"] == 1
         assert hazard in error["message"]
+
+
+def test_a_bench_row_whose_rebuild_torch_rejects_names_the_hazard_and_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from remat.bench import bench
+    from remat.bench.auto import REJECTED
+    from remat.cli.bench import _failed
+
+    monkeypatch.setitem(CACHING, "on", False)  # profiling sees a clean model ...
+
+    def progress(what: str, _done: int, _total: int) -> None:
+        if what == "measuring per-stage":  # ... the per-stage row the cache-appending one
+            CACHING["on"] = True
+
+    report = bench(cache_net, strategies="none,per-stage", budgets="100%", repeats=1,
+                   warmup=0, verify_steps=1, profile_repeats=1, matched=False,
+                   microbatch_budget=None, progress=progress)
+    row = next(r for r in report.rows if r.key == "per-stage")
+    assert row.status == "failed" and (row.reason or "").startswith(REJECTED)
+    assert _verify_hazard() in (row.reason or "")
+    assert _failed(report) == [f"per-stage: {row.reason}"]  # so remat bench exits 1
 
 
 def test_an_infeasible_budget_writes_the_minimum_budget_in_the_json(

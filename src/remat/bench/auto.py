@@ -54,6 +54,7 @@ _USER_CODE = {
 }
 # What torch says when a checkpointed region's rebuild differs from its forward
 # (CheckpointError, and selective checkpointing's plain RuntimeError).
+REJECTED = "torch rejected the rebuild of a checkpointed region"  # how such reasons start
 _REJECTED = ("different number of tensors was saved", "different metadata",
              "not found in storage", "more tensors during recomputation")
 
@@ -99,8 +100,7 @@ def hazard_reason(err: BaseException, factory: Callable[[], Any] | None,
     from remat.verify.harness import verify
 
     said = str(err).strip().removeprefix("torch.utils.checkpoint: ").splitlines()
-    rejected = (f"torch rejected the rebuild of a checkpointed region "
-                f"({type(err).__name__}: {said[0][:200] if said else ''})")
+    rejected = f"{REJECTED} ({type(err).__name__}: {said[0][:200] if said else ''})"
     hint = "run remat verify --plan per-stage on the model to see why"
     if factory is None:
         return f"{rejected}; {hint}"

@@ -27,7 +27,7 @@ from remat.profile_format import Profile
 from remat.profiler import profile, profile_scaling
 from remat.solve import Problem, parse_budget
 
-from .auto import first_step, hazard_reason, step
+from .auto import first_step, hazard_reason, rebuild_rejected, step
 from .environment import describe_environment
 from .factory import batch_size_of, describe, failure, make_factory, whole
 from .findings import findings
@@ -194,7 +194,11 @@ class _Bench:
             except Exception as err:  # a row that cannot run is a finding, not a crash
                 if runner is not None:
                     runner.close()
-                self.rows[spec.key] = replace(row, status="failed", reason=failure(err))
+                reason = failure(err)
+                if rebuild_rejected(err):  # the hazard behind it; the command then exits 1
+                    reason = hazard_reason(err, lambda: self.check_factory(None),
+                                           spec.plan.stages)
+                self.rows[spec.key] = replace(row, status="failed", reason=reason)
                 continue
             self.runners[spec.key] = runner
             self.timelines[spec.key] = memory.timeline

@@ -35,7 +35,8 @@ def add_parser(sub: Any, name: str) -> None:
             "with its activation memory budget and remat's optimal plan at each budget: "
             "predicted and measured peak, step time, overhead, whether gradients match; "
             "then each strategy's largest micro-batch under one budget and its throughput. "
-            "Exits 1 when a plan remat applied changed the gradients or went over its budget."
+            "Exits 1 when a plan remat applied changed the gradients or went over its budget, "
+            "or torch rejected a rebuild."
         ),
     )
     add_model_options(p)
@@ -165,10 +166,15 @@ def _table(report: BenchReport) -> Table:
 
 
 def _failed(report: BenchReport) -> list[str]:
+    from remat.bench.auto import REJECTED
+
     bad = [r.key for r in report.rows if r.strategy != "compile" and r.grads_match is False]
     over = [r.key for r in report.rows if r.strategy == "remat" and r.within_budget is False]
+    rejected = [r for r in report.rows
+                if r.status == "failed" and (r.reason or "").startswith(REJECTED)]
     return ([f"gradients differ: {', '.join(bad)}"] if bad else []) + (
-        [f"over budget: {', '.join(over)}"] if over else [])
+        [f"over budget: {', '.join(over)}"] if over else []) + (
+        [f"{', '.join(r.key for r in rejected)}: {rejected[0].reason}"] if rejected else [])
 
 
 def run(args: argparse.Namespace) -> int:
