@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,9 +81,16 @@ def _levels(start: int, stop: int, inside: bool) -> Iterator[list[tuple[int, int
                 yield [(start, end), *inner, *rest]
 
 
+def _spans_a_break(regions: Iterable[Region], problem: Problem) -> bool:
+    return any(r.start < b < r.stop for r in regions for b in problem.breaks)
+
+
 def all_plans(problem: Problem) -> Iterator[Plan]:
+    """Every plan the chain allows (no region over a chain break)."""
     for regions in _levels(0, problem.n, False):
         rs = tuple(Region(*r) for r in regions)
+        if _spans_a_break(rs, problem):
+            continue
         for options in itertools.product(*(problem.options(i) for i in range(problem.n))):
             yield Plan(problem.stage_names, rs, options)
 
@@ -110,8 +117,9 @@ _MAX_PLANS = 6000  # keeps one brute force under half a second
 
 
 @st.composite
-def chains(draw: st.DrawFn, max_n: int = 5) -> Problem:
-    """Random heterogeneous chains with small integer sizes and integer times."""
+def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False) -> Problem:
+    """Random heterogeneous chains with small integer sizes and integer times (``breaks``:
+    some links are chain breaks)."""
     n = draw(st.integers(1, max_n))
     small = st.integers(0, 6)
     a = [draw(small) for _ in range(n + 1)]
@@ -144,6 +152,7 @@ def chains(draw: st.DrawFn, max_n: int = 5) -> Problem:
             nosave_transient_bytes=draw(st.none() | st.integers(0, 8)),
             grad_bytes=draw(st.integers(0, 4)),
             saves_input=draw(st.booleans()),
+            break_before="glue" if breaks and i > 0 and draw(st.booleans()) else None,
         ))
     pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
     attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads
@@ -203,6 +212,35 @@ def check_against_brute_force(problem: Problem) -> None:
 @given(chains())
 def test_optimal_equals_brute_force_at_every_budget(problem: Problem) -> None:
     check_against_brute_force(problem)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(breaks=True))
+def test_optimal_equals_brute_force_over_plans_without_regions_across_breaks(
+    problem: Problem,
+) -> None:
+    check_against_brute_force(problem)  # every table path, the minimum, the plans
+    for budget in {max(2, solvers.minimum_budget(problem)), max(2, peak(solvers.none(problem)))}:
+        assert not _spans_a_break(solvers.optimal(problem, budget).regions, problem)
+    for name in ("per-stage", "segments-k", "megatron-uniform"):
+        assert not _spans_a_break(solvers.solve(name, problem).regions, problem)
+
+
+def test_recipes_are_cut_at_breaks_and_the_simulator_refuses_a_region_across_one() -> None:
+    saved = {"keep": 1}
+    stages = [StageCost(f"h.{i}", 1, 1, saved, break_before="reads .item()" if i == 3 else None)
+              for i in range(7)]
+    p = Problem(tuple(stages))
+    R = Region
+    assert p.breaks == (3,)
+    assert solvers.segments(p, 2).regions == (R(0, 3), R(3, 4), R(4, 7))
+    assert solvers.megatron_uniform(p, 7).regions == (R(0, 3), R(3, 7))
+    plan = Plan(p.stage_names, (R(2, 5),))
+    with pytest.raises(UsageError, match=r"region \[2, 5\) spans a chain break before stage "
+                       r"'h.3' \(reads .item\(\)\); end the region at stage 3"):
+        simulate(plan, p)
+    round_trip = Problem.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert round_trip == p and round_trip.stages[3].break_before == "reads .item()"
 
 
 @settings(max_examples=15, deadline=None)
@@ -558,7 +596,7 @@ def _numba() -> object:
 
 
 @settings(max_examples=40, deadline=None)
-@given(chains(), st.integers(0, 40))
+@given(chains(breaks=True), st.integers(0, 40))
 def test_numba_tables_equal_numpy_tables(problem: Problem, top: int) -> None:
     dp_numba = _numba()
     model = dp.Model(problem, 1)
@@ -620,7 +658,7 @@ def test_solver_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 @settings(max_examples=40, deadline=None)
-@given(chains(), st.integers(0, 40))
+@given(chains(breaks=True), st.integers(0, 40))
 def test_numba_flat_table_equals_numpy_flat_table(problem: Problem, top: int) -> None:
     from remat.solve import flat
 
@@ -714,12 +752,12 @@ def _flat_plans(problem: Problem) -> Iterator[Plan]:
             else:
                 ok = False
                 break
-        if ok:
+        if ok and not _spans_a_break(regions, problem):
             yield Plan(problem.stage_names, tuple(regions))
 
 
 @settings(max_examples=40, deadline=None)
-@given(chains())
+@given(chains(breaks=True))
 def test_segments_optimal_equals_the_best_flat_plan(problem: Problem) -> None:
     from remat.solve import flat
 

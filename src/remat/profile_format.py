@@ -124,6 +124,13 @@ class StageProfile:
     saves_output: bool = False
     # option -> seconds a selective option adds to the backward (its ops rebuilt)
     extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # Why no region may span the link from the previous stage into this one (the model's
+    # code there cannot be replayed in a rebuild); None: regions may. Written only when set.
+    break_before: str | None = None
+    # What the model's code between the previous stage and this one keeps for backward
+    # (remat.profiling.assemble); the problem counts it with this stage's saved bytes.
+    # Written only when not 0.
+    link_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -136,6 +143,7 @@ class StageProfile:
             "bwd_transient_bytes",
             "nosave_transient_bytes",
             "grad_bytes",
+            "link_saved_bytes",
         ):
             object.__setattr__(self, name, _int(getattr(self, name), f"{where} {name}"))
         for name in ("fwd_s", "bwd_s", "rebuild_s"):
@@ -155,6 +163,8 @@ class StageProfile:
         for flag in ("output_kept_outside", "saves_input", "saves_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"profile {where} {flag} must be true or false")
+        if self.break_before is not None and not isinstance(self.break_before, str):
+            raise UsageError(f"profile {where} break_before must be a reason or null")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,13 +183,16 @@ class StageProfile:
             "saves_input": self.saves_input,
             "saves_output": self.saves_output,
             "extra_bwd_s": dict(self.extra_bwd_s),
+            **({"break_before": self.break_before} if self.break_before is not None else {}),
+            **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageProfile:
         where = f"profile stage {data.get('name', '?')!r}" if isinstance(data, Mapping) else ""
-        _check_keys(data, _STAGE_KEYS, where or "a profile stage")
-        return cls(**{k: data[k] for k in _STAGE_KEYS})
+        keys = (*_STAGE_KEYS, *(k for k in _OPTIONAL_STAGE_KEYS if k in data))
+        _check_keys(data, keys, where or "a profile stage")
+        return cls(**{k: data[k] for k in keys})
 
 
 _STAGE_KEYS_V1 = (
@@ -199,6 +212,7 @@ _STAGE_KEYS_V1 = (
     "saves_output",
 )
 _STAGE_KEYS = (*_STAGE_KEYS_V1, "extra_bwd_s")
+_OPTIONAL_STAGE_KEYS = ("break_before", "link_saved_bytes")  # written only when set
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ import math
 
 from remat.errors import UsageError
 
-__all__ = ["block", "default_segments", "every", "groups", "per_stage", "segments"]
+__all__ = [
+    "block", "default_segments", "every", "groups", "per_stage", "segments", "split_at_breaks",
+]
 
 Spans = list[tuple[int, int]]
 
@@ -21,6 +23,18 @@ def _whole(value: object, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise UsageError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
     return value
+
+
+def split_at_breaks(regions: Spans, breaks: tuple[int, ...]) -> Spans:
+    """``regions`` with each one that spans a chain break cut there (stage ``p`` in
+    ``breaks``: no region may hold stages ``p - 1`` and ``p`` both); order kept."""
+    if not breaks:
+        return regions
+    out: Spans = []
+    for start, stop in regions:
+        cuts = [p for p in breaks if start < p < stop]
+        out += list(itertools.pairwise([start, *cuts, stop]))
+    return out
 
 
 def per_stage(n: int) -> Spans:

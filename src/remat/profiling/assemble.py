@@ -15,6 +15,11 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
   median over rounds): the option's replay in backward and its dispatch mode's cost in
   forward, which the simulator charges together at the stage's backward; never less than
   one checkpoint frame (``region_overhead`` on the tiny chain); see :mod:`.optimes`.
+* link (``link_saved_bytes``): what the model's own code between stage ``i - 1``'s return
+  and stage ``i``'s call keeps for backward (a norm's input, a dropout mask, the residual
+  stream when the block's input is a norm of it): the live total's rise over that code,
+  less stage ``i``'s input when that code made it, plus stage ``i - 1``'s output when that
+  code let it go (neither saved by the stage nor referenced outside the chain).
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
   first stage's input. Post-chain: its larger rise in forward and in backward above the
   live total at the chain's end (the backward's with the parameter gradients it has
@@ -62,6 +67,18 @@ def gradient_owners(
     return post, stages, pre
 
 
+def link_saved_bytes(m: Measurements, i: int) -> int:
+    """What the model's code between stage ``i - 1`` and stage ``i`` keeps (module docstring)."""
+    if i == 0:
+        return 0
+    before, after = m.nosave.stages[i - 1], m.nosave.stages[i]
+    rise = m.spans.stage_forward[i].entry_bytes - m.spans.stage_forward[i - 1].exit_bytes
+    if after.gets_previous_output:
+        return max(0, rise)
+    let_go = not (m.nosave.kept_outside[i - 1] or before.saves_output)
+    return max(0, rise - after.boundary_bytes + (before.new_output_bytes if let_go else 0))
+
+
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     found = []
     extras = {
@@ -101,6 +118,8 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 output_kept_outside=m.nosave.kept_outside[i],
                 saves_input=nosave.saves_input,
                 saves_output=nosave.saves_output,
+                break_before=m.breaks[i],
+                link_saved_bytes=link_saved_bytes(m, i),
             )
         )
     return found

@@ -52,6 +52,8 @@ class StageForward:
     # pass that saves nothing (its hook sees every tensor autograd offers to save).
     saves_input: bool = False
     saves_output: bool = False
+    # Its input is the previous stage's output (by storage): no code of the model's between.
+    gets_previous_output: bool = False
 
     @property
     def new_output_bytes(self) -> int:
@@ -115,6 +117,7 @@ def forward_pass(
         return ref is not None and ref() is not None
 
     order: list[int] = []
+    previous: dict[int, bool] = {}  # stage -> it got the previous stage's output
     current: list[int] = []  # the stage running now, if any
     offered: list[weakref.ref[torch.UntypedStorage]] = []  # what it asked autograd to save
 
@@ -143,7 +146,11 @@ def forward_pass(
         for j in range(i - 1):  # the loop holds only the previous stage's output now
             kept[j] = kept[j] or alive(j)
         tracker.reset_peak()
-        entries[i] = (tracker.live_bytes, main_input(args, kwargs))
+        x = main_input(args, kwargs)
+        entries[i] = (tracker.live_bytes, x)
+        previous[i] = i > 0 and x is not None and alive(i - 1) and (
+            outputs[i - 1]() is x.untyped_storage()  # type: ignore[misc]
+        )
         current[:] = [i]
         offered.clear()
 
@@ -161,6 +168,7 @@ def forward_pass(
             input_requires_grad=x is not None and x.requires_grad,
             saves_input=offered_any(x),
             saves_output=offered_any(y),
+            gets_previous_output=previous.get(i, False),
         )
         current.clear()
         offered.clear()

@@ -4,7 +4,9 @@ It costs ``(2 + s) * (repeats + 1)`` training steps (``s`` selective options), o
 measured by the tracker and up to four tracked forwards:
 
 1. a forward that saves nothing (what a stage costs inside a region; which outputs stay
-   referenced outside the chain; what ``selective:save-nothing`` keeps);
+   referenced outside the chain; what ``selective:save-nothing`` keeps), and a forward
+   with one region over the whole chain that finds the links no region may span
+   (:mod:`.links`);
 2. ``repeats + 1`` rounds of training steps, each round one step with one region per
    stage (timing each stage's rebuild), one plain step (timing each stage's forward and
    backward) and one step with each selective option on every stage (what the option
@@ -34,6 +36,7 @@ from remat import plans
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.plan import Plan
+from remat.profiling.links import find_breaks
 from remat.profiling.optimes import policy_op_names
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
@@ -50,6 +53,7 @@ class Measurements:
     names: tuple[str, ...]
     options: tuple[str, ...]  # keep and the selective options asked for
     nosave: ForwardPass
+    breaks: tuple[str | None, ...]  # per stage: why no region may enter it from the previous
     plain_steps: tuple[StepTimes, ...]  # round by round, paired with the two below
     per_stage_steps: tuple[StepTimes, ...]  # one region per stage
     option_steps: dict[str, tuple[StepTimes, ...]]  # option -> its steps, round by round
@@ -129,6 +133,7 @@ def measure_all(
 
     part(parts[0])
     nosave = forward_pass(model, batch, loss_fn, names, device=device, save=False)
+    breaks = find_breaks(model, batch, loss_fn, names)
 
     part(parts[1])
     counts: dict[str, int] = {}
@@ -206,6 +211,7 @@ def measure_all(
         names=names,
         options=tuple(options),
         nosave=nosave,
+        breaks=breaks,
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),
         option_steps={option: tuple(steps) for option, steps in with_option.items()},

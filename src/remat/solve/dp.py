@@ -65,6 +65,19 @@ which hand over nothing. So the recursion keeps two values per subproblem: ``Seg
 offloaded stages: X is the last hand-over, it runs only if it is a keep stage, and the
 rest runs not at all). ``Seg = min(SegP, AO)``.
 
+Note [Chain breaks]
+-------------------
+A stage whose ``break_before`` is set cannot share a region with the stage before it: the
+model's code between them cannot be replayed by a rebuild (the profile found it, Note
+[Glue between stages] in ``remat/runtime/glue.py``). Rather than a constraint in every
+table path, such a stage counts :data:`BREAK_BYTES` more in a region's forward when it is
+not the region's first (the ``a[p] if p > k`` term of ``ns``, and ``fb_in[0, p]`` of the
+one-level solver): no budget admits that region, and every path, exact or in slots, and
+the smallest-peak search drop it the way they drop any region that does not fit.
+Regions of one stage never span a link, so a plan always exists. The classic recipes
+are cut at the breaks instead (:func:`remat.recipes.split_at_breaks`), and the simulator
+refuses a plan whose region spans one.
+
 Memory is counted in slots of ``slot_bytes``. Every quantity that stays alive across
 events (an item's ``H``, a region's overhead) is rounded up on its own, and each
 event's local bytes are rounded up as a sum, while the memory available is rounded
@@ -102,6 +115,9 @@ __all__ = [
 
 INF = math.inf
 KEEP, SEL, OFF = 0, 1, 2
+# A region over a chain break needs this much memory: no budget admits it, and sums of
+# it with a few real byte counts stay far inside int64 (Note [Chain breaks]).
+BREAK_BYTES = 1 << 60
 
 
 def _ceil(nbytes: int, slot: int) -> int:
@@ -199,13 +215,14 @@ class Model:
     def _spans(self) -> tuple[list[list[int]], list[list[float]]]:
         n, st = self.n, self.problem.stages
         a = np.array(self.a, dtype=np.int64)
+        inside = a[:n] + np.array([BREAK_BYTES * (s.break_before is not None) for s in st])
         nt = np.array([s.nosave_peak_extra_bytes for s in st], dtype=np.int64)
         rebuild = np.array([s.rebuild_s for s in st])
         ns = [[0] * (n + 1) for _ in range(n + 1)]
         reb_t = [[0.0] * (n + 1) for _ in range(n + 1)]
         for k in range(n):
             own = a[k + 1 : n + 1] + nt[k:]
-            own[1:] += a[k + 1 : n]  # (a[p] if p > k else 0) + a[p + 1] + nt[p]
+            own[1:] += inside[k + 1 : n]  # (a[p] if p > k else 0) + a[p + 1] + nt[p]
             ns[k][k + 1 :] = np.maximum.accumulate(own).tolist()
             # cumsum adds left to right, as a running sum from k does
             reb_t[k][k + 1 :] = (self.ovh_s + np.cumsum(rebuild[k:])).tolist()

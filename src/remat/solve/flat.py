@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.solve.dp import INF, KEEP, Model, _shift
+from remat.solve.dp import BREAK_BYTES, INF, KEEP, Model, _shift
 from remat.solve.problem import Problem
 
 __all__ = ["FlatInputs", "FlatTables", "flat_plan", "flat_tables"]
@@ -97,7 +97,8 @@ class FlatInputs:
             rh=np.array([model.hold_open(k, 0) for k in range(n)], dtype=i64),
             hold_in=per_h(model.hold),
             bwd_in=per_h(model.bwd),
-            fb_in=per_h(lambda p, j, h: model.inp(p, h) + model.a[p + 1] + model.tf[p][j]),
+            fb_in=per_h(lambda p, j, h: model.inp(p, h) + model.a[p + 1] + model.tf[p][j])
+            + _break_bytes(model.problem),
             T=np.concatenate(([0.0], np.cumsum([model.t_run[k][keep[k]] for k in range(n)]))),
         )
 
@@ -149,9 +150,17 @@ class FlatInputs:
             rh=ceil(a[:n]),
             hold_in=ceil(held + save),
             bwd_in=bwd_in,
-            fb_in=inp + a[1:] + tf,
+            fb_in=inp + a[1:] + tf + _break_bytes(problem),
             T=np.concatenate(([0.0], np.cumsum(t_run))),
         )
+
+
+def _break_bytes(problem: Problem) -> np.ndarray:
+    """``[h, p]``: a stage after a chain break, inside a region but not its first, makes
+    the region's forward need :data:`BREAK_BYTES` (Note [Chain breaks] in dp)."""
+    out = np.zeros((2, problem.n), dtype=np.int64)
+    out[0, list(problem.breaks)] = BREAK_BYTES
+    return out
 
 
 class FlatTables:

@@ -89,6 +89,9 @@ class StageCost:
     # whose first op saves only what it computes, so the input can go after its forward).
     # Selective stages always keep it: torch's checkpoint frame holds the input.
     saves_input: bool = True
+    # Why no region may span the link from the previous stage into this one (the model's
+    # code there cannot be replayed, Note [Glue between stages]); None: regions may.
+    break_before: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -104,6 +107,8 @@ class StageCost:
             object.__setattr__(self, name, _seconds(getattr(self, name), f"{where} {name}"))
         if not isinstance(self.saves_input, bool):
             raise UsageError(f"{where} saves_input={self.saves_input!r} must be true or false")
+        if self.break_before is not None and not isinstance(self.break_before, str):
+            raise UsageError(f"{where} break_before={self.break_before!r} must be a reason or null")
         if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
             raise UsageError(
                 f"{where} saved_bytes={self.saved_bytes!r} has no 'keep' entry; give at least "
@@ -167,6 +172,7 @@ class StageCost:
             "nosave_transient_bytes": self.nosave_transient_bytes,
             "grad_bytes": self.grad_bytes,
             "saves_input": self.saves_input,
+            **({"break_before": self.break_before} if self.break_before is not None else {}),
         }
 
     @classmethod
@@ -198,7 +204,7 @@ _STAGE_KEYS_V1 = (
     "bwd_transient_bytes",
     "nosave_transient_bytes",
 )
-_STAGE_KEYS = (*_STAGE_KEYS_V1, "grad_bytes", "saves_input")
+_STAGE_KEYS = (*_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before")
 _FIXED_BYTES_V1 = (
     "params_bytes",
     "grads_bytes",
@@ -327,6 +333,11 @@ class Problem(JsonArtifact):
     @property
     def n(self) -> int:
         return len(self.stages)
+
+    @property
+    def breaks(self) -> tuple[int, ...]:
+        """The stages no region may enter from the previous one (``break_before`` set)."""
+        return tuple(i for i, s in enumerate(self.stages) if s.break_before is not None)
 
     @property
     def stage_names(self) -> tuple[str, ...]:

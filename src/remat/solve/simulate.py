@@ -376,6 +376,13 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
             )
     for i, option in enumerate(plan.options):
         problem.check_option(i, option)
+    for b in problem.breaks:
+        r = next((r for r in plan.regions if r.start < b < r.stop), None)
+        if r is not None:
+            raise UsageError(
+                f"region {r} spans a chain break before stage {names[b]!r} "
+                f"({problem.stages[b].break_before}); end the region at stage {b}"
+            )
     p = problem
     w = _Walker(problem, plan.options)
     w.add("params", p.params_bytes)

@@ -58,6 +58,8 @@ def _finish(
     budget: int | None,
     started: float,
 ) -> Plan:
+    # A recipe's region over a chain break is cut there (the optimal tables never span one).
+    regions = recipes.split_at_breaks(list(regions), problem.breaks)
     names = problem.stage_names
     plan = Plan(
         names,
@@ -203,7 +205,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
             break
         if least > limit:
             continue
-        regions = _recipe(problem.n, family, k)
+        regions = recipes.split_at_breaks(_recipe(problem.n, family, k), problem.breaks)
         if tuple(regions) in simulated:
             continue
         simulated.add(tuple(regions))
