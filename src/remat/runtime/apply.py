@@ -11,10 +11,11 @@ updates during its rebuild (BatchNorm's running statistics move twice per step),
 puts mutated buffers back after each rebuild, so they change once per step, as without
 checkpointing (see Note [Buffers mutated in forward] in ``engine.py``).
 
-Limits: the model must be called as ``model(...)`` (the hooks mark the pass); a
-multi-stage region needs each stage to pass its output unchanged to the next (checked at
-run time); the non-boundary arguments of calls inside a region are kept alive until
-backward (usually masks and rotary tables, alive anyway); the model must not wrap single
+Limits: the model must be called as ``model(...)`` (the hooks mark the pass); in a
+multi-stage region each stage's input must be made inside the region and the code between
+stages must not read tensor values (checked at run time; Note [Glue between stages] in
+``glue.py``); tensors a region uses from outside it are kept alive until its rebuild
+(usually masks and rotary tables, alive anyway); the model must not wrap single
 stage calls in saved-tensor hooks of its own (regions span calls, and those hooks are a
 stack), nor enable its own gradient checkpointing; a rebuild repeats non-tensor side
 effects of a stage (e.g. appending to a key/value cache object); remove the plan before
