@@ -123,7 +123,7 @@ def _disable_hint(model: nn.Module) -> str:
     for name in names:
         if callable(getattr(model, name, None)):
             return f"model.{name}()"
-    return "gradient_checkpointing = False on those modules"
+    return "setattr(module, 'gradient_checkpointing', False) on those modules"
 
 
 def find(model: nn.Module) -> OwnCheckpointing:
@@ -191,12 +191,16 @@ def without_own_checkpointing(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)  # the function's own check says what is wrong
         with taken_off(model) as found:
             if found:
+                fixes = []
+                if found.flagged:
+                    fixes.append(f"call {found.disable_hint}")
+                if found.wrappers:
+                    fixes.append("build the model without checkpoint_wrapper")
                 warnings.warn(
                     f"the model checkpoints itself through {found.describe()}: that was "
                     "taken off while profiling and put back afterwards, so the profile and "
                     "its plans describe the model without it, and remat.apply refuses "
-                    f"until it is off ({found.disable_hint} for the flag; build the model "
-                    "without checkpoint_wrapper)",
+                    f"until it is off ({' and '.join(fixes)})",
                     stacklevel=2,
                 )
             return fn(*args, **kwargs)
