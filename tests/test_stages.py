@@ -300,3 +300,31 @@ def test_diffusers_unet_chains_down_mid_and_up_blocks() -> None:
     assert "up_blocks.0.attentions.2" in up and up[-1] == "up_blocks.1.resnets.2"
     assert chain.stages.index(down[-1]) < chain.stages.index("mid_block.resnets.0")
     assert chain.share > 0.8
+
+
+class Caller(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, helper: nn.Module) -> torch.Tensor:
+        return helper(self.fc(x))
+
+
+class Overlapping(nn.Module):
+    """Each caller runs a helper block it does not own, so their calls overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callers = nn.ModuleList(Caller(4) for _ in range(2))
+        self.helpers = nn.ModuleList(Block(4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for caller, helper in zip(self.callers, self.helpers, strict=True):
+            x = caller(x, helper)
+        return x.sum()
+
+
+def test_of_two_overlapping_stages_the_one_saving_more_stays() -> None:
+    chain = discover_chain(Overlapping(), torch.randn(2, 4))
+    assert chain.stages == ("helpers.0", "helpers.1")

@@ -28,7 +28,7 @@ same-class container are the stages.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +128,7 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):  # a dict, or transformers' BatchEncoding
         for value in obj.values():
             yield from _tensors(value)
     elif isinstance(obj, (list, tuple)):
