@@ -334,3 +334,19 @@ def test_profile_runs_on_an_encoder_decoder_from_the_cli(tmp_path: os.PathLike[s
     assert main(args) == 0
     prof = Profile.load(out)
     assert prof.measured_peak_bytes and len(prof.stages) >= 2
+
+
+def test_head_sizes_keep_the_family_s_proportions() -> None:
+    # heads x head size is 4/3 of the hidden size in gemma and 2x in mamba2 (its
+    # expand); gptj rotates a quarter of each head; mamba2's groups must divide its heads
+    gemma = load_model("hf:gemma")[0].config
+    assert (gemma.hidden_size, gemma.num_attention_heads, gemma.head_dim) == (128, 4, 42)
+    for model_type in ("mamba2", "gptj"):
+        model, batch, loss_fn = load_model(f"hf:{model_type}", **TINY_ANY)
+        assert loss_fn(model, batch).isfinite()
+        cfg = model.config
+        if model_type == "mamba2":
+            assert cfg.num_heads * cfg.head_dim == cfg.expand * cfg.hidden_size == 64
+            assert cfg.num_heads % cfg.n_groups == 0
+        else:
+            assert cfg.rotary_dim == 4  # a quarter of 32 / 2

@@ -129,7 +129,13 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 # Sizes derived from the generic ones (not options of their own).
 _HEAD_DIM = ("head_dim", "d_kv", "kv_channels")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+_KV_HEADS = (
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "multi_query_group_num",
+    "n_groups",
+)
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk")
 _STATE_SPACE = ("state_size", "ssm_state_size", "d_state", "mamba_d_state")
@@ -313,6 +319,11 @@ def _dropouts(defaults: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _even(value: float) -> int:
+    """``value`` rounded to an even whole number of at least 2 (rotary halves)."""
+    return max(2, 2 * round(value / 2))
+
+
 def _first(defaults: Mapping[str, Any], names: tuple[str, ...]) -> list[str]:
     return [n for n in names if _int(defaults.get(n))]
 
@@ -357,9 +368,19 @@ def _generic_sizes(
                 f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
                 "pick sizes where it is"
             )
-        for field in head_dims:
-            fields[field] = max(1, hidden // heads)
         base_heads = defaults[groups["num_attention_heads"][0]]
+        head_dim = hidden / heads  # what one head gets now, and what it got by default
+        base_head_dim = base_hidden / base_heads if base_hidden else head_dim
+        for field in head_dims:
+            if not base_hidden or base_heads * defaults[field] == base_hidden:
+                fields[field] = max(1, hidden // heads)
+            else:  # heads x head size is not the hidden size (mamba2: 2x, gemma: 4/3)
+                fields[field] = _even(defaults[field] * base_heads / heads * hidden / base_hidden)
+                head_dim, base_head_dim = fields[field], defaults[field]
+        if _int(defaults.get("rotary_dim")):  # the rotated share of a head (gptj, codegen)
+            fields["rotary_dim"] = min(
+                _even(defaults["rotary_dim"] * head_dim / base_head_dim), max(2, int(head_dim))
+            )
         for field in _first(defaults, _KV_HEADS):
             ratio = base_heads // defaults[field] if defaults[field] else 1
             keep = ratio >= 1 and base_heads % defaults[field] == 0 and heads % ratio == 0
