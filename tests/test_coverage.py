@@ -91,3 +91,26 @@ def test_profile_prints_the_chain_and_hints_at_stages_only_when_restricted(
     planned = capsys.readouterr().out
     assert "stages: 8 (layer1.0 .. layer4.1), covering" in planned
     assert json.loads(path.read_text())["stages"][0]["name"] == "layer1.0"
+
+
+def test_auto_prints_the_chain_line_and_the_hint_from_its_profile() -> None:
+    from rich.console import Console
+
+    from remat.bench.auto import AutoReport
+    from remat.cli.auto import render
+    from remat.plan import Plan
+
+    profile = _profile(pre=1700, post=0)
+    plan = Plan(stages=profile.stage_names, regions=(), options=("keep",) * 4, solver="optimal")
+    report = AutoReport(
+        model="m", budget="75%", budget_bytes=3000, plan=plan, baseline_peak_bytes=4000,
+        predicted_peak_bytes=2900, measured_peak_bytes=2900, predicted_peak_event="e",
+        peak_phase="backward", peak_module=None, peak_by_category={"activations": 2900},
+        baseline_peak_by_category={"activations": 4000}, step_time_s=1.0,
+        baseline_step_time_s=1.0, profile=profile,
+    )  # fmt: skip
+    console = Console(record=True, width=200)
+    render(report, console)
+    text = console.export_text()
+    assert "stages: 4 (blocks.0 .. blocks.3), covering 50% of activation memory" in text
+    assert "hint: 50% of the activation memory is outside the stages" in text
