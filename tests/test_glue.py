@@ -96,7 +96,8 @@ def test_gradients_are_bitwise_equal_under_regions_over_glue(profiled: tuple[Any
     assert problem.breaks == ()  # every link of these three can be replayed
     want = grads_after_step(model, batch, loss_fn, None)
     spans_glue = False
-    for plan in _plans(problem):
+    whole = Plan(problem.stage_names, (Region(0, problem.n),))  # over every link at once
+    for plan in [*_plans(problem), whole]:
         got = grads_after_step(model, batch, loss_fn, plan)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (name, plan.regions)
