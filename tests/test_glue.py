@@ -145,3 +145,46 @@ def test_a_link_that_reads_tensor_values_is_a_chain_break() -> None:
     with pytest.raises(remat.UsageError, match=r"after stage 'blocks.2' cannot be replayed"):
         loss_fn(model, batch)
     handle.remove()
+
+
+class KeywordBlock(nn.Module):
+    """Called as ``block(hidden_states=h, temb=t)``, as diffusers calls its resnets."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.emb = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Linear(d, d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(self.drop(torch.relu(self.fc1(hidden_states + self.emb(temb)))))
+        return hidden_states + h
+
+
+class KeywordLoop(nn.Module):
+    def __init__(self, n: int = 6, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(KeywordBlock(d) for _ in range(n))
+        self.temb = nn.Linear(1, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.temb(torch.ones(x.shape[0], 1))
+        for block in self.blocks:
+            x = block(hidden_states=x, temb=t)
+        return x
+
+
+def test_stages_called_by_keyword_are_profiled_planned_and_replayed() -> None:
+    torch.manual_seed(0)
+    model, batch = KeywordLoop(), torch.randn(32, 16)
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).pow(2).mean()
+
+    profile = remat.profile(model, batch, loss_fn, repeats=1)
+    assert [s.boundary_bytes for s in profile.stages] == [32 * 16 * 4] * 6  # hidden_states
+    problem = problem_from_profile(profile)
+    want = grads_after_step(model, batch, loss_fn, None)
+    whole = Plan(problem.stage_names, (Region(0, 6), Region(2, 5)))
+    for plan in [*_plans(problem), whole]:
+        got = grads_after_step(model, batch, loss_fn, plan)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), plan.regions
