@@ -33,6 +33,12 @@ the region in place that needs a gradient. Buffers changed in place between stag
 (BatchNorm's running statistics) are put back after their replay, as stage buffers are
 (Note [Buffers mutated in forward] in ``engine.py``). Python side effects (appending to a
 list) are not torch calls: they happen once, in forward.
+
+Under ``torch.compile`` of the whole model the recorder's ``__torch_function__`` is
+disabled for Dynamo, which then graph-breaks at each call between two stages of an open
+region and runs it eagerly, through the recorder: a compiled graph there would save other
+tensors in forward than the eager replay saves, and torch would reject the rebuild.
+Outside regions the model's code compiles as usual.
 """
 
 from __future__ import annotations
@@ -204,6 +210,7 @@ class GlueRecorder(TorchFunctionMode):
         self.on_step = on_step
         self.on_hazard = on_hazard
 
+    @torch.compiler.disable(recursive=True)
     def __torch_function__(
         self,
         func: Callable[..., Any],
