@@ -32,15 +32,16 @@ How 3 is found: by watching, not by reading code. For one training step, forward
 pre-hooks on every module of every stage record which ones run again *during backward*:
 only a recomputation runs a module's forward then. This catches every way to checkpoint,
 reentrant or not, ``torch.utils.checkpoint`` imported under any name, and other libraries'
-recomputation alike, with public module hooks only. The alternatives the brief offered
-were weaker: replacing ``torch.utils.checkpoint.checkpoint`` for one forward misses
+recomputation alike, with public module hooks only. The alternatives are weaker:
+replacing ``torch.utils.checkpoint.checkpoint`` for one forward misses
 ``from torch.utils.checkpoint import checkpoint`` done at import time; a TorchFunctionMode
 does not see ``checkpoint`` (it is not a torch function) and does not follow backward onto
 autograd's device threads; and the saved-tensor-hooks stack is readable only through
 private ``torch._C`` calls. Its blind spot: a checkpointed function that calls no module
 (pure ``torch.nn.functional`` on parameters) is not seen. The step costs one extra forward
-and backward; parameters, their ``.grad``, buffers, the RNG and the training mode are put
-back, so the model is exactly as before, whether profiling goes on or refuses.
+and backward and takes no optimizer step; the parameters' ``.grad``, buffers, the RNG and
+the training mode are put back, so the model is exactly as before, whether profiling goes
+on or refuses.
 """
 
 from __future__ import annotations
