@@ -182,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps} is below 1; give at least one step")
     model, batch, loss_fn, stages, description = load(args)
     if args.plan is not None:
+        if stages is None and not Path(args.plan).exists():  # a builder: the whole chain
+            from remat.stages import discover_stages
+
+            stages = discover_stages(model, batch, loss_fn)
         plan = build_plan(args.plan, model, stages)
         source = args.plan
     else:
