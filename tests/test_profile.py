@@ -359,8 +359,12 @@ def test_planner_keeps_everything_when_the_memory_allows(
     # every selective option costs time now, saving nothing the most
     nothing = solvers.selective_everywhere(problem, "save-nothing")
     assert seconds(nothing) > none.step_time_s
-    # so saving memory is never free: a little less than the peak costs something
-    tighter = solvers.optimal(problem, int(0.95 * none.peak_bytes))
+    # so saving memory is never free: a little less than the peak costs something (half
+    # way down to the least peak: on convnet-bn that is 97% of the peak, once the
+    # selective replays that need more than keep's backward are not offered)
+    tighter = solvers.optimal(
+        problem, (none.peak_bytes + solvers.minimum_budget(problem)) // 2
+    )
     assert seconds(tighter) > none.step_time_s
 
 

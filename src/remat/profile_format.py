@@ -131,6 +131,17 @@ class StageProfile:
     # (remat.profiling.assemble); the problem counts it with this stage's saved bytes.
     # Written only when not 0.
     link_saved_bytes: int = 0
+    # The last stage (by index) whose forward runs while the model's own code still
+    # references this stage's input / output beyond what the chain holds (a caller's frame
+    # around a nested container, a list of skip tensors); len(stages): past the chain, into
+    # the post-chain (the model returns it). None: nothing beyond the chain. Measured in
+    # the pass that saves nothing; written only when set (docs/cost-model.md).
+    input_held_through: int | None = None
+    output_held_through: int | None = None
+    # option -> the backward transient the stage needs under that selective option (its
+    # replay included) where the simulator charges keep's saved bytes; measured with the
+    # option on. Written only when set.
+    selective_bwd_transient_bytes: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -165,6 +176,23 @@ class StageProfile:
                 raise UsageError(f"profile {where} {flag} must be true or false")
         if self.break_before is not None and not isinstance(self.break_before, str):
             raise UsageError(f"profile {where} break_before must be a reason or null")
+        if not isinstance(self.selective_bwd_transient_bytes, Mapping):
+            raise UsageError(f"profile {where} selective_bwd_transient_bytes must map options "
+                             "to bytes")
+        replay = {
+            str(k): _int(v, f"{where} selective_bwd_transient_bytes[{k!r}]")
+            for k, v in self.selective_bwd_transient_bytes.items()
+        }
+        object.__setattr__(self, "selective_bwd_transient_bytes", MappingProxyType(replay))
+        for name in ("input_held_through", "output_held_through"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise UsageError(
+                    f"profile {where} {name}={value!r} is not a stage index; give an int >= 0 "
+                    "or null"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -185,6 +213,16 @@ class StageProfile:
             "extra_bwd_s": dict(self.extra_bwd_s),
             **({"break_before": self.break_before} if self.break_before is not None else {}),
             **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
+            **{
+                name: getattr(self, name)
+                for name in ("input_held_through", "output_held_through")
+                if getattr(self, name) is not None
+            },
+            **(
+                {"selective_bwd_transient_bytes": dict(self.selective_bwd_transient_bytes)}
+                if self.selective_bwd_transient_bytes
+                else {}
+            ),
         }
 
     @classmethod
@@ -212,7 +250,14 @@ _STAGE_KEYS_V1 = (
     "saves_output",
 )
 _STAGE_KEYS = (*_STAGE_KEYS_V1, "extra_bwd_s")
-_OPTIONAL_STAGE_KEYS = ("break_before", "link_saved_bytes")  # written only when set
+# written only when set
+_OPTIONAL_STAGE_KEYS = (
+    "break_before",
+    "link_saved_bytes",
+    "input_held_through",
+    "output_held_through",
+    "selective_bwd_transient_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -238,18 +283,28 @@ class FixedBytes:
     pre_chain_grads_bytes: int = 0
     post_chain_grads_bytes: int = 0
     optimizer_step_bytes: int = 0
+    # What the step still holds outside the chain through the chain's backward (the loss,
+    # which the caller holds, and what autograd keeps with it: 8 bytes for a float32
+    # cross entropy).
+    # Written only when set.
+    backward_residue_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name, _ in _FIXED_FIELDS:
+        for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
             object.__setattr__(self, name, _int(getattr(self, name), f"fixed_bytes {name}"))
 
     def to_dict(self) -> dict[str, int]:
-        return {key: getattr(self, name) for name, key in _FIXED_FIELDS}
+        return {
+            **{key: getattr(self, name) for name, key in _FIXED_FIELDS},
+            **{key: getattr(self, name) for name, key in _OPTIONAL_FIXED_FIELDS
+               if getattr(self, name)},
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FixedBytes:
-        _check_keys(data, tuple(key for _, key in _FIXED_FIELDS), "profile fixed_bytes")
-        return cls(**{name: data[key] for name, key in _FIXED_FIELDS})
+        fields = (*_FIXED_FIELDS, *((n, k) for n, k in _OPTIONAL_FIXED_FIELDS if k in data))
+        _check_keys(data, tuple(key for _, key in fields), "profile fixed_bytes")
+        return cls(**{name: data[key] for name, key in fields})
 
 
 # field name -> JSON key inside "fixed_bytes" (the object's name carries the unit)
@@ -265,6 +320,7 @@ _FIXED_FIELDS = (
     ("post_chain_grads_bytes", "post_chain_grads"),
     ("optimizer_step_bytes", "optimizer_step"),
 )
+_OPTIONAL_FIXED_FIELDS = (("backward_residue_bytes", "backward_residue"),)
 
 
 @dataclass(frozen=True)
@@ -491,7 +547,8 @@ def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:
     shifts: dict[str, int] = {}
     for i, stage in enumerate(new["stages"]):
         where = f"profile stage {stage.get('name', i)!r}" if isinstance(stage, dict) else ""
-        _check_keys(stage, _STAGE_KEYS_V1, where or "a profile stage")
+        optional = (k for k in _OPTIONAL_STAGE_KEYS if isinstance(stage, dict) and k in stage)
+        _check_keys(stage, (*_STAGE_KEYS_V1, *optional), where or "a profile stage")
         stage["extra_bwd_s"] = {}
         shifts[f"stages.{i}.bwd_transient_bytes"] = _int(stage["grad_bytes"], f"{where} grad_bytes")
     fixed = new["fixed_bytes"]

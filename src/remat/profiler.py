@@ -168,27 +168,63 @@ def profile(
         profile_s=profile_s,
     )
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
-    for note in notes(result):
+    transformers_model = type(model).__module__.startswith("transformers.")
+    for note in notes(result, transformers_model=transformers_model):
         warnings.warn(note, stacklevel=2)
     total = len(part_names(options))
     progress("done", total, total)
     return result
 
 
-def notes(result: Profile) -> tuple[str, ...]:
+def notes(result: Profile, *, transformers_model: bool = False) -> tuple[str, ...]:
     """Things about the profiled model that make checkpointing free less than planned.
 
     ``profile`` also issues each as a warning (``use_cache=True`` is warned about by
-    ``remat.apply``, which profiling runs).
+    ``remat.apply``, which profiling runs). ``transformers_model``: the model is a
+    transformers one, whose ``output_hidden_states=True`` is the usual cause of outputs
+    the model returns.
     """
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    n = len(result.stages)
+    returned = [s.name for s in result.stages if s.output_held_through == n]
+    during = [
+        s.name
+        for s in result.stages
+        if s.output_held_through is not None and s.output_held_through < n
+    ]
+    # A profile from before the held-through fields knows only that the output was kept.
+    other = [
+        s.name
+        for s in result.stages
+        if s.output_kept_outside and s.name not in returned and s.name not in during
+    ]
     found = []
-    kept = [s.name for s in result.stages if s.output_kept_outside]
-    if kept:
-        shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    if returned:
+        cause = (
+            "output_hidden_states=True returns every layer's output: turn it off for training"
+            if transformers_model
+            else "return only what the loss needs"
+        )
         found.append(
-            f"the outputs of stages {shown} stay referenced outside the chain, so "
-            "checkpointing them frees less than planned (a transformers model with "
-            "output_hidden_states=True returns every layer's output: turn it off for training)"
+            f"the outputs of stages {shown(returned)} are still referenced after the model's "
+            f"forward returns (in what it returns), so checkpointing them frees less than "
+            f"planned ({cause})"
+        )
+    if during:
+        found.append(
+            f"the outputs of stages {shown(during)} stay referenced by the model's own code "
+            "while later stages run (a caller holding the input of a container it called, "
+            "as nested nn.Sequential calls do, or a skip connection kept for a later block), "
+            "so a region frees them only after that; the predicted peak counts it "
+            "(docs/cost-model.md, \"Held outside the chain\")"
+        )
+    if other:
+        found.append(
+            f"the outputs of stages {shown(other)} stay referenced outside the chain, so "
+            "checkpointing them frees less than planned"
         )
     return tuple(found)
 

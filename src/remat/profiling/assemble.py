@@ -5,7 +5,12 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
 
 * saved (keep): how much the live total grew across the stage's forward, less its new
   output; the input was alive before and the output is the next stage's input.
-* forward transient: the stage forward's peak above the live total when it returned.
+* forward transient: the stage forward's peak above the live total when it returned, plus
+  the buffers the stage changes in place (BatchNorm's running statistics, 8 bytes for
+  ``num_batches_tracked`` alone): the runtime clones them around every rebuild of the
+  stage (Note [Buffers mutated in forward] in ``remat.runtime.engine``), so a rebuild
+  peaks that much higher than the forward. The no-save transient gets them too (a child
+  region runs its stages that way inside a rebuild).
 * backward transient: the stage backward's peak above the live total when it began, less
   its input's gradient (the simulator counts it), plus its output when it saved that (the
   simulator no longer counts it there). The parameter gradients it has created by its
@@ -20,6 +25,15 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
   stream when the block's input is a norm of it): the live total's rise over that code,
   less stage ``i``'s input when that code made it, plus stage ``i - 1``'s output when that
   code let it go (neither saved by the stage nor referenced outside the chain).
+* selective backward (``selective_bwd_transient_bytes``): the stage's backward under a
+  selective option (its replay included), measured in a step with the option on, as the
+  backward transient the simulator would need while it charges keep's saved bytes there:
+  the rise above the backward's start, plus the option's saved bytes, less keep's and the
+  input's gradient.
+* backward residue: what the step holds outside the chain when the chain's backward
+  begins, beyond the chain's end in forward, the output's gradient and the post-chain's
+  parameter gradients: the loss the caller holds and what autograd keeps with it (8 bytes
+  for a float32 cross entropy), which no part of the chain frees.
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
   first stage's input. Post-chain: its larger rise in forward and in backward above the
   live total at the chain's end (the backward's with the parameter gradients it has
@@ -36,7 +50,7 @@ from torch import nn
 from remat.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
 from remat.profiling.optimes import option_extra_s
-from remat.profiling.run import Measurements
+from remat.profiling.run import NOTHING, Measurements
 
 __all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]
 
@@ -95,10 +109,22 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         for option in m.selective_options:
             saved.setdefault(option, nosave.kept_bytes)
         input_grad = nosave.boundary_bytes if nosave.input_requires_grad else 0
+        clones = nosave.mutated_buffer_bytes
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output else 0
         extra = {option: extras[option][i] for option in m.selective_options}
+        # Under a selective option the stage's backward replays its unsaved ops first; in
+        # the simulator's terms (its backward event charges keep's saved bytes), the
+        # transient that backward needs (the problem offers the option only where keep's
+        # figure covers it).
+        replay = {}
+        for option in m.selective_options:
+            measured = option in m.measured_in and i in m.measured_in[option]
+            spans = m.selective_backward.get(option if measured else NOTHING)
+            if spans is not None:
+                rise = spans[i].peak_bytes - spans[i].entry_bytes
+                replay[option] = max(0, rise + saved[option] - saved["keep"] - input_grad)
         found.append(
             StageProfile(
                 name=name,
@@ -109,17 +135,25 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 bwd_s=m.times.bwd_s[i],
                 rebuild_s=m.rebuild.rebuild_s[i],
                 extra_bwd_s=extra,
-                fwd_transient_bytes=fwd.peak_bytes - fwd.exit_bytes,
+                # A rebuild of the stage runs with its changed buffers cloned (module
+                # docstring): counted in both forward figures, a few bytes over elsewhere.
+                fwd_transient_bytes=fwd.peak_bytes - fwd.exit_bytes + clones,
+                # plus the clones a selective stage's replay makes (a few bytes over for
+                # keep, which has none)
                 bwd_transient_bytes=max(
                     0, bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad
-                ),
-                nosave_transient_bytes=nosave.over_io_bytes,
+                )
+                + clones,
+                nosave_transient_bytes=nosave.over_io_bytes + clones,
                 grad_bytes=grads[i],
                 output_kept_outside=m.nosave.kept_outside[i],
                 saves_input=nosave.saves_input,
                 saves_output=nosave.saves_output,
                 break_before=m.breaks[i],
                 link_saved_bytes=link_saved_bytes(m, i),
+                selective_bwd_transient_bytes=replay,
+                input_held_through=m.nosave.input_held_through[i],
+                output_held_through=m.nosave.output_held_through[i],
             )
         )
     return found
@@ -131,6 +165,13 @@ def fixed_bytes(
     spans = m.spans
     chain_end = spans.stage_forward[-1].exit_bytes
     pre_chain = spans.stage_forward[0].entry_bytes - spans.start_bytes - first_boundary_bytes
+    # When the chain's backward begins, beyond the chain's end in forward: the chain
+    # output's gradient in place of the output (the same size; the output stays too when
+    # the last stage saved it), the post-chain's parameter gradients, and what the caller
+    # still holds (the loss).
+    last = m.nosave.stages[-1]
+    held_output = last.output_bytes if last.saves_output else 0
+    residue = spans.stage_backward[-1].entry_bytes - chain_end - held_output - post_grads
     return FixedBytes(
         **m.counts,
         pre_chain_bytes=max(0, pre_chain),
@@ -142,4 +183,5 @@ def fixed_bytes(
         pre_chain_grads_bytes=pre_grads,
         post_chain_grads_bytes=post_grads,
         optimizer_step_bytes=spans.optimizer.rise_bytes,
+        backward_residue_bytes=max(0, residue),
     )

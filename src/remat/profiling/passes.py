@@ -54,6 +54,9 @@ class StageForward:
     saves_output: bool = False
     # Its input is the previous stage's output (by storage): no code of the model's between.
     gets_previous_output: bool = False
+    # Buffers the stage changed in place (BatchNorm's running statistics): the runtime
+    # clones them around every rebuild of the stage (Note [Buffers mutated in forward]).
+    mutated_buffer_bytes: int = 0
 
     @property
     def new_output_bytes(self) -> int:
@@ -81,6 +84,27 @@ class ForwardPass:
     # Per stage: its output was still referenced after the chain moved past it (two
     # stages later, or after the forward) although nothing was saved.
     kept_outside: tuple[bool, ...]
+    # Per stage: the last stage whose return still found its input / its output
+    # referenced beyond what the chain holds (n: still after the model's forward
+    # returned), or None; read from the no-save pass only (Note [Held outside the chain]).
+    input_held_through: tuple[int | None, ...] = ()
+    output_held_through: tuple[int | None, ...] = ()
+
+
+def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
+    """Bytes of the buffers the runtime clones around a rebuild of ``module`` (the rule of
+    ``remat.runtime.engine``: those whose version changed, and a norm's running statistics
+    when its ``num_batches_tracked`` did, which torch's kernels update without a bump)."""
+    changed = {id(b): b for b, v in versions if b._version != v}
+    for m in module.modules():
+        stats = m._buffers
+        counter = stats.get("num_batches_tracked")
+        if counter is not None and id(counter) in changed:
+            for name in ("running_mean", "running_var"):
+                b = stats.get(name)
+                if b is not None:
+                    changed[id(b)] = b
+    return sum(storage_bytes(b) for b in changed.values())
 
 
 def _never(_packed: None) -> torch.Tensor:
@@ -116,6 +140,23 @@ def forward_pass(
         ref = outputs[j]
         return ref is not None and ref() is not None
 
+    inputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
+    # the last stage at whose return each stage's input / output was alive
+    input_seen = [-1] * n
+    output_seen = [-1] * n
+
+    def seen(k: int, at: int | None = None) -> None:
+        """Note, at stage k's return (``at``: after the forward), what is still alive."""
+        at = k if at is None else at
+        for j in range(k + 1):
+            ref = inputs[j]
+            if ref is not None and ref() is not None:
+                input_seen[j] = at
+            if alive(j):
+                output_seen[j] = at
+
+    versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
+    batch_tensors = list(iter_tensors(batch))
     order: list[int] = []
     previous: dict[int, bool] = {}  # stage -> it got the previous stage's output
     current: list[int] = []  # the stage running now, if any
@@ -140,6 +181,7 @@ def forward_pass(
         # output may be the model's own output.
         for j in range(n - 1):
             kept[j] = kept[j] or alive(j)
+        seen(n - 1, at=n)
 
     def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         order.append(i)
@@ -153,6 +195,7 @@ def forward_pass(
         )
         current[:] = [i]
         offered.clear()
+        versions[i] = [(b, b._version) for b in modules[i].buffers()]
 
     def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         live, peak = tracker.live_bytes, tracker.peak_bytes
@@ -169,11 +212,17 @@ def forward_pass(
             saves_input=offered_any(x),
             saves_output=offered_any(y),
             gets_previous_output=previous.get(i, False),
+            mutated_buffer_bytes=_mutated_bytes(modules[i], versions.pop(i, [])),
         )
         current.clear()
         offered.clear()
         if y is not None:
             outputs[i] = weakref.ref(y.untyped_storage())
+        if x is not None and not any(same_storage(x, t) for t in batch_tensors):
+            # (the batch is alive all step, counted apart)
+            inputs[i] = weakref.ref(x.untyped_storage())
+        if not save:
+            seen(i)
 
     with buffers_restored(model):
         tracker.register_existing(model)
@@ -193,6 +242,7 @@ def forward_pass(
                 if not save:
                     for j in range(n):
                         kept[j] = kept[j] or alive(j)
+                    seen(n - 1, at=n)
         finally:
             if root is not None:
                 root.remove()
@@ -210,4 +260,17 @@ def forward_pass(
             f"the forward calls the stages as {called}, ..., not once each in the order "
             "given; list the stages in the order the forward calls them, once each"
         )
-    return ForwardPass(tuple(f for f in found if f is not None), tuple(kept))
+    stages = tuple(f for f in found if f is not None)
+    if save:
+        return ForwardPass(stages, tuple(kept))
+    # The chain holds a stage's input through its call, and its output through the next
+    # stage's call when that is its input (else only through its own return).
+    own = [i + 1 if i + 1 < n and stages[i + 1].gets_previous_output else i for i in range(n)]
+    return ForwardPass(
+        stages,
+        tuple(kept),
+        input_held_through=tuple(k if k > i else None for i, k in enumerate(input_seen)),
+        output_held_through=tuple(
+            k if k > own[i] and i < n - 1 else None for i, k in enumerate(output_seen)
+        ),
+    )

@@ -16,7 +16,9 @@ measured by the tracker and up to four tracked forwards:
    allocator to the step's size);
 3. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
 4. for each selective option, one forward with the option applied to the stages that run
-   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps);
+   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps), and one step
+   measured with a timeline with the option on every stage (each stage's backward with
+   its replay), plus one such step under ``save-nothing`` (:func:`_replayed`);
 5. the fixed cost of one region on a chain of tiny stages (:mod:`.overhead`), the floor
    under what the steps with a region per stage show (:func:`.optimes.region_overhead_s`).
 """
@@ -36,12 +38,14 @@ from remat import plans
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.plan import Plan
+from remat.profiling._tensors import buffers_restored
 from remat.profiling.links import find_breaks
 from remat.profiling.optimes import policy_op_names
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
-from remat.profiling.timeline import StepSpans, split_step
+from remat.profiling.timeline import Span, StepSpans, split_step
 from remat.profiling.timing import StepTimes, median_times, timed_steps
+from remat.runtime import apply
 
 __all__ = ["Measurements", "measure_all", "part_names"]
 
@@ -60,6 +64,9 @@ class Measurements:
     step: StepMemory
     spans: StepSpans
     selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs)
+    # option -> each stage's backward (its replay included) in a step with the option on
+    # every stage; save-nothing's always when a selective option was asked for
+    selective_backward: dict[str, tuple[Span, ...]]
     measured_in: dict[str, frozenset[int]]  # option -> stages measured in its pass
     counts: dict[str, int]  # params_bytes, buffers_bytes, grads_bytes, ... by the tracker
     overhead: RegionOverhead
@@ -107,6 +114,36 @@ def _fixed_counts(
         "optimizer_state_bytes": live.optimizer_state_bytes,
         "inputs_bytes": live.inputs_bytes,
     }
+
+
+NOTHING = "selective:save-nothing"
+
+
+def _replayed(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    names: tuple[str, ...],
+    optimizer: torch.optim.Optimizer,
+    option: str,
+) -> tuple[Span, ...]:
+    """Each stage's backward, its replay included, in one step with ``option`` on every stage.
+
+    A selective stage replays its unsaved ops at its backward, and that replay can peak
+    above what keep's backward holds (a block ending in a ReLU makes its output again):
+    measured, for the problem to offer an option only where the simulator's figure covers
+    it (docs/cost-model.md, assumption 7).
+    """
+    plan = Plan(stages=names, options=(option,) * len(names), solver="profile")
+    handle = apply(model, plan)
+    gc.freeze()
+    try:
+        with buffers_restored(model):
+            step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True)
+    finally:
+        gc.unfreeze()
+        handle.remove()
+    return split_step(step, names).stage_backward
 
 
 def measure_all(
@@ -189,6 +226,7 @@ def measure_all(
     spans = split_step(step, names)
 
     selective: dict[str, ForwardPass] = {}
+    selective_backward: dict[str, tuple[Span, ...]] = {}
     measured_in: dict[str, frozenset[int]] = {}
     for option in (o for o in options if o != "keep"):
         part(f"saved bytes, {option}")
@@ -204,6 +242,10 @@ def measure_all(
         )
         selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
         measured_in[option] = wanted
+        selective_backward[option] = _replayed(model, batch, loss_fn, names, optimizer, option)
+    if any(o != "keep" for o in options):
+        # A stage that runs none of an option's ops replays like save-nothing.
+        selective_backward[NOTHING] = _replayed(model, batch, loss_fn, names, optimizer, NOTHING)
 
     part(parts[-1])
     overhead = region_overhead(dtype=dtype, device=device)
@@ -218,6 +260,7 @@ def measure_all(
         step=step,
         spans=spans,
         selective=selective,
+        selective_backward=selective_backward,
         measured_in=measured_in,
         counts=counts,
         overhead=overhead,

@@ -81,10 +81,12 @@ def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
         return owner[path]
 
     def windows(lo: int, hi: int, phase: Phase) -> list[tuple[int, int]]:
+        # A selective stage's replay runs in its backward (phase REBUILD, same module).
+        phases = (phase, Phase.REBUILD) if phase is Phase.BACKWARD else (phase,)
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for k in range(lo, hi):
-            if events[k].phase is phase:
+            if events[k].phase in phases:
                 i = stage_of(events[k].module_path)
                 if i >= 0:
                     first.setdefault(i, k)

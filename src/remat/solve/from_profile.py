@@ -8,6 +8,13 @@ map one to one. The rest:
 * ``params_bytes`` holds parameters and buffers: both stay on the device all step.
 * where code between two stages changes the hidden state's size, the simulator still
   tracks one tensor between them; it gets the larger of the two sizes.
+* a selective option whose measured backward (its replay included,
+  ``selective_bwd_transient_bytes``) needs more than the stage's keep backward figure is
+  not offered for that stage: the simulator charges a selective stage's backward with
+  keep's figures, so offering it would under-predict (docs/cost-model.md, assumption 7).
+* ``backward_residue_bytes`` (the loss the caller holds through backward) is charged with
+  ``pre_chain_bytes``: alive to the pre-chain's backward, as it is (a few bytes over in
+  forward, where it does not exist yet).
 * ``extra_bwd_s``: a selective option's measured cost (its unsaved ops rebuilt and its
   checkpoint frame); a profile of schema version 1 has none, and its options cost no time.
 * parameter gradients: the profile says which part creates each (stages' ``grad_bytes``,
@@ -33,8 +40,14 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     stages = profile.stages
     # x_{i+1}: what stage i returns and stage i+1 receives, one size for both.
     links = [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(stages)]
+    held, after_chain = held_outside(profile)
     costs = []
     for i, s in enumerate(stages):
+        # The simulator charges a selective stage's backward with keep's saved bytes and
+        # backward transient; an option whose replay needs more (measured) is not offered.
+        dropped = {
+            o for o, b in s.selective_bwd_transient_bytes.items() if b > s.bwd_transient_bytes
+        }
         costs.append(
             StageCost(
                 name=s.name,
@@ -43,14 +56,22 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                 # What the code before the stage keeps goes where the stage's does: held
                 # at the top level, dropped inside a region (not at a region's first stage,
                 # where it stays outside the region: docs/cost-model.md).
-                saved_bytes={o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
+                saved_bytes={
+                    o: b + s.link_saved_bytes
+                    for o, b in s.saved_bytes.items()
+                    if o not in dropped
+                },
                 fwd_s=s.fwd_s,
                 bwd_s=s.bwd_s,
                 rebuild_s=s.rebuild_s,
-                extra_bwd_s={o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
-                fwd_transient_bytes=s.fwd_transient_bytes,
+                extra_bwd_s={
+                    o: t
+                    for o, t in s.extra_bwd_s.items()
+                    if o in s.saved_bytes and o not in dropped
+                },
+                fwd_transient_bytes=s.fwd_transient_bytes + held[i],
                 bwd_transient_bytes=s.bwd_transient_bytes,
-                nosave_transient_bytes=s.nosave_transient_bytes,
+                nosave_transient_bytes=s.nosave_transient_bytes + held[i],
                 grad_bytes=s.grad_bytes,
                 saves_input=s.saves_input,
                 break_before=s.break_before,
@@ -70,8 +91,10 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         post_chain_grads_bytes=fixed.post_chain_grads_bytes,
         optimizer_step_bytes=fixed.optimizer_step_bytes,
         optimizer_bytes=fixed.optimizer_state_bytes,
-        pre_chain_bytes=fixed.pre_chain_bytes,
-        post_chain_bytes=fixed.post_chain_bytes,
+        # The loss (and what autograd keeps with it), alive through the chain's backward to the
+        # pre-chain's, ride with what the pre-chain keeps: a few bytes over in forward.
+        pre_chain_bytes=fixed.pre_chain_bytes + fixed.backward_residue_bytes,
+        post_chain_bytes=fixed.post_chain_bytes + after_chain,
         input_bytes=fixed.inputs_bytes,
         region_overhead_bytes=profile.region_overhead_bytes,
         region_overhead_s=profile.region_overhead_s,
@@ -80,6 +103,42 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         slots=slots,
         description=profile.model,
     )
+
+
+def held_outside(profile: Profile) -> tuple[list[int], int]:
+    """Bytes the model's own code holds outside the chain during each stage's forward, and
+    during the post-chain's (docs/cost-model.md, "Held outside the chain").
+
+    Boundary ``x_b`` referenced through stage ``k``'s forward is charged to the forward
+    figures of stages ``b + 1 .. k`` (through the post-chain when the model returns it),
+    unless every plan holds it there anyway: stage ``b`` keeps its input under every
+    option and no region can start before ``b`` and contain it (``b`` is 0 or a break).
+    An upper bound: the charge also lands where a plan holds ``x_b`` already, and on the
+    stage's runs inside rebuilds, where the model's frames are gone.
+    """
+    stages = profile.stages
+    n = len(stages)
+    links = [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(stages)]
+    sizes = [stages[0].boundary_bytes, *links]
+    # boundary -> the last stage whose forward it outlives (as stage b's input, or as
+    # stage b - 1's output: one tensor, charged once)
+    last: dict[int, int] = {}
+    for b, through in [(i, s.input_held_through) for i, s in enumerate(stages)] + [
+        (i + 1, s.output_held_through) for i, s in enumerate(stages) if i + 1 < n
+    ]:
+        if through is not None and through > b:
+            last[b] = max(last.get(b, through), through)
+    held = [0] * n
+    after_chain = 0
+    for b, through in sorted(last.items()):
+        always = stages[b].saves_input and (b == 0 or stages[b].break_before is not None)
+        if always:
+            continue
+        for p in range(b + 1, min(through, n - 1) + 1):
+            held[p] += sizes[b]
+        if through >= n:
+            after_chain += sizes[b]
+    return held, after_chain
 
 
 def no_checkpoint_plan(profile: Profile) -> Plan:

@@ -1,0 +1,198 @@
+"""Exact peaks: what the profile measures so that predicted peaks hold on CNN-shaped models.
+
+The selective replay that peaks above keep's backward, the buffers a rebuild clones, the
+stage outputs the model's own code keeps referenced outside the chain (nested
+containers, skip lists) and the warning text about them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.measure import measure_step
+from remat.models.resnet import resnet
+from remat.plan import Plan
+from remat.profile_format import FixedBytes, Profile, StageProfile
+from remat.profiler import notes
+from remat.profiling.passes import forward_pass
+from remat.solve import simulate, solvers
+from remat.solve.from_profile import held_outside, problem_from_profile
+
+D = 8
+
+
+def _blocks(n: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(n)]
+
+
+class Nested(nn.Module):
+    """``b(a(x))`` with two nn.Sequential containers of two blocks: torchvision's ResNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Sequential(*_blocks(2)), nn.Sequential(*_blocks(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        return self.b(self.a(x)).sum()
+
+
+class Skip(nn.Module):
+    """The first block's output is added back before the last block (a UNet's skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_blocks(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s0, s1, s2, s3 = self.blocks
+        skips = [s0(x * 2)]
+        h = s2(s1(skips[-1]))
+        return s3(h + skips.pop()).sum()
+
+
+class Plain(Skip):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def _held(model: nn.Module, names: list[str]) -> tuple[tuple[int | None, ...], ...]:
+    x = torch.randn(4, D, requires_grad=True)
+    found = forward_pass(model, x, lambda m, b: m(b), names, device=None, save=False)
+    return found.input_held_through, found.output_held_through
+
+
+def test_nested_containers_hold_their_input_until_they_return() -> None:
+    # The model's local x (stage 0's input) lives to the end of its forward; a's output is
+    # b's argument until b returns (after stage 3), though b.0 is done with it at stage 2.
+    held_in, held_out = _held(Nested(), ["a.0", "a.1", "b.0", "b.1"])
+    assert held_in == (3, None, 3, None)
+    assert held_out == (None, 3, None, None)
+
+
+def test_a_skip_is_held_until_the_code_that_uses_it() -> None:
+    # The skip leaves the list at the last block's call; blocks.2's output is the local h,
+    # alive until the forward returns although the last block gets the sum.
+    held_in, held_out = _held(Skip(), ["blocks.0", "blocks.1", "blocks.2", "blocks.3"])
+    assert held_in == (None, 2, None, None)
+    assert held_out == (2, None, 3, None)
+
+
+def test_a_plain_chain_holds_nothing_outside() -> None:
+    assert _held(Plain(), ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]) == ((None,) * 4,) * 2
+
+
+def _profile(**held: int | None) -> Profile:
+    def stage(name: str, out: int | None = None) -> StageProfile:
+        return StageProfile(name, 64, 64, {"keep": 0}, output_held_through=out,
+                            output_kept_outside=out is not None)
+
+    stages = (stage("layer1.0", held.get("first")), stage("layer1.1"), stage("layer2.0"))
+    return Profile(model="M", batch_size=1, stages=stages, fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
+
+
+def test_the_warning_names_nested_containers_not_transformers_flags() -> None:
+    (said,) = notes(_profile(first=2))
+    assert "layer1.0" in said and "nn.Sequential" in said and "skip connection" in said
+    assert "output_hidden_states" not in said
+
+
+def test_outputs_the_model_returns_get_the_transformers_advice_only_on_transformers() -> None:
+    (cnn,) = notes(_profile(first=3))
+    (hf,) = notes(_profile(first=3), transformers_model=True)
+    assert "returns" in cnn and "output_hidden_states" not in cnn
+    assert "output_hidden_states=True" in hf
+    assert notes(_profile()) == ()
+
+
+def test_a_selective_option_whose_replay_needs_more_is_not_offered() -> None:
+    def prof(replay: int) -> Profile:
+        stage = StageProfile(
+            "blocks.0", 64, 64, {"keep": 128, "selective:save-nothing": 0},
+            bwd_transient_bytes=100,
+            selective_bwd_transient_bytes={"selective:save-nothing": replay},
+        )
+        return Profile(model="M", batch_size=1, stages=(stage,),
+                       fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
+
+    assert problem_from_profile(prof(100)).options(0) == ("keep", "selective:save-nothing")
+    assert problem_from_profile(prof(101)).options(0) == ("keep",)
+
+
+@pytest.fixture(scope="module")
+def small_resnet() -> tuple[nn.Module, object, object, Profile]:
+    model, batch, loss_fn = resnet(width=4, blocks_per_layer=1, image_size=16, batch_size=8)
+    stages = [f"layer{k}.0" for k in range(1, 5)]
+    prof = remat.profile(model, batch, loss_fn, repeats=1, stages=stages,
+                         options=("keep", "selective:save-nothing"))
+    return model, batch, loss_fn, prof
+
+
+def test_a_relu_ending_blocks_replay_is_measured_above_keeps_backward(
+    small_resnet: tuple[nn.Module, object, object, Profile],
+) -> None:
+    # A BasicBlock ends in a ReLU whose output keep saves: the replay makes the output
+    # again, with the norm's output and the sum around it (keep's backward holds none).
+    *_, prof = small_resnet
+    first = prof.stages[0]
+    assert first.selective_bwd_transient_bytes["selective:save-nothing"] > (
+        first.bwd_transient_bytes
+    )
+    assert "selective:save-nothing" not in problem_from_profile(prof).options(0)
+
+
+def test_per_stage_regions_over_batchnorm_blocks_stay_within_the_prediction(
+    small_resnet: tuple[nn.Module, object, object, Profile],
+) -> None:
+    # Each rebuild clones the block's BatchNorm statistics (80 bytes here) and the loss
+    # stays alive through backward (8 bytes): both were missing from the prediction.
+    model, batch, loss_fn, prof = small_resnet
+    problem = problem_from_profile(prof)
+    plan = solvers.per_stage(problem)
+    applied = copy.deepcopy(model)
+    handle = remat.apply(applied, plan)
+    measured = measure_step(applied, batch, loss_fn).peak_bytes
+    handle.remove()
+    assert measured <= simulate(plan, problem).peak_bytes
+
+
+def test_the_minimum_budget_plan_runs_within_its_prediction(
+    small_resnet: tuple[nn.Module, object, object, Profile],
+) -> None:
+    model, batch, loss_fn, prof = small_resnet
+    problem = problem_from_profile(prof)
+    plan = solvers.optimal(problem, solvers.minimum_budget(problem))
+    assert isinstance(plan, Plan)
+    applied = copy.deepcopy(model)
+    handle = remat.apply(applied, plan)
+    measured = measure_step(applied, batch, loss_fn).peak_bytes
+    handle.remove()
+    predicted = simulate(plan, problem).peak_bytes
+    assert predicted - 1024 <= measured <= predicted
+
+
+def test_outputs_held_outside_are_charged_to_the_forwards_they_outlive() -> None:
+    def stage(i: int, held_in: int | None = None, held_out: int | None = None) -> StageProfile:
+        return StageProfile(f"s{i}", 100 * (i + 1), 100 * (i + 2), {"keep": 0},
+                            input_held_through=held_in, output_held_through=held_out)
+
+    # x_0 (held to the end) is held by stage 0 in every plan; x_2 is stage 1's output and
+    # stage 2's input, held through stage 3 (charged once); x_3 is returned by the model.
+    stages = (stage(0, held_in=4), stage(1, held_out=4 - 1), stage(2, held_in=3, held_out=5),
+              stage(3), stage(4))
+    prof = Profile(model="M", batch_size=1, stages=stages, fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
+    held, after_chain = held_outside(prof)
+    assert held == [0, 0, 0, 300, 400]
+    assert after_chain == 400
+    problem = problem_from_profile(prof)
+    assert [s.fwd_transient_bytes for s in problem.stages] == held
+    assert [s.nosave_transient_bytes for s in problem.stages] == held
+    assert problem.post_chain_bytes == 400
