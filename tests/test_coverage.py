@@ -114,3 +114,14 @@ def test_auto_prints_the_chain_line_and_the_hint_from_its_profile() -> None:
     text = console.export_text()
     assert "stages: 4 (blocks.0 .. blocks.3), covering 50% of activation memory" in text
     assert "hint: 50% of the activation memory is outside the stages" in text
+
+
+def test_auto_that_finds_no_plan_names_the_chain_and_hints_at_stages(tmp_path: Path) -> None:
+    out = tmp_path / "auto.json"
+    code = main(["auto", "--model", "resnet", "--set", "width=4", "--set", "image_size=8",
+                 "--set", "batch_size=2", "--stages", "layer4.0,layer4.1", "--budget", "10%",
+                 "--repeats", "1", "--json", str(out)])
+    error = json.loads(out.read_text())["error"]
+    assert code == 1 and error["stage"] == "planning" and error["minimum_budget_bytes"] > 0
+    assert "stages: 2 given (layer4.0 .. layer4.1), covering" in error["message"]
+    assert "--stages" in error["message"]

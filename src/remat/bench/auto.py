@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from remat.coverage import coverage, coverage_lines
 from remat.errors import CheckFailed, RematError, UsageError
 from remat.measure.malloc import set_malloc
 from remat.plan import Plan
@@ -231,6 +232,7 @@ class AutoReport:
             "verify_detail": self.verify_detail,
             "problems": list(self.problems),
             "plan": self.plan.to_dict(),
+            "coverage": None if self.profile is None else coverage(self.profile).to_dict(),
             "environment": None if self.environment is None else self.environment.to_dict(),
             "timings_s": dict(self.timings_s),
             "elapsed_s": self.elapsed_s,
@@ -337,7 +339,9 @@ def _auto(
         try:
             plan = make_plan(problem, budget, "optimal")
         except CheckFailed as err:  # no plan fits: say the least budget that does
-            raise Stopped("planning", str(err), err.exit_code,
+            # and, when the stages cover little of the memory, that more stages would help
+            lines = coverage_lines(prof, given=stages is not None)
+            raise Stopped("planning", "; ".join([str(err), *lines]), err.exit_code,
                           minimum_budget(problem)) from err
         predicted_event = simulate(plan, problem).peak_event
     timings["plan_s"] = time.perf_counter() - t
