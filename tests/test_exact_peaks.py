@@ -20,7 +20,7 @@ from remat.plan import Plan
 from remat.profile_format import FixedBytes, Profile, StageProfile
 from remat.profiler import notes
 from remat.profiling.passes import forward_pass
-from remat.solve import simulate, solvers
+from remat.solve import Problem, simulate, solvers
 from remat.solve.from_profile import held_outside, problem_from_profile
 
 D = 8
@@ -113,7 +113,7 @@ def test_outputs_the_model_returns_get_the_transformers_advice_only_on_transform
     assert notes(_profile()) == ()
 
 
-def test_a_selective_option_whose_replay_needs_more_is_not_offered() -> None:
+def test_a_selective_option_whose_replay_needs_more_is_priced_by_its_own_backward() -> None:
     def prof(replay: int) -> Profile:
         stage = StageProfile(
             "blocks.0", 64, 64, {"keep": 128, "selective:save-nothing": 0},
@@ -123,8 +123,17 @@ def test_a_selective_option_whose_replay_needs_more_is_not_offered() -> None:
         return Profile(model="M", batch_size=1, stages=(stage,),
                        fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
 
-    assert problem_from_profile(prof(100)).options(0) == ("keep", "selective:save-nothing")
-    assert problem_from_profile(prof(101)).options(0) == ("keep",)
+    same, more = problem_from_profile(prof(100)), problem_from_profile(prof(101))
+    assert same.options(0) == more.options(0) == ("keep", "selective:save-nothing")
+    assert same.stages[0].bwd_transient_by_option == {}
+    assert more.stages[0].bwd_transient("selective:save-nothing") == 101
+    assert more.stages[0].bwd_transient("keep") == 100
+
+    def peak(problem: Problem) -> int:
+        plan = Plan(("blocks.0",), (), ("selective:save-nothing",))
+        return simulate(plan, problem).peak_bytes
+
+    assert peak(more) == peak(same) + 1  # the replay's extra byte is in the backward's peak
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +150,21 @@ def test_a_relu_ending_blocks_replay_is_measured_above_keeps_backward(
 ) -> None:
     # A BasicBlock ends in a ReLU whose output keep saves: the replay makes the output
     # again, with the norm's output and the sum around it (keep's backward holds none).
-    *_, prof = small_resnet
+    model, batch, loss_fn, prof = small_resnet
     first = prof.stages[0]
-    assert first.selective_bwd_transient_bytes["selective:save-nothing"] > (
-        first.bwd_transient_bytes
-    )
-    assert "selective:save-nothing" not in problem_from_profile(prof).options(0)
+    replay = first.selective_bwd_transient_bytes["selective:save-nothing"]
+    assert replay > first.bwd_transient_bytes
+    problem = problem_from_profile(prof)
+    assert problem.stages[0].bwd_transient("selective:save-nothing") == replay
+    # and with that figure a plan of the option everywhere is predicted as it runs
+    plan = solvers.selective_everywhere(problem, "save-nothing")
+    assert set(plan.options) == {"selective:save-nothing"}
+    applied = copy.deepcopy(model)
+    handle = remat.apply(applied, plan)
+    measured = measure_step(applied, batch, loss_fn).peak_bytes
+    handle.remove()
+    predicted = simulate(plan, problem).peak_bytes
+    assert predicted - 0.01 * predicted <= measured <= predicted, (measured, predicted)
 
 
 def test_per_stage_regions_over_batchnorm_blocks_stay_within_the_prediction(

@@ -59,6 +59,10 @@ def scaled(problem: Problem, factor: int) -> Problem:
             if key.endswith("_bytes") and isinstance(value, int):
                 s[key] = value * factor
         s["saved_bytes"] = {o: v * factor for o, v in s["saved_bytes"].items()}
+        if "bwd_transient_by_option" in s:
+            s["bwd_transient_by_option"] = {
+                o: v * factor for o, v in s["bwd_transient_by_option"].items()
+            }
     if problem.offload_bandwidth_bytes_per_s is not None:
         data["offload_bandwidth_bytes_per_s"] = problem.offload_bandwidth_bytes_per_s * factor
     return Problem.from_dict(data)
@@ -138,9 +142,12 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False) -> Problem:
         keep = draw(st.integers(0, 10))
         saved: dict[str, int] = {"keep": keep}
         extra: dict[str, float] = {}
+        by_option: dict[str, int] = {}
         if selective[i]:
             saved["selective:save-matmuls"] = draw(st.integers(0, keep))
             extra["selective:save-matmuls"] = float(draw(st.integers(0, 2)))
+            if draw(st.booleans()):  # its replay needs another backward transient than keep
+                by_option["selective:save-matmuls"] = draw(st.integers(0, 6))
         if offload and draw(st.booleans()):
             saved["offload"] = draw(st.integers(0, 12))  # else keep + input
         stages.append(StageCost(
@@ -153,6 +160,7 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False) -> Problem:
             grad_bytes=draw(st.integers(0, 4)),
             saves_input=draw(st.booleans()),
             break_before="glue" if breaks and i > 0 and draw(st.booleans()) else None,
+            bwd_transient_by_option=by_option,
         ))
     pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
     attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads

@@ -193,7 +193,8 @@ class Model:
                 else:
                     tf.append(s.saved_bytes[o] + s.fwd_transient_bytes)
                     save.append(s.saved_bytes[o])
-                    dev.append(s.saved_bytes["keep"])
+                    # bwd() adds keep's transient; a selective option's own replaces it
+                    dev.append(s.saved_bytes["keep"] + s.bwd_transient(o) - s.bwd_transient_bytes)
                     t = s.extra_bwd_s.get(o, 0.0)
                     tt.append(t)
                     tr.append(s.rebuild_s + t)

@@ -8,10 +8,11 @@ map one to one. The rest:
 * ``params_bytes`` holds parameters and buffers: both stay on the device all step.
 * where code between two stages changes the hidden state's size, the simulator still
   tracks one tensor between them; it gets the larger of the two sizes.
-* a selective option whose measured backward (its replay included,
-  ``selective_bwd_transient_bytes``) needs more than the stage's keep backward figure is
-  not offered for that stage: the simulator charges a selective stage's backward with
-  keep's figures, so offering it would under-predict (docs/cost-model.md, assumption 7).
+* a selective option's measured backward (its replay included,
+  ``selective_bwd_transient_bytes``) becomes the option's own backward transient
+  (``bwd_transient_by_option``) where it differs from keep's: a block ending in a ReLU
+  makes its output again in the replay, which keep's backward never holds
+  (docs/cost-model.md, assumption 7).
 * ``backward_residue_bytes`` (the loss the caller holds through backward) is charged with
   ``pre_chain_bytes``: alive to the pre-chain's backward, as it is (a few bytes over in
   forward, where it does not exist yet).
@@ -43,10 +44,10 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     held, after_chain = held_outside(profile)
     costs = []
     for i, s in enumerate(stages):
-        # The simulator charges a selective stage's backward with keep's saved bytes and
-        # backward transient; an option whose replay needs more (measured) is not offered.
-        dropped = {
-            o for o, b in s.selective_bwd_transient_bytes.items() if b > s.bwd_transient_bytes
+        by_option = {
+            o: b
+            for o, b in s.selective_bwd_transient_bytes.items()
+            if o in s.saved_bytes and b != s.bwd_transient_bytes
         }
         costs.append(
             StageCost(
@@ -56,21 +57,14 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                 # What the code before the stage keeps goes where the stage's does: held
                 # at the top level, dropped inside a region (not at a region's first stage,
                 # where it stays outside the region: docs/cost-model.md).
-                saved_bytes={
-                    o: b + s.link_saved_bytes
-                    for o, b in s.saved_bytes.items()
-                    if o not in dropped
-                },
+                saved_bytes={o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
                 fwd_s=s.fwd_s,
                 bwd_s=s.bwd_s,
                 rebuild_s=s.rebuild_s,
-                extra_bwd_s={
-                    o: t
-                    for o, t in s.extra_bwd_s.items()
-                    if o in s.saved_bytes and o not in dropped
-                },
+                extra_bwd_s={o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
                 fwd_transient_bytes=s.fwd_transient_bytes + held[i],
                 bwd_transient_bytes=s.bwd_transient_bytes,
+                bwd_transient_by_option=by_option,
                 nosave_transient_bytes=s.nosave_transient_bytes + held[i],
                 grad_bytes=s.grad_bytes,
                 saves_input=s.saves_input,

@@ -92,6 +92,11 @@ class StageCost:
     # Why no region may span the link from the previous stage into this one (the model's
     # code there cannot be replayed, Note [Glue between stages]); None: regions may.
     break_before: str | None = None
+    # A selective option's backward transient where it differs from keep's
+    # (``bwd_transient_bytes``): its replay may make more than keep's backward holds (a
+    # block ending in a ReLU makes its output again). Same convention: beyond keep's saved
+    # bytes, which the backward of a selective stage holds too.
+    bwd_transient_by_option: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -129,8 +134,24 @@ class StageCost:
                     "add saved_bytes for that option or drop the entry"
                 )
             extra[option] = _seconds(seconds, f"{where} extra_bwd_s[{option!r}]")
+        if not isinstance(self.bwd_transient_by_option, Mapping):
+            raise UsageError(f"{where} bwd_transient_by_option must map options to bytes")
+        by_option: dict[str, int] = {}
+        for option, nbytes in self.bwd_transient_by_option.items():
+            if not (isinstance(option, str) and option.startswith("selective:")
+                    and option in saved):
+                raise UsageError(
+                    f"{where} has bwd_transient_by_option for {option!r}, which is not one of "
+                    "its measured selective options; drop the entry"
+                )
+            by_option[option] = _bytes(nbytes, f"{where} bwd_transient_by_option[{option!r}]")
         object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
         object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
+        object.__setattr__(self, "bwd_transient_by_option", MappingProxyType(by_option))
+
+    def bwd_transient(self, option: str) -> int:
+        """The backward transient under ``option`` (keep's unless measured apart)."""
+        return self.bwd_transient_by_option.get(option, self.bwd_transient_bytes)
 
     @property
     def selective_options(self) -> tuple[str, ...]:
@@ -173,6 +194,8 @@ class StageCost:
             "grad_bytes": self.grad_bytes,
             "saves_input": self.saves_input,
             **({"break_before": self.break_before} if self.break_before is not None else {}),
+            **({"bwd_transient_by_option": dict(self.bwd_transient_by_option)}
+               if self.bwd_transient_by_option else {}),
         }
 
     @classmethod
@@ -204,7 +227,9 @@ _STAGE_KEYS_V1 = (
     "bwd_transient_bytes",
     "nosave_transient_bytes",
 )
-_STAGE_KEYS = (*_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before")
+_STAGE_KEYS = (
+    *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
+)
 _FIXED_BYTES_V1 = (
     "params_bytes",
     "grads_bytes",

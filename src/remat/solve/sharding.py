@@ -161,6 +161,9 @@ def per_rank_problem(
                 s,
                 fwd_transient_bytes=s.fwd_transient_bytes + fwd_extra,
                 bwd_transient_bytes=s.bwd_transient_bytes + bwd_extra,
+                bwd_transient_by_option={
+                    o: b + bwd_extra for o, b in s.bwd_transient_by_option.items()
+                },
                 nosave_transient_bytes=None
                 if s.nosave_transient_bytes is None
                 else s.nosave_transient_bytes + fwd_extra,

@@ -185,8 +185,9 @@ class _Walker:
         # selective one rebuilds the rest first); an offloaded one has its saved tensors
         # back from the host. That replaces what it held since its forward.
         self.backward_extra = [
-            (s.offload_bytes if f else s.saved_bytes["keep"]) + s.bwd_transient_bytes
-            for s, f in zip(stages, off, strict=True)
+            s.offload_bytes + s.bwd_transient_bytes if f
+            else s.saved_bytes["keep"] + s.bwd_transient(o)
+            for s, o, f in zip(stages, options, off, strict=True)
         ]
         self.transfer_s: list[float | None] = [None] * n
         if any(off):
