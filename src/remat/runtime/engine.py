@@ -62,6 +62,17 @@ whose code cannot be replayed raises in forward; the profile finds those links f
 (``Engine.breaks``, a pass with one region over the chain) and the planner never puts a
 region across them.
 
+Note [Slots from enclosing regions]
+-----------------------------------
+A region nested in another may use a tensor its parent made before it opened: a UNet's
+up block, in a child region, concatenates a skip tensor a down block made earlier in the
+parent. Holding the forward tensor from forward to the child's rebuild would keep alive
+what the parent exists to free. The child notes the slot instead (``outer``), and the
+parent's rebuild, which always runs first (the child's input is saved in the parent's
+frame) and always reaches the child's first call (early stop cannot end it before the
+child's input is saved), hands the child the rebuilt values (``children_at``). In the
+common case they are alive then anyway: a later stage of the parent saved them.
+
 Note [Buffers mutated in forward]
 ---------------------------------
 A rebuild re-runs stage code, so in-place buffer updates (BatchNorm's running_mean,
@@ -125,7 +136,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError, UsageError
 from remat.plan import Plan
@@ -201,14 +211,19 @@ class _Entry:
     hooks: Any = None  # a GAP's entered recorder
     input_slot: int = -1  # the slot of the region's input
     first_slot: int = 0  # slots from here on are made inside the region
-    externals: dict[int, torch.Tensor] = field(default_factory=dict)  # older slots it uses
+    # Slots made in enclosing regions before this one opened that its steps use (a skip
+    # tensor), and their values, put here by the parent's rebuild (Note [Slots from
+    # enclosing regions]); children_at: the child regions opening at each step.
+    outer: set[int] = field(default_factory=set)
+    externals: dict[int, torch.Tensor] = field(default_factory=dict)
+    children_at: dict[int, list[_Entry]] = field(default_factory=dict)
 
-    def add(self, step: CallRecord | GlueStep, template: Template, leaves: list[Any]) -> None:
-        """Append a step; hold the tensors it uses from enclosing regions, by slot."""
+    def add(self, step: CallRecord | GlueStep, template: Template) -> None:
+        """Append a step; note the slots it uses from enclosing regions."""
         self.calls.append(step)
-        for leaf, value in zip(template.leaves, leaves, strict=True):
+        for leaf in template.leaves:
             if isinstance(leaf, Slot) and leaf.k < self.first_slot and leaf.k != self.input_slot:
-                self.externals[leaf.k] = value
+                self.outer.add(leaf.k)
 
 
 def main_input(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
@@ -429,15 +444,18 @@ class Engine:
             return orig(*args, **kwargs)
         if self.stack:
             self._check_link(i, boundary)
+        depth = len(self.stack)
         for k in self.opens_at[i]:
             self._open(k, boundary, Kind.OPEN)
+        for child in self.stack[max(depth, 1):]:  # a parent rebuild hands it its outer slots
+            parent = next(e for e in self.stack if e.region == self.parent[child.region])
+            parent.children_at.setdefault(len(parent.calls), []).append(child)
         if not self.stack:  # a selective or offload stage outside regions
             return self._run_recording(i, orig, args, kwargs, CallRecord(i), _Where.TOP)
         template = self.tape.encode((args, kwargs))
         record = CallRecord(i, template)
-        flat = tree_flatten((args, kwargs))[0]
         for entry in self.stack:
-            entry.add(record, template, flat)
+            entry.add(record, template)
         out = self._run_recording(i, orig, args, kwargs, record, _Where.IN_REGION)
         record.outputs = self.tape.outputs(out, i + 1)
         for k in self.closes_at[i]:
@@ -476,10 +494,10 @@ class Engine:
                 f"{self.names[r.start]!r}'s input; end the region before this stage"
             )
 
-    def _glue_step(self, step: GlueStep, leaves: list[Any]) -> None:
+    def _glue_step(self, step: GlueStep) -> None:
         for entry in self.stack:
             if entry.kind is not Kind.GAP:
-                entry.add(step, step.inputs, leaves)
+                entry.add(step, step.inputs)
 
     def _glue_hazard(self, reason: str) -> None:
         i = self.next_stage
@@ -586,7 +604,9 @@ class Engine:
         env = dict(entry.externals)
         env[entry.input_slot] = boundary
         try:
-            for step in entry.calls:
+            for index, step in enumerate(entry.calls):
+                for child in entry.children_at.get(index, ()):
+                    child.externals = {k: env[k] for k in child.outer}
                 if isinstance(step, GlueStep):
                     step.replay(env)
                     continue

@@ -192,16 +192,15 @@ class Tape:
 class GlueRecorder(TorchFunctionMode):
     """Records the torch calls between two stages of an open region (Note [Glue between ...]).
 
-    ``on_step(step, leaves)`` receives each recorded call (``leaves``: the tensors of its
-    arguments, for the regions to hold the outside ones); ``on_hazard(reason)`` is told
-    about a call that cannot be replayed, before it runs.
+    ``on_step(step)`` receives each recorded call; ``on_hazard(reason)`` is told about a
+    call that cannot be replayed, before it runs.
     """
 
     def __init__(
         self,
         tape: Tape,
         stages_called: int,
-        on_step: Callable[[GlueStep, list[Any]], None],
+        on_step: Callable[[GlueStep], None],
         on_hazard: Callable[[str], None],
     ) -> None:
         super().__init__()
@@ -249,5 +248,5 @@ class GlueRecorder(TorchFunctionMode):
         )
         # Encoded before the outputs get slots: an in-place result is its own input.
         step.outputs = self.tape.outputs(out, self.stages_called)
-        self.on_step(step, leaves)
+        self.on_step(step)
         return out
