@@ -89,9 +89,6 @@ class Template:
     spec: Any
     versions: tuple[tuple[int, int], ...]  # (leaf index, _version) of outside tensors
 
-    def slots(self) -> list[int]:
-        return [leaf.k for leaf in self.leaves if isinstance(leaf, Slot)]
-
     def decode(self, env: dict[int, torch.Tensor], what: str) -> Any:
         for index, version in self.versions:
             if self.leaves[index]._version != version:
