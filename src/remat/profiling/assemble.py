@@ -160,8 +160,12 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
 
 
 def fixed_bytes(
-    m: Measurements, first_boundary_bytes: int, post_grads: int, pre_grads: int
+    m: Measurements, first_boundary_bytes: int, post_grads: int, pre_grads: int,
+    loss_bytes: int = 0,
 ) -> FixedBytes:
+    """``loss_bytes``: the scalar loss and its gradient, alive through every backward
+    whatever the measured residue says (it comes out below them where the post-chain's
+    gradients are credited before they exist, e.g. a weight tied to the embedding)."""
     spans = m.spans
     chain_end = spans.stage_forward[-1].exit_bytes
     pre_chain = spans.stage_forward[0].entry_bytes - spans.start_bytes - first_boundary_bytes
@@ -183,5 +187,5 @@ def fixed_bytes(
         pre_chain_grads_bytes=pre_grads,
         post_chain_grads_bytes=post_grads,
         optimizer_step_bytes=spans.optimizer.rise_bytes,
-        backward_residue_bytes=max(0, residue),
+        backward_residue_bytes=max(loss_bytes, residue),
     )
