@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.runtime.engine import main_output
+from remat.runtime.engine import main_input, main_output
 
 __all__ = [
     "buffers_restored",
@@ -21,14 +21,6 @@ __all__ = [
 ]
 
 _CUDA_BLOCK_BYTES = 512  # the tracker counts whole caching-allocator blocks on CUDA
-
-
-def main_input(args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
-    """The hidden state a stage receives: its first tensor argument, positional first."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
 
 
 def storage_bytes(t: torch.Tensor | None) -> int:

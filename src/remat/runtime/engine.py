@@ -140,7 +140,15 @@ from torch import nn
 from remat.errors import RematError, UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import CheckpointFrame
-from remat.runtime.glue import GlueRecorder, GlueStep, Slot, Tape, Template, bind
+from remat.runtime.glue import (
+    GlueRecorder,
+    GlueStep,
+    Slot,
+    Tape,
+    Template,
+    bind,
+    call_restoring,
+)
 from remat.runtime.policies import (
     StagePolicy,
     discard_saved_tensors,
@@ -218,10 +226,11 @@ class _Entry:
     externals: dict[int, torch.Tensor] = field(default_factory=dict)
     children_at: dict[int, list[_Entry]] = field(default_factory=dict)
 
-    def add(self, step: CallRecord | GlueStep, template: Template) -> None:
+    def add(self, step: CallRecord | GlueStep) -> None:
         """Append a step; note the slots it uses from enclosing regions."""
         self.calls.append(step)
-        for leaf in template.leaves:
+        assert step.inputs is not None  # recorded inside a region
+        for leaf in step.inputs.leaves:
             if isinstance(leaf, Slot) and leaf.k < self.first_slot and leaf.k != self.input_slot:
                 self.outer.add(leaf.k)
 
@@ -249,22 +258,6 @@ def main_output(out: object) -> torch.Tensor | None:
 
 def _never_rebuilt(*_args: Any) -> None:
     raise RematError("internal error: a shadow checkpoint frame was rebuilt; please report it")
-
-
-def _call_restoring(
-    buffers: tuple[torch.Tensor, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
-    """``fn(*args, **kwargs)`` with ``buffers`` put back afterwards (Note [Buffers ...])."""
-    if not buffers:
-        return fn(*args, **kwargs)
-    with torch.no_grad():
-        saved = [b.clone() for b in buffers]
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        with torch.no_grad():
-            for b, s in zip(buffers, saved, strict=True):
-                b.copy_(s)
 
 
 class _RecomputeContext:
@@ -455,7 +448,7 @@ class Engine:
         template = self.tape.encode((args, kwargs))
         record = CallRecord(i, template)
         for entry in self.stack:
-            entry.add(record, template)
+            entry.add(record)
         out = self._run_recording(i, orig, args, kwargs, record, _Where.IN_REGION)
         record.outputs = self.tape.outputs(out, i + 1)
         for k in self.closes_at[i]:
@@ -485,7 +478,7 @@ class Engine:
                     f"{self.names[i - 1]!r} ran as its input"
                 )
             return
-        inner = next(e for e in reversed(self.stack) if e.kind is not Kind.GAP)
+        inner = self._innermost_region()
         if k is None or (k < inner.first_slot and k != inner.input_slot):
             r = self.regions[inner.region]
             raise UsageError(
@@ -494,10 +487,13 @@ class Engine:
                 f"{self.names[r.start]!r}'s input; end the region before this stage"
             )
 
+    def _innermost_region(self) -> _Entry:
+        return next(e for e in reversed(self.stack) if e.kind is not Kind.GAP)
+
     def _glue_step(self, step: GlueStep) -> None:
         for entry in self.stack:
             if entry.kind is not Kind.GAP:
-                entry.add(step, step.inputs)
+                entry.add(step)
 
     def _glue_hazard(self, reason: str) -> None:
         i = self.next_stage
@@ -506,8 +502,7 @@ class Engine:
                 before = f"the code before stage {self.names[i]!r}"
                 self.breaks[i] = self.breaks[i] or f"{before}: {reason}"
             return
-        inner = next(e for e in reversed(self.stack) if e.kind is not Kind.GAP)
-        r = self.regions[inner.region]
+        r = self.regions[self._innermost_region().region]
         after = self.names[i - 1] if i > 0 else "the start"
         raise UsageError(
             f"the model's code after stage {after!r} cannot be replayed by region {r}'s rebuild "
@@ -615,7 +610,7 @@ class Engine:
                 assert step.inputs is not None
                 args, kwargs = step.inputs.decode(env, name)
                 module = self.modules[step.stage]
-                out = _call_restoring(step.mutated, module, *args, **kwargs)
+                out = call_restoring(step.mutated, module, *args, **kwargs)
                 bind(step.outputs, out, env, name)
         finally:
             self._unwind(depth)

@@ -54,7 +54,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from remat.errors import RematError
 
-__all__ = ["GlueRecorder", "GlueStep", "Slot", "Tape", "Template", "func_name"]
+__all__ = [
+    "GlueRecorder", "GlueStep", "Slot", "Tape", "Template", "bind", "call_restoring", "func_name",
+]
 
 # Calls that turn tensor values into Python values: what the code does next is not recorded.
 READS_VALUES = frozenset(
@@ -112,14 +114,25 @@ class GlueStep:
 
     def replay(self, env: dict[int, torch.Tensor]) -> None:
         args, kwargs = self.inputs.decode(env, f"the model's call of {func_name(self.func)}")
-        saved = [b.detach().clone() for b in self.restore]
-        try:
-            out = self.func(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for b, s in zip(self.restore, saved, strict=True):
-                    b.copy_(s)
+        out = call_restoring(self.restore, self.func, *args, **kwargs)
         bind(self.outputs, out, env, func_name(self.func))
+
+
+def call_restoring(
+    buffers: tuple[torch.Tensor, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)`` with ``buffers`` put back afterwards (Note [Buffers mutated
+    in forward] in ``engine.py``): a rebuild must not move running statistics again."""
+    if not buffers:
+        return fn(*args, **kwargs)
+    with torch.no_grad():
+        saved = [b.clone() for b in buffers]
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved, strict=True):
+                b.copy_(s)
 
 
 def bind(slots: tuple[int | None, ...], out: Any, env: dict[int, torch.Tensor], what: str) -> None:

@@ -39,8 +39,7 @@ __all__ = ["no_checkpoint_plan", "predict_no_checkpoint_peak", "problem_from_pro
 def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     """The chain problem a profile describes (one StageCost per profiled stage)."""
     stages = profile.stages
-    # x_{i+1}: what stage i returns and stage i+1 receives, one size for both.
-    links = [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(stages)]
+    links = _links(profile)
     held, after_chain = held_outside(profile)
     costs = []
     for i, s in enumerate(stages):
@@ -99,6 +98,11 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     )
 
 
+def _links(profile: Profile) -> list[int]:
+    """x_{i+1}: what stage i returns and stage i+1 receives, one size for both."""
+    return [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(profile.stages)]
+
+
 def held_outside(profile: Profile) -> tuple[list[int], int]:
     """Bytes the model's own code holds outside the chain during each stage's forward, and
     during the post-chain's (docs/cost-model.md, "Held outside the chain").
@@ -112,7 +116,7 @@ def held_outside(profile: Profile) -> tuple[list[int], int]:
     """
     stages = profile.stages
     n = len(stages)
-    links = [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(stages)]
+    links = _links(profile)
     sizes = [stages[0].boundary_bytes, *links]
     # boundary -> the last stage whose forward it outlives (as stage b's input, or as
     # stage b - 1's output: one tensor, charged once)
