@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from remat import theory
 from remat.errors import CheckFailed, UsageError
 from remat.plan import Plan, Region
+from remat.profile_format import HeldRead
 from remat.solve import Problem, Simulation, StageCost, dp, parse_budget, simulate, solvers
 from remat.solve.simulate import plan_tree
 from remat.units import format_bytes
@@ -121,9 +122,11 @@ _MAX_PLANS = 6000  # keeps one brute force under half a second
 
 
 @st.composite
-def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False) -> Problem:
+def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = False
+           ) -> Problem:
     """Random heterogeneous chains with small integer sizes and integer times (``breaks``:
-    some links are chain breaks)."""
+    some links are chain breaks; ``reads``: stages read tensors made before them, which
+    regions opening later hold)."""
     n = draw(st.integers(1, max_n))
     small = st.integers(0, 6)
     a = [draw(small) for _ in range(n + 1)]
@@ -161,6 +164,12 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False) -> Problem:
             saves_input=draw(st.booleans()),
             break_before="glue" if breaks and i > 0 and draw(st.booleans()) else None,
             bwd_transient_by_option=by_option,
+            pending_grad_bytes=draw(st.integers(0, 3)),
+            reads=tuple(
+                HeldRead(10 * i + t, made, draw(st.integers(1, 6)), boundary=draw(st.booleans()),
+                         by_call=draw(st.booleans()))
+                for t, made in enumerate(draw(st.lists(st.integers(0, i), max_size=2)))
+            ) if reads else (),
         ))
     pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
     attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads
@@ -232,6 +241,76 @@ def test_optimal_equals_brute_force_over_plans_without_regions_across_breaks(
         assert not _spans_a_break(solvers.optimal(problem, budget).regions, problem)
     for name in ("per-stage", "segments-k", "megatron-uniform"):
         assert not _spans_a_break(solvers.solve(name, problem).regions, problem)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(reads=True), st.data())
+def test_optimal_keeps_the_budget_where_regions_hold_tensors_read_from_before_them(
+    problem: Problem, data: st.DataObject,
+) -> None:
+    # The tables do not count reads (Note [Reads from before a region]); the simulator
+    # does, and optimal's plan must fit in it at every budget from the minimum it names.
+    scores = brute_force(problem)
+    least = solvers.minimum_budget(problem)
+    assert least >= min(peak for peak, _ in scores)
+    assert any(peak <= least for peak, _ in scores)
+    top = max(peak for peak, _ in scores)
+    for budget in {least, top, data.draw(st.integers(least, top))}:
+        plan = solvers.optimal(problem, budget)
+        assert simulate(plan, problem).peak_bytes == plan.predicted_peak_bytes <= budget
+    with pytest.raises(CheckFailed, match="no plan fits"):
+        solvers.optimal(problem, least - 1)
+
+
+def test_a_region_holds_what_it_reads_from_before_it_until_its_backward() -> None:
+    # x1 (made by s0) is read by the code before s3, as a skip connection is, and a
+    # 7-byte tensor made with it is read by s2's call. Region [2, 4) holds both from its
+    # forward to its backward; x1 counts once with its other holders (s1 keeps it unless
+    # it saves no input). [1, 4) holds only the 7 bytes (x1 is its input); [0, 4) nothing
+    # (both are made inside it and rebuilt).
+    skip = HeldRead(0, 1, 0, boundary=True)
+    bias = HeldRead(1, 1, 7, by_call=True)
+
+    def extra_at(event: str, *regions: Region, s1_keeps_input: bool = True) -> int:
+        stages = (StageCost("s0", 10, 100, {"keep": 0}),
+                  StageCost("s1", 100, 1, {"keep": 0}, saves_input=s1_keeps_input),
+                  StageCost("s2", 1, 1, {"keep": 0}, reads=(bias,)),
+                  StageCost("s3", 1, 1, {"keep": 0}, reads=(skip,)))
+        with_reads = Problem(stages)
+        without = Problem(tuple(dataclasses.replace(s, reads=()) for s in stages))
+        plan = Plan(with_reads.stage_names, regions)
+        after = dict(simulate(plan, with_reads).events)
+        before = dict(simulate(plan, without).events)
+        assert set(after) == set(before)
+        assert all(after[e] >= before[e] for e in after)
+        return after[event] - before[event]
+
+    R = Region
+    assert extra_at("rebuild s3 (for [2, 4))", R(2, 4)) == 7
+    assert extra_at("rebuild s3 (for [2, 4))", R(2, 4), s1_keeps_input=False) == 107
+    assert extra_at("backward s1", R(2, 4), s1_keeps_input=False) == 0  # released
+    assert extra_at("rebuild s3 (for [1, 4))", R(1, 4)) == 7
+    assert extra_at("rebuild s3 (for [0, 4))", R(0, 4)) == 0
+    p = Problem((StageCost("s0", 1, 1, {"keep": 0}, reads=(skip, bias)),))
+    round_trip = Problem.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert round_trip == p and round_trip.stages[0].reads == (skip, bias)
+
+
+def test_pending_gradients_ride_with_backward_position_in_both_the_tables_and_the_simulator(
+) -> None:
+    stages = tuple(StageCost(f"s{i}", 4, 4, {"keep": 8}, pending_grad_bytes=p)
+                   for i, p in enumerate((0, 50, 0)))
+    p = Problem(stages)
+    q = Problem(tuple(dataclasses.replace(s, pending_grad_bytes=0) for s in stages))
+    for regions in [(), (Region(1, 2),), (Region(0, 3),)]:
+        with_pending = dict(simulate(Plan(p.stage_names, regions), p).events)
+        without = dict(simulate(Plan(q.stage_names, regions), q).events)
+        extra = {e: with_pending[e] - without[e] for e in without}
+        assert extra.pop("backward s1") == 50
+        for e in [e for e in extra if e.startswith("rebuild") and "(for [0, 3))" not in e]:
+            assert extra.pop(e) == 50  # [1, 2) is rebuilt where s1's backward is next
+        assert set(extra.values()) == {0}, extra
+    check_against_brute_force(p)  # the tables count it where the simulator does
 
 
 def test_recipes_are_cut_at_breaks_and_the_simulator_refuses_a_region_across_one() -> None:

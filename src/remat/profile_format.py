@@ -100,6 +100,52 @@ def _check_keys(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> N
 
 
 @dataclass(frozen=True)
+class HeldRead:
+    """A tensor made before a stage that the stage's call, or the model's code just
+    before it, reads (a skip connection, a position bias passed on): a region holding
+    that stage but opening after the tensor was made keeps it from its forward to its
+    backward (docs/cost-model.md, "Tensors a region reads from before it").
+
+    ``tensor`` names the tensor (its reads share it); ``made_after``: the stages called
+    before it was made, so ``x_q`` (the boundary stage ``q`` receives) has ``made_after``
+    ``q``; ``boundary``: it is that boundary; ``by_call``: the stage's call reads it (else
+    the code before the stage).
+    """
+
+    tensor: int
+    made_after: int
+    nbytes: int
+    boundary: bool = False
+    by_call: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "made_after", "nbytes"):
+            object.__setattr__(self, name, _int(getattr(self, name), f"read {name}"))
+        for flag in ("boundary", "by_call"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError(f"profile read {flag} must be true or false")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "made_after": self.made_after, "bytes": self.nbytes,
+                "boundary": self.boundary, "by": "call" if self.by_call else "code"}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HeldRead:
+        _check_keys(data, ("tensor", "made_after", "bytes", "boundary", "by"), "a stage read")
+        if data["by"] not in ("call", "code"):
+            raise UsageError(f"profile read by={data['by']!r} must be 'call' or 'code'")
+        return cls(data["tensor"], data["made_after"], data["bytes"], data["boundary"],
+                   data["by"] == "call")
+
+
+def reads_from(value: Any, where: str) -> tuple[HeldRead, ...]:
+    """``value`` as a tuple of reads: HeldRead objects or their JSON dicts."""
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"{where} reads must be a list of reads, got {type(value).__name__}")
+    return tuple(r if isinstance(r, HeldRead) else HeldRead.from_dict(r) for r in value)
+
+
+@dataclass(frozen=True)
 class StageProfile:
     """One stage's measured costs (see the module docstring for what each counts)."""
 
@@ -142,6 +188,15 @@ class StageProfile:
     # replay included) where the simulator charges keep's saved bytes; measured with the
     # option on. Written only when set.
     selective_bwd_transient_bytes: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # Tensors made before this stage that its call or the code before it reads (measured
+    # in the chain-break pass); written only when set.
+    reads: tuple[HeldRead, ...] = ()
+    # Bytes alive at this stage's backward peak beyond what the simulator counts there,
+    # in the step without checkpointing: gradients the model's code made for tensors it
+    # passed on to later stages (a skip connection's, held as a view of the later
+    # stage's input gradient) and that wait for backward to pass the stage that made them.
+    # They depend on where backward is, not on the plan. Written only when set.
+    pending_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -155,6 +210,7 @@ class StageProfile:
             "nosave_transient_bytes",
             "grad_bytes",
             "link_saved_bytes",
+            "pending_grad_bytes",
         ):
             object.__setattr__(self, name, _int(getattr(self, name), f"{where} {name}"))
         for name in ("fwd_s", "bwd_s", "rebuild_s"):
@@ -184,6 +240,7 @@ class StageProfile:
             for k, v in self.selective_bwd_transient_bytes.items()
         }
         object.__setattr__(self, "selective_bwd_transient_bytes", MappingProxyType(replay))
+        object.__setattr__(self, "reads", reads_from(self.reads, f"profile {where}"))
         for name in ("input_held_through", "output_held_through"):
             value = getattr(self, name)
             if value is not None and (
@@ -223,6 +280,9 @@ class StageProfile:
                 if self.selective_bwd_transient_bytes
                 else {}
             ),
+            **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
+            **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
+               else {}),
         }
 
     @classmethod
@@ -257,6 +317,8 @@ _OPTIONAL_STAGE_KEYS = (
     "input_held_through",
     "output_held_through",
     "selective_bwd_transient_bytes",
+    "reads",
+    "pending_grad_bytes",
 )
 
 

@@ -27,6 +27,7 @@ from remat.measure.tracker import iter_tensors
 from remat.plan import parse_option
 from remat.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
+from remat.profiling.calibrate import calibrated
 from remat.profiling.optimes import region_overhead_s
 from remat.profiling.run import measure_all, part_names
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
@@ -169,6 +170,7 @@ def profile(
         dtype=str(dtype).removeprefix("torch."),
         profile_s=profile_s,
     )
+    result = calibrated(result, m)
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
     transformers_model = type(model).__module__.startswith("transformers.")
     for note in notes(result, transformers_model=transformers_model):

@@ -150,6 +150,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 saves_input=nosave.saves_input,
                 saves_output=nosave.saves_output,
                 break_before=m.breaks[i],
+                reads=m.reads[i],
                 link_saved_bytes=link_saved_bytes(m, i),
                 selective_bwd_transient_bytes=replay,
                 input_held_through=m.nosave.input_held_through[i],

@@ -1,27 +1,37 @@
-"""Which links of the chain a region may span: one forward with one region over all stages.
+"""Which links of the chain a region may span, and what a region would hold from before
+it: one forward with one region over all stages.
 
 A region replays the model's own code between its stages (Note [Glue between stages] in
 ``remat/runtime/glue.py``). This pass records that code over the whole chain once, with
 the engine told to note rather than raise where a link cannot be replayed
 (``Engine.breaks``): the code there reads tensor values into Python or changes a tensor
 from outside in place, or the next stage gets a tensor made before the previous stage
-ran (a region over that link would hold it from forward to backward, which the cost
-model does not count). Nothing is saved (one region holds only its input) and no
-backward runs; buffers are put back afterwards.
+ran as its input. It also notes, per stage, the tensors made earlier in the pass that
+the stage's call or the code before it reads besides its input (``Engine.reads``: skip
+connections, a position bias passed on): a region over that read that opens after the
+tensor was made keeps it to its backward, which the simulator counts
+(:class:`~remat.profile_format.HeldRead`). Nothing is saved (one region holds only its
+input) and no backward runs; buffers are put back afterwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from remat.errors import UsageError
 from remat.plan import Plan, Region
+from remat.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
 
-__all__ = ["find_breaks"]
+__all__ = ["Links", "find_breaks"]
+
+
+class Links(NamedTuple):
+    breaks: tuple[str | None, ...]  # per stage: why no region may span the link into it
+    reads: tuple[tuple[HeldRead, ...], ...]  # per stage: what it reads from before it
 
 
 def find_breaks(
@@ -29,25 +39,36 @@ def find_breaks(
     batch: Any,
     loss_fn: Callable[[nn.Module, Any], Any],
     names: Sequence[str],
-) -> tuple[str | None, ...]:
-    """Per stage, why no region may span the link into it from the previous one (or None)."""
+) -> Links:
+    """Per stage, why no region may span the link into it from the previous one (or None),
+    and the tensors made before it that it reads."""
     from remat.runtime import apply
 
     n = len(names)
     if n < 2:
-        return (None,) * n
+        return Links((None,) * n, ((),) * n)
     plan = Plan(stages=tuple(names), regions=(Region(0, n),), solver="profile")
     with buffers_restored(model):
         handle = apply(model, plan)
         engine = handle._installation.engine
         breaks: list[str | None] = [None] * n
         engine.breaks = breaks
+        engine.reads = [[] for _ in range(n)]
+        engine.tape.sizes = []
         try:
             loss = loss_fn(model, batch)
             del loss
         except UsageError as err:  # the chain cannot be one region at all (grad mode, ...)
             reason = str(err)
-            return (None, *(breaks[i] or reason for i in range(1, n)))
+            return Links((None, *(breaks[i] or reason for i in range(1, n))), ((),) * n)
         finally:
             handle.remove()
-    return tuple(breaks)
+    inputs = engine.input_slots
+    reads = tuple(
+        tuple(
+            HeldRead(k, made_after, nbytes, made_after < n and inputs[made_after] == k, by_call)
+            for k, made_after, nbytes, by_call in dict.fromkeys(engine.reads[i])
+        )
+        for i in range(n)
+    )
+    return Links(tuple(breaks), reads)

@@ -38,6 +38,7 @@ from remat import plans
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.plan import Plan
+from remat.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.links import find_breaks
 from remat.profiling.optimes import policy_op_names
@@ -58,6 +59,7 @@ class Measurements:
     options: tuple[str, ...]  # keep and the selective options asked for
     nosave: ForwardPass
     breaks: tuple[str | None, ...]  # per stage: why no region may enter it from the previous
+    reads: tuple[tuple[HeldRead, ...], ...]  # per stage: what it reads from before it
     plain_steps: tuple[StepTimes, ...]  # round by round, paired with the two below
     per_stage_steps: tuple[StepTimes, ...]  # one region per stage
     option_steps: dict[str, tuple[StepTimes, ...]]  # option -> its steps, round by round
@@ -170,7 +172,7 @@ def measure_all(
 
     part(parts[0])
     nosave = forward_pass(model, batch, loss_fn, names, device=device, save=False)
-    breaks = find_breaks(model, batch, loss_fn, names)
+    links = find_breaks(model, batch, loss_fn, names)
 
     part(parts[1])
     counts: dict[str, int] = {}
@@ -253,7 +255,8 @@ def measure_all(
         names=names,
         options=tuple(options),
         nosave=nosave,
-        breaks=breaks,
+        breaks=links.breaks,
+        reads=links.reads,
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),
         option_steps={option: tuple(steps) for option, steps in with_option.items()},

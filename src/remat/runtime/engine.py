@@ -346,6 +346,10 @@ class Engine:
         # The profile's probe pass sets this to [None] * n: link hazards are noted here
         # (why no region may span the link into stage i) instead of raised.
         self.breaks: list[str | None] | None = None
+        # ... and, per stage, what its call and the code before it read from earlier in the
+        # pass: (slot, made after, bytes, by its call); with each stage's input slot.
+        self.reads: list[list[tuple[int, int, int, bool]]] | None = None
+        self.input_slots: list[int | None] = [None] * n
         self.current: CallRecord | None = None  # the call a rebuild is replaying
         self.rebuilds = 0
         self.offload_noop: dict[int, str] = {}  # stage -> device of its input
@@ -446,6 +450,8 @@ class Engine:
         if not self.stack:  # a selective or offload stage outside regions
             return self._run_recording(i, orig, args, kwargs, CallRecord(i), _Where.TOP)
         template = self.tape.encode((args, kwargs))
+        if self.reads is not None:
+            self._note_reads(i, template, by_call=True, main=self.tape.slot_of(boundary))
         record = CallRecord(i, template)
         for entry in self.stack:
             entry.add(record)
@@ -490,7 +496,19 @@ class Engine:
     def _innermost_region(self) -> _Entry:
         return next(e for e in reversed(self.stack) if e.kind is not Kind.GAP)
 
+    def _note_reads(self, i: int, template: Template, *, by_call: bool, main: int | None) -> None:
+        assert self.reads is not None
+        if by_call:
+            self.input_slots[i] = main
+        if i < len(self.reads):
+            tape = self.tape
+            self.reads[i] += [(leaf.k, tape.made_after[leaf.k], tape.nbytes(leaf.k), by_call)
+                              for leaf in template.leaves
+                              if isinstance(leaf, Slot) and leaf.k != main]
+
     def _glue_step(self, step: GlueStep) -> None:
+        if self.reads is not None:
+            self._note_reads(self.next_stage, step.inputs, by_call=False, main=None)
         for entry in self.stack:
             if entry.kind is not Kind.GAP:
                 entry.add(step)

@@ -154,10 +154,18 @@ class Tape:
 
     slots: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
     made_after: list[int] = field(default_factory=list)  # slot -> stages called before it
+    # slot -> its storage's bytes, kept only when asked (the profile's probe pass): a list
+    sizes: list[int] | None = None
 
     def reset(self) -> None:
         self.slots = WeakTensorKeyDictionary()
         self.made_after = []
+        if self.sizes is not None:
+            self.sizes = []
+
+    def nbytes(self, k: int) -> int:
+        assert self.sizes is not None, "Tape.sizes is off"
+        return self.sizes[k]
 
     @property
     def count(self) -> int:
@@ -175,6 +183,8 @@ class Tape:
             k = len(self.made_after)
             self.slots[t] = k
             self.made_after.append(stages_called)
+            if self.sizes is not None:
+                self.sizes.append(t.untyped_storage().nbytes())
         return k
 
     def encode(self, value: Any) -> Template:

@@ -157,6 +157,10 @@ class Model:
         self.sg[n] = problem.post_chain_grads_bytes
         for k in range(n - 1, -1, -1):
             self.sg[k] = self.sg[k + 1] + st[k].grad_bytes
+        # Pending gradients ride with T(p): those alive at stage p - 1's backward, and at
+        # the rebuild forwards of a level ending at p (none after the chain: T(0)).
+        for p in range(1, n + 1):
+            self.sg[p] += st[p - 1].pending_grad_bytes
         # No gradient exists in the top-level forward: that much more room, in whole slots
         # of the budget (rounded down, so a plan accepted here fits in bytes).
         self.gs = (spare_bytes + problem.unattributed_grads_bytes) // q

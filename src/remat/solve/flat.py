@@ -121,6 +121,7 @@ class FlatInputs:
         a = np.append(ints(s.boundary_bytes for s in st), i64(problem.output_bytes))
         sg = np.full(n + 1, problem.post_chain_grads_bytes, dtype=i64)
         sg[:n] += np.cumsum(ints(s.grad_bytes for s in st)[::-1])[::-1]
+        sg[1:] += ints(s.pending_grad_bytes for s in st)  # as dp.Model's T(p)
         save = ints(s.saved_bytes["keep"] for s in st)
         tf = save + ints(s.fwd_transient_bytes for s in st)
         keeps = np.fromiter((s.keeps_input("keep") for s in st), dtype=bool, count=n)

@@ -68,6 +68,8 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                 grad_bytes=s.grad_bytes,
                 saves_input=s.saves_input,
                 break_before=s.break_before,
+                reads=s.reads,
+                pending_grad_bytes=s.pending_grad_bytes,
             )
         )
     fixed = profile.fixed

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 from remat._artifact import JsonArtifact
 from remat.errors import UsageError
 from remat.plan import parse_option
+from remat.profile_format import HeldRead, reads_from
 from remat.units import parse_size
 
 __all__ = ["SCHEMA_VERSION", "Problem", "StageCost"]
@@ -97,13 +98,21 @@ class StageCost:
     # block ending in a ReLU makes its output again). Same convention: beyond keep's saved
     # bytes, which the backward of a selective stage holds too.
     bwd_transient_by_option: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # Tensors made before this stage that its call or the code before it reads: a region
+    # containing the read but opening after the tensor was made holds it to its backward
+    # (remat.profile_format.HeldRead; the simulator counts it, the DP does not).
+    reads: tuple[HeldRead, ...] = field(default=(), hash=False)
+    # Gradients alive from this stage's backward (and the rebuilds just before it) beyond
+    # the chain's own: ones the model's code made for tensors passed on to later stages,
+    # waiting for backward to pass the stage that made them (plan-independent).
+    pending_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise UsageError(f"stage name {self.name!r} is not a module path; give a string")
         where = f"stage {self.name!r}"
         for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
-                     "bwd_transient_bytes", "grad_bytes"):
+                     "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes"):
             object.__setattr__(self, name, _bytes(getattr(self, name), f"{where} {name}"))
         if self.nosave_transient_bytes is not None:
             value = _bytes(self.nosave_transient_bytes, f"{where} nosave_transient_bytes")
@@ -148,6 +157,7 @@ class StageCost:
         object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
         object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
         object.__setattr__(self, "bwd_transient_by_option", MappingProxyType(by_option))
+        object.__setattr__(self, "reads", reads_from(self.reads, where))
 
     def bwd_transient(self, option: str) -> int:
         """The backward transient under ``option`` (keep's unless measured apart)."""
@@ -196,6 +206,9 @@ class StageCost:
             **({"break_before": self.break_before} if self.break_before is not None else {}),
             **({"bwd_transient_by_option": dict(self.bwd_transient_by_option)}
                if self.bwd_transient_by_option else {}),
+            **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
+            **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
+               else {}),
         }
 
     @classmethod
@@ -229,6 +242,7 @@ _STAGE_KEYS_V1 = (
 )
 _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
+    "reads", "pending_grad_bytes",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",

@@ -43,6 +43,14 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
   selective stage that did not run is rebuilt in full at its backward instead.
 * a region's fixed cost: ``region_overhead_s`` once per step, and
   ``region_overhead_bytes`` from its rebuild to the end of its backward.
+* gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
+  model's code made for tensors it passed on, waiting for backward to reach their
+  maker), from the rebuilds before a stage's backward through that backward.
+* tensors a region reads from before it (``StageCost.reads``: a skip connection the code
+  between its stages concatenates, a position bias a stage is passed) are held by the
+  region from its forward (or its opening in the parent's rebuild) to the end of its
+  backward: its rebuild needs them. A boundary counts once with its other holders; any
+  other tensor once however many regions hold it.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from typing import NamedTuple
 
 from remat.errors import UsageError
 from remat.plan import Plan, Region
+from remat.profile_format import HeldRead
 from remat.solve.problem import Problem
 
 __all__ = ["Event", "Item", "Simulation", "StepTime", "baseline_time", "plan_tree", "simulate"]
@@ -160,6 +169,8 @@ class _Walker:
         self.current = [False] * (n + 1)
         self.by_stage = [False] * (n + 1)
         self.blocks: dict[Hashable, int] = {}
+        self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
+        self.read_holds: dict[int, int] = {}  # tensors regions read from before them: holders
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -224,6 +235,41 @@ class _Walker:
         self.by_stage[i] = True
         self.hold(i)
 
+    def region_reads(self, region: Region) -> list[HeldRead]:
+        """What ``region`` holds from before it besides its input (Note [Nested ...])."""
+        start, stages = region.start, self.p.stages
+        return [
+            r
+            for j in range(start, region.stop)
+            for r in stages[j].reads
+            if r.made_after <= start
+            and (r.by_call or j > start)  # the code before the first stage runs outside
+            and not (r.boundary and r.made_after == start)  # the region's input
+        ]
+
+    def open_region(self, region: Region) -> None:
+        """The region holds its input and what it reads from before it."""
+        self.hold(region.start)
+        for r in self.region_reads(region):
+            if r.boundary:
+                self.hold(r.made_after)
+                continue
+            count = self.read_holds.get(r.tensor, 0)
+            if not count:
+                self.live += r.nbytes
+            self.read_holds[r.tensor] = count + 1
+
+    def close_region(self, region: Region) -> None:
+        self.release(region.start)
+        for r in self.region_reads(region):
+            if r.boundary:
+                self.release(r.made_after)
+                continue
+            self.read_holds[r.tensor] -= 1
+            if not self.read_holds[r.tensor]:
+                del self.read_holds[r.tensor]
+                self.live -= r.nbytes
+
     def add(self, key: Hashable, nbytes: int) -> None:
         assert key not in self.blocks, key
         self.blocks[key] = nbytes
@@ -262,7 +308,14 @@ class _Walker:
         self.event(label, self.nosave_extra[i])
         self.release_current(i)
 
+    def pending_at(self, i: int) -> None:
+        """Backward has reached stage ``i``: the gradients pending there are alive."""
+        nbytes = self.p.stages[i].pending_grad_bytes if i >= 0 else 0
+        self.live += nbytes - self.pending
+        self.pending = nbytes
+
     def backward_stage(self, i: int) -> None:
+        self.pending_at(i)
         stage = self.p.stages[i]
         saved = self.saved[i]
         assert saved is not None, i
@@ -300,7 +353,7 @@ class _Walker:
                 self.fwd_s += stages[item.start].fwd_s
                 self.taped(item.start, labels[item.start])
                 continue
-            self.hold(item.start)  # the region's input
+            self.open_region(item.region)
             where = f"(in {item.region}, not saved)"
             for i in range(item.start, item.stop):
                 self.fwd_s += stages[i].fwd_s
@@ -326,7 +379,7 @@ class _Walker:
                 self.rebuild_s += stages[item.start].rebuild_s
                 self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
             else:
-                self.hold(item.start)  # the child region's input
+                self.open_region(item.region)
                 where = f"(for {region}, in {item.region}, not saved)"
                 for i in range(item.start, item.stop):
                     self.rebuild_s += stages[i].rebuild_s
@@ -335,7 +388,7 @@ class _Walker:
         for k in range(run, len(items)):
             item = items[k]
             if k == opener and item.region is not None:
-                self.hold(item.start)  # the child region's input
+                self.open_region(item.region)
             elif k == opener:  # a selective stage: hands over its input, caches nothing
                 self.hold_by_stage(item.start)
                 self.keep_saved(item.start, 0)
@@ -350,11 +403,12 @@ class _Walker:
                 self.backward_stage(item.start)
                 continue
             self.overhead_s += self.p.region_overhead_s
+            self.pending_at(item.stop - 1)
             self.add(("overhead", item.region), self.p.region_overhead_bytes)
             self.rebuild(item.region, item.items)
             self.backward_level(item.items)
             self.drop(("overhead", item.region))
-            self.release(item.start)  # the region's input
+            self.close_region(item.region)
 
 
 def simulate(plan: Plan, problem: Problem) -> Simulation:
@@ -405,6 +459,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.grad[n] = w.a[n]
     w.live += w.a[n]
     w.backward_level(top)
+    w.pending_at(-1)
     w.add(("param grads", "pre-chain"), p.pre_chain_grads_bytes)
     w.event("backward pre-chain")
     assert w.grad[0] is not None
@@ -415,6 +470,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
     assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
+    assert not w.read_holds, w.read_holds
     assert set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)

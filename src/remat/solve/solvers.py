@@ -136,14 +136,23 @@ def selective_everywhere(
 
 
 def minimum_budget(problem: Problem) -> int:
-    """The smallest budget any plan fits: the least predicted peak over all plans (exact)."""
-    return min_peak_plan(problem)[0]
+    """The smallest budget remat finds a plan for: the least predicted peak over all plans
+    (exact), or, where regions hold tensors read from before them (which the DP does not
+    count: Note [Reads from before a region]), the simulated peak of the plan found."""
+    return _least_plan(problem)[0]
+
+
+def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[str]]:
+    least, regions, options = min_peak_plan(problem)
+    if any(s.reads for s in problem.stages):
+        least = max(least, simulate(_as_plan(problem, (regions, options)), problem).peak_bytes)
+    return least, regions, options
 
 
 def min_peak(problem: Problem, budget: Budget = None) -> Plan:
     """The plan with the smallest predicted peak (ignores time)."""
     t0 = time.perf_counter()
-    _, regions, options = min_peak_plan(problem)
+    _, regions, options = _least_plan(problem)
     return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0)
 
 
@@ -164,6 +173,35 @@ def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
     return fill
 
 
+Found = tuple[list[tuple[int, int]], list[str] | None]
+_TIGHTEN_ROUNDS = 4
+
+
+def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None]) -> Found | None:
+    """``solve_at(limit)``'s plan if it fits ``limit`` in the simulator, else the plan for
+    ``limit`` less the overshoot (Note [Reads from before a region]), a few times at most.
+
+    Note [Reads from before a region]
+    ---------------------------------
+    The tables do not count what a region holds from before it (``StageCost.reads``: a
+    skip tensor, a position bias passed on): that depends on where the region opens
+    relative to where each tensor was made, a pair the recursion does not carry. The
+    simulator counts it, so a table plan can overshoot by it; filling the tables again
+    under the budget less the overshoot finds one that fits, possibly not the fastest.
+    Chains without such reads (most transformer stacks) fit on the first fill.
+    """
+    dp_limit = limit
+    for _ in range(_TIGHTEN_ROUNDS):
+        found = solve_at(dp_limit)
+        if found is None:
+            return None
+        over = simulate(_as_plan(problem, found), problem).peak_bytes - limit
+        if over <= 0:
+            return found
+        dp_limit -= over
+    return None
+
+
 def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
 
@@ -179,14 +217,17 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     if limit is None:
         raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
     fill = _fill(path)
-    avail = limit - problem.backward_base_bytes
-    found: tuple[list[tuple[int, int]], list[str] | None] | None = None
-    if avail >= 0:
+
+    def tables_plan(dp_limit: int) -> Found | None:
+        avail = dp_limit - problem.backward_base_bytes
+        if avail < 0:
+            return None
         slot = max(1, -(-avail // problem.slots))
         m = avail // slot
         tables = fill(dp.Model(problem, slot, avail - m * slot), m)
-        if math.isfinite(tables.top[0, m]):
-            found = dp.reconstruct(tables, m)
+        return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
+
+    found = _within(problem, limit, tables_plan)
     # Note [Recipes beside the tables]: slot rounding charges every held quantity a whole
     # slot, so at a budget within a few slots of a recipe's exact peak the tables can
     # miss that recipe. The classic recipes are few and scored exactly in bytes, so the
@@ -213,7 +254,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
         if sim.peak_bytes <= limit and sim.step_time_s < best_s:
             found, best_s = (regions, None), sim.step_time_s
     if found is None:
-        least, regions, options = min_peak_plan(problem)
+        least, regions, options = _least_plan(problem)
         if limit < least:
             fixed = problem.backward_base_bytes
             raise CheckFailed(
@@ -296,16 +337,21 @@ def segments_optimal(problem: Problem, budget: Budget) -> Plan:
     limit = _budget(budget, problem)
     if limit is None:
         raise UsageError("segments-optimal needs a budget; give one such as 6GiB or 50%")
-    avail = limit - problem.backward_base_bytes
-    if avail >= 0:
+
+    def flat_plan(dp_limit: int) -> Found | None:
+        avail = dp_limit - problem.backward_base_bytes
+        if avail < 0:
+            return None
         slot = max(1, -(-avail // problem.slots))
         m = avail // slot
         tables = flat.flat_tables(flat.FlatInputs.build(problem, slot, avail - m * slot), m)
-        if math.isfinite(tables.top[0, m]):
-            regions = flat.flat_plan(tables, m)
-            plan = _finish(problem, regions, None, "segments-optimal", limit, t0)
-            assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
-            return plan
+        return (flat.flat_plan(tables, m), None) if math.isfinite(tables.top[0, m]) else None
+
+    found = _within(problem, limit, flat_plan)
+    if found is not None:
+        plan = _finish(problem, found[0], None, "segments-optimal", limit, t0)
+        assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+        return plan
     raise CheckFailed(
         f"no flat plan (disjoint regions, every stage keeping) fits a budget of "
         f"{format_bytes(limit)} ({limit} bytes) in {problem.slots} slots; give a larger "

@@ -1,0 +1,63 @@
+"""What the measured backward peaks hold beyond the simulator's figures, per stage.
+
+The stage figures come from spans of measured steps (:mod:`remat.profiling.assemble`);
+the simulator adds them up. Where the model's own code makes gradients the chain does not
+account for, the sum falls short of the measured backward peaks: a skip connection's
+gradient is made at the later stage that reads it (a view of that stage's input gradient,
+after a concatenation) and stays until backward passes the stage that made the skip; a
+tensor passed on to several stages (a position bias) gathers its gradient across them.
+Such bytes depend on where backward is, not on the plan, so they are read off the steps
+the profile measured, as the difference between each stage's measured backward peak and
+the simulator's event for the same step:
+
+* the step without checkpointing gives each stage's ``pending_grad_bytes``;
+* each selective step (one option on every stage) gives what that option's backward
+  needs beyond it: added to the stage's ``selective_bwd_transient_bytes``.
+
+A chain the simulator already counts to the byte (a transformer stack) gets zeros.
+Differences below zero (the simulator over by a conservative term) are left at zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from remat.plan import Plan
+from remat.profile_format import Profile
+from remat.profiling.run import NOTHING, Measurements
+from remat.profiling.timeline import Span
+from remat.solve.from_profile import no_checkpoint_plan, problem_from_profile
+from remat.solve.simulate import simulate
+
+__all__ = ["calibrated"]
+
+
+def _shortfall(profile: Profile, plan: Plan, spans: Sequence[Span]) -> list[int]:
+    """Per stage: measured backward peak minus the simulator's, at least 0."""
+    at = dict(simulate(plan, problem_from_profile(profile)).events)
+    return [max(0, span.peak_bytes - at[f"backward {s.name}"])
+            for s, span in zip(profile.stages, spans, strict=True)]
+
+
+def calibrated(profile: Profile, m: Measurements) -> Profile:
+    """``profile`` with the pending gradients and the selective backward shortfalls."""
+    pending = _shortfall(profile, no_checkpoint_plan(profile), m.spans.stage_backward)
+    profile = replace(profile, stages=tuple(
+        replace(s, pending_grad_bytes=p) for s, p in zip(profile.stages, pending, strict=True)
+    ))
+    names = profile.stage_names
+    short = {
+        option: _shortfall(profile, Plan(names, options=(option,) * len(names)), spans)
+        for option, spans in m.selective_backward.items()
+    }
+    stages = []
+    for i, s in enumerate(profile.stages):
+        replay = dict(s.selective_bwd_transient_bytes)
+        for option in replay:
+            measured = option in m.measured_in and i in m.measured_in[option]
+            step = option if measured else NOTHING  # the step its figure came from
+            if step in short:
+                replay[option] += short[step][i]
+        stages.append(replace(s, selective_bwd_transient_bytes=replay))
+    return replace(profile, stages=tuple(stages))
