@@ -629,7 +629,8 @@ def _set_path(data: dict[str, Any], path: str, value: float) -> None:
     try:
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
-        old = node[last]
+        key: Any = int(last) if isinstance(node, list) else last  # batch_shapes.0.0
+        old = node[key]
     except (KeyError, IndexError, ValueError, TypeError):
         raise UsageError(
             f"profile scaling names {path!r}, which the profile does not have; "
@@ -638,7 +639,7 @@ def _set_path(data: dict[str, Any], path: str, value: float) -> None:
     if isinstance(old, bool) or not isinstance(old, (int, float)):
         raise UsageError(f"profile scaling names {path!r}, which is not a number")
     value = max(0.0, value)
-    node[last] = round(value) if isinstance(old, int) else value
+    node[key] = round(value) if isinstance(old, int) else value
 
 
 def numeric_paths(data: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
