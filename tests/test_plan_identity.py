@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -374,6 +376,26 @@ def test_made_for_round_trips_and_null_means_unknown() -> None:
 def test_bad_made_for_is_named(made: Any, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         Plan.from_dict(_with_made_for(made))
+
+
+def test_made_for_and_the_planner_need_no_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises
+        "from remat.model_identity import MadeFor, StageIdentity\n"
+        "from remat.plan import Plan\n"
+        "from remat.planner import made_for\n"
+        "s = StageIdentity('Block', '0123456789ab', 'Block(4->4)')\n"
+        "p = Plan(('a', 'b'), made_for=MadeFor(model='m', stages=(s, s), model_stages=3))\n"
+        "assert Plan.from_json(p.to_json()) == p\n"
+        "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules"
+        " if sys.modules[m] is not None)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(Path(__file__).parents[1] / "src")},
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 # -- the command line -------------------------------------------------------------------------
