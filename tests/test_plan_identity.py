@@ -473,3 +473,18 @@ def test_an_fsdp2_sharded_stage_keeps_its_identity(tmp_path: Path) -> None:
         assert stage_identity(model.blocks[0]) == before
     finally:
         dist.destroy_process_group()
+
+
+def test_cli_plan_from_an_old_profile_says_it_cannot_be_checked(
+    gpt8_profile: Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = gpt8_profile.to_dict()
+    for stage in data["stages"]:
+        del stage["identity"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--profile", str(path), "--solver", "per-stage"]) == 0
+    assert "note: the profile records no stage identities" in capsys.readouterr().out
+    gpt8_profile.save(path)
+    assert main(["plan", "--profile", str(path), "--solver", "per-stage"]) == 0
+    assert "no stage identities" not in capsys.readouterr().out

@@ -121,5 +121,10 @@ def run(args: argparse.Namespace) -> int:
             f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "
             f"checkpointing ({t / t0 - 1:+.1%}); solved in {result.solve_time_s:.3f} s"
         )
+    if result.made_for is not None and result.made_for.stages is None:
+        console.print(
+            "note: the profile records no stage identities (an older remat wrote it), so "
+            "remat.apply cannot check this plan against the model; profile again to add them"
+        )
     write_json(result.to_dict(), args.json)
     return 0

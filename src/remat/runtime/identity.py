@@ -38,10 +38,12 @@ def _count(n: int) -> str:
 
 
 def _widths(module: nn.Module) -> list[tuple[int, int]]:
-    """(in, out) widths of the layers inside, in module order: features or channels."""
+    """(in, out) widths of the layers inside, in module order: features or channels
+    (``nx``/``nf``: transformers' ``Conv1D``, GPT-2's linear layer)."""
     found = []
     for sub in module.modules():
-        for a, b in (("in_features", "out_features"), ("in_channels", "out_channels")):
+        for a, b in (("in_features", "out_features"), ("in_channels", "out_channels"),
+                     ("nx", "nf")):
             x, y = getattr(sub, a, None), getattr(sub, b, None)
             if isinstance(x, int) and isinstance(y, int):
                 found.append((x, y))
