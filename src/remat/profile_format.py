@@ -440,9 +440,9 @@ class Profile(JsonArtifact):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _int(value, name))
-        if self.model_stages is not None and (
-            _int(self.model_stages, "model_stages") < len(stages)
-        ):
+        if self.model_stages is not None:
+            object.__setattr__(self, "model_stages", _int(self.model_stages, "model_stages"))
+        if self.model_stages is not None and self.model_stages < len(stages):
             raise UsageError(
                 f"profile model_stages={self.model_stages} is below its {len(stages)} stages; "
                 "regenerate it with remat profile"
