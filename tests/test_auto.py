@@ -12,6 +12,7 @@ from remat.bench import AutoReport
 from remat.bench.auto import _problems
 from remat.cli import main
 from remat.plan import Plan
+from remat.profile_format import Profile
 
 TINY = {"n_layer": 3, "n_embd": 32, "n_head": 2, "block_size": 32, "vocab_size": 64,
         "batch_size": 4}
@@ -70,7 +71,11 @@ def test_cli_prints_the_comparison_writes_the_folder_and_exits_0(
     data = json.loads((tmp_path / "a.json").read_text())
     assert data["ok"] and data["verify_ok"]
     folder = tmp_path / "out"
-    assert Plan.load(folder / "plan.json").regions == Plan.from_dict(data["plan"]).regions
+    plan = Plan.load(folder / "plan.json")
+    assert plan.regions == Plan.from_dict(data["plan"]).regions
+    # the plan names the profile it came from, and the model's stages (docs/runtime.md)
+    assert plan.made_for is not None and plan.made_for.stages is not None
+    assert plan.made_for.profile_sha256 == Profile.load(folder / "profile.json").digest()
     assert (folder / "profile.json").exists() and "peak: predicted" in (
         folder / "auto.md").read_text()
 

@@ -13,6 +13,11 @@ Options are ``keep``, ``offload`` or ``selective:<policy>`` where the policy is 
 :data:`POLICIES` or a comma-separated list of aten op names (``selective:mm,addmm``,
 ``selective:convolution.default``); the plan checks only the syntax, the runtime
 resolves the names against the installed torch.
+
+A plan made from a profile (or by a builder of :mod:`remat.plans`) also records what it
+was made for (``made_for``, :class:`remat.model_identity.MadeFor`): ``remat.apply``
+refuses it on a model whose stages differ. Plans without it (older files, hand-written
+ones, plans solved from a bare problem) apply unchecked.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, ClassVar
 
 from remat._artifact import JsonArtifact
 from remat.errors import UsageError
+from remat.model_identity import MadeFor
 
 __all__ = ["POLICIES", "SCHEMA_VERSION", "Option", "Plan", "Region", "parse_option"]
 
@@ -106,6 +112,7 @@ _META_FIELDS = (
     "solve_time_s",
 )
 _KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
+_OPTIONAL_KEYS = ("made_for",)  # written only when set: plans from before it still load
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,8 @@ class Plan(JsonArtifact):
     predicted_step_time_s: float | None = None
     baseline_step_time_s: float | None = None
     solve_time_s: float | None = None
+    # What the plan was made for (remat.model_identity); None: unknown, nothing is checked.
+    made_for: MadeFor | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
@@ -202,6 +211,21 @@ class Plan(JsonArtifact):
                 or value < 0
             ):
                 raise UsageError(f"{name}={value!r} is not a time; give seconds >= 0 or None")
+        if self.made_for is not None:
+            if not isinstance(self.made_for, MadeFor):
+                raise UsageError(f"made_for={self.made_for!r} is not a MadeFor record or None")
+            known = self.made_for.stages
+            if known is not None and len(known) != n:
+                raise UsageError(
+                    f"made_for names {len(known)} stage identities for {n} stages; give one "
+                    "per stage"
+                )
+            count = self.made_for.model_stages
+            if count is not None and count < n:
+                raise UsageError(
+                    f"made_for model_stages={count} is below the plan's {n} stages; give at "
+                    f"least {n} or null"
+                )
 
     # -- the region tree ------------------------------------------------------------------
 
@@ -244,6 +268,7 @@ class Plan(JsonArtifact):
             "stages": list(self.stages),
             "regions": [[r.start, r.stop] for r in self.regions],
             "options": list(self.options),
+            **({"made_for": self.made_for.to_dict()} if self.made_for is not None else {}),
         }
 
     @classmethod
@@ -260,7 +285,7 @@ class Plan(JsonArtifact):
         missing = [key for key in _KEYS if key not in data]
         if missing:
             raise UsageError(f"the plan is missing key(s) {', '.join(missing)}; add them")
-        unknown = sorted(set(data) - set(_KEYS))
+        unknown = sorted(set(data) - set(_KEYS) - set(_OPTIONAL_KEYS))
         if unknown:
             raise UsageError(f"the plan has unknown key(s) {', '.join(unknown)}; remove them")
         for key in ("stages", "regions", "options"):
@@ -273,6 +298,7 @@ class Plan(JsonArtifact):
             stages=tuple(data["stages"]),
             regions=tuple(Region(*r) for r in data["regions"]),
             options=tuple(data["options"]),
+            made_for=None if data.get("made_for") is None else MadeFor.from_dict(data["made_for"]),
             **{name: data[name] for name in _META_FIELDS},
         )
 

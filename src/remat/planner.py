@@ -7,14 +7,36 @@ returns the :class:`~remat.plan.Plan` the runtime applies.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from remat.errors import UsageError
+from remat.model_identity import MadeFor
 from remat.plan import Plan
 from remat.profile_format import Profile
 from remat.solve import SOLVERS, Problem, solve
 
-__all__ = ["plan", "to_problem"]
+__all__ = ["made_for", "plan", "to_problem", "with_made_for"]
+
+
+def made_for(profile: Profile) -> MadeFor:
+    """What a plan made from ``profile`` is made for (stage identities where it has them)."""
+    known = tuple(s.identity for s in profile.stages if s.identity is not None)
+    return MadeFor(
+        model=profile.model,
+        stages=known if len(known) == len(profile.stages) else None,  # None: an older profile
+        model_stages=profile.model_stages,
+        batch_shapes=profile.batch_shapes,
+        profile_sha256=profile.digest(),
+    )
+
+
+def with_made_for(result: Plan, source: Profile | Problem) -> Plan:
+    """``result`` recording the profile it was made from; as it is for a bare problem,
+    which names no model."""
+    if not isinstance(source, Profile) or result.stages != source.stage_names:
+        return result
+    return replace(result, made_for=made_for(source))
 
 
 def to_problem(source: Profile | Problem, *, slots: int | None = None) -> Problem:
@@ -48,8 +70,10 @@ def plan(
     ``megatron-block``, ``selective-everywhere``, ``min-peak``); ``params`` go to it
     (``k=`` for every-k and segments-k, ``num_layers=`` for the Megatron recipes).
     ``optimal`` raises :class:`remat.CheckFailed` naming the minimum feasible budget when
-    nothing fits. The plan carries its predicted peak and step time.
+    nothing fits. The plan carries its predicted peak and step time, and, made from a
+    profile, what it was made for (``plan.made_for``: ``remat.apply`` refuses it on a model
+    whose stages differ).
     """
     if solver not in SOLVERS:
         raise UsageError(f"solver {solver!r} is not known; choose one of {', '.join(SOLVERS)}")
-    return solve(solver, to_problem(profile, slots=slots), budget, **params)
+    return with_made_for(solve(solver, to_problem(profile, slots=slots), budget, **params), profile)

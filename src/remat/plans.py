@@ -2,7 +2,9 @@
 
 Each builder returns a :class:`remat.plan.Plan` over the model's stages (the
 repeated-block container found by :func:`remat.stages.discover_stages`, or the module
-paths given as ``stages=``).
+paths given as ``stages=``), recording what it was made for from the model itself
+(stage classes and parameter shapes; no profile, no batch), so a saved builder plan is
+checked like a planned one when applied to another model.
 """
 
 from __future__ import annotations
@@ -14,31 +16,37 @@ from torch import nn
 from remat import recipes
 from remat.errors import UsageError
 from remat.plan import Plan, Region
+from remat.runtime.identity import made_for_model
 from remat.stages import resolve_stages
 
 __all__ = ["every", "none", "per_stage", "segments", "selective", "uniform_groups"]
 
 
 def _plan(
-    stages: list[str], regions: Sequence[tuple[int, int]], solver: str, option: str = "keep"
+    model: nn.Module,
+    stages: list[str],
+    regions: Sequence[tuple[int, int]],
+    solver: str,
+    option: str = "keep",
 ) -> Plan:
     return Plan(
         stages=tuple(stages),
         regions=tuple(Region(a, b) for a, b in regions),
         options=(option,) * len(stages),
         solver=solver,
+        made_for=made_for_model(model, stages),
     )
 
 
 def none(model: nn.Module, *, stages: Sequence[str] | None = None) -> Plan:
     """No checkpointing: every stage keeps what autograd saves."""
-    return _plan(resolve_stages(model, stages), [], "none")
+    return _plan(model, resolve_stages(model, stages), [], "none")
 
 
 def per_stage(model: nn.Module, *, stages: Sequence[str] | None = None) -> Plan:
     """One region per stage: what ``gradient_checkpointing_enable`` does in transformers."""
     names = resolve_stages(model, stages)
-    return _plan(names, recipes.per_stage(len(names)), "per-stage")
+    return _plan(model, names, recipes.per_stage(len(names)), "per-stage")
 
 
 def every(model: nn.Module, k: int, *, stages: Sequence[str] | None = None) -> Plan:
@@ -48,13 +56,13 @@ def every(model: nn.Module, k: int, *, stages: Sequence[str] | None = None) -> P
     memory/time midpoint many training recipes use.
     """
     names = resolve_stages(model, stages)
-    return _plan(names, recipes.every(len(names), k), f"every-{k}")
+    return _plan(model, names, recipes.every(len(names), k), f"every-{k}")
 
 
 def uniform_groups(model: nn.Module, size: int, *, stages: Sequence[str] | None = None) -> Plan:
     """Regions of ``size`` consecutive stages (the last may be shorter)."""
     names = resolve_stages(model, stages)
-    return _plan(names, recipes.groups(len(names), size), f"groups-{size}")
+    return _plan(model, names, recipes.groups(len(names), size), f"groups-{size}")
 
 
 def segments(
@@ -67,7 +75,7 @@ def segments(
     """
     names = resolve_stages(model, stages)
     regions = recipes.segments(len(names), k)
-    return _plan(names, regions, f"segments-{len(regions)}")
+    return _plan(model, names, regions, f"segments-{len(regions)}")
 
 
 def selective(
@@ -77,4 +85,4 @@ def selective(
     names = resolve_stages(model, stages)
     if not isinstance(policy, str) or not policy:
         raise UsageError(f"policy must be a name such as 'save-matmuls', got {policy!r}")
-    return _plan(names, [], f"selective-{policy}", option=f"selective:{policy}")
+    return _plan(model, names, [], f"selective-{policy}", option=f"selective:{policy}")

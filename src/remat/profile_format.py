@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 
 from remat._artifact import JsonArtifact
 from remat.errors import UsageError
+from remat.model_identity import StageIdentity, digest
 
 __all__ = [
     "OPTIONS",
@@ -197,6 +198,9 @@ class StageProfile:
     # stage's input gradient) and that wait for backward to pass the stage that made them.
     # They depend on where backward is, not on the plan. Written only when set.
     pending_grad_bytes: int = 0
+    # The stage module's class, parameter shapes and dtypes (remat.model_identity), which
+    # plans made from the profile record so apply can check the model. Written only when set.
+    identity: StageIdentity | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -241,6 +245,8 @@ class StageProfile:
         }
         object.__setattr__(self, "selective_bwd_transient_bytes", MappingProxyType(replay))
         object.__setattr__(self, "reads", reads_from(self.reads, f"profile {where}"))
+        if self.identity is not None and not isinstance(self.identity, StageIdentity):
+            raise UsageError(f"profile {where} identity must be a StageIdentity or null")
         for name in ("input_held_through", "output_held_through"):
             value = getattr(self, name)
             if value is not None and (
@@ -283,6 +289,7 @@ class StageProfile:
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
+            **({"identity": self.identity.to_dict()} if self.identity is not None else {}),
         }
 
     @classmethod
@@ -290,7 +297,10 @@ class StageProfile:
         where = f"profile stage {data.get('name', '?')!r}" if isinstance(data, Mapping) else ""
         keys = (*_STAGE_KEYS, *(k for k in _OPTIONAL_STAGE_KEYS if k in data))
         _check_keys(data, keys, where or "a profile stage")
-        return cls(**{k: data[k] for k in keys})
+        values = {k: data[k] for k in keys}
+        if values.get("identity") is not None:
+            values["identity"] = StageIdentity.from_dict(values["identity"], f"{where} identity")
+        return cls(**values)
 
 
 _STAGE_KEYS_V1 = (
@@ -319,6 +329,7 @@ _OPTIONAL_STAGE_KEYS = (
     "selective_bwd_transient_bytes",
     "reads",
     "pending_grad_bytes",
+    "identity",
 )
 
 
@@ -469,6 +480,11 @@ class Profile(JsonArtifact):
     dtype: str = "float32"
     profile_s: float = 0.0  # wall time the profiling took
     scaling: Scaling | None = None
+    # What plans made from the profile record about the model (remat.model_identity): how
+    # many stages it had (the profiled ones and the unnamed blocks beside them) and the
+    # shapes of the batch's tensors. Written only when set.
+    model_stages: int | None = None
+    batch_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -486,6 +502,26 @@ class Profile(JsonArtifact):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _int(value, name))
+        if self.model_stages is not None:
+            object.__setattr__(self, "model_stages", _int(self.model_stages, "model_stages"))
+        if self.model_stages is not None and self.model_stages < len(stages):
+            raise UsageError(
+                f"profile model_stages={self.model_stages} is below its {len(stages)} stages; "
+                "regenerate it with remat profile"
+            )
+        if self.batch_shapes is not None:
+            shapes = self.batch_shapes
+            if not isinstance(shapes, (list, tuple)) or not all(
+                isinstance(shape, (list, tuple)) for shape in shapes
+            ):
+                raise UsageError(f"profile batch_shapes={shapes!r} is not a list of shapes")
+            object.__setattr__(self, "batch_shapes", tuple(
+                tuple(_int(n, "batch_shapes size") for n in shape) for shape in shapes
+            ))
+
+    def digest(self) -> str:
+        """16 hex digits of the SHA-256 of the profile's canonical JSON (plans record it)."""
+        return digest(self.to_dict())
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -548,6 +584,12 @@ class Profile(JsonArtifact):
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "profile_s": self.profile_s,
             "scaling": None if self.scaling is None else self.scaling.to_dict(),
+            **({"model_stages": self.model_stages} if self.model_stages is not None else {}),
+            **(
+                {"batch_shapes": [list(shape) for shape in self.batch_shapes]}
+                if self.batch_shapes is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -562,7 +604,10 @@ class Profile(JsonArtifact):
                 f"versions {', '.join(map(str, READABLE_VERSIONS))}); profile the model "
                 "again with this remat"
             )
-        _check_keys(data, _PROFILE_KEYS, "the profile")
+        _check_keys(
+            data, (*_PROFILE_KEYS, *(k for k in _OPTIONAL_PROFILE_KEYS if k in data)),
+            "the profile",
+        )
         if not isinstance(data["stages"], list):
             raise UsageError("profile key 'stages' must be a list of stage objects")
         if version == 1:
@@ -575,6 +620,7 @@ class Profile(JsonArtifact):
             fixed=FixedBytes.from_dict(data["fixed_bytes"]),
             scaling=None if scaling is None else Scaling.from_dict(scaling),
             **{k: data[k] for k in _PROFILE_SCALARS},
+            **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS if k in data},
         )
 
 
@@ -600,6 +646,7 @@ _PROFILE_KEYS = (
     "scaling",
     *_PROFILE_SCALARS,
 )
+_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes")  # written only when set
 
 
 def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -644,7 +691,8 @@ def _set_path(data: dict[str, Any], path: str, value: float) -> None:
     try:
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
-        old = node[last]
+        key: Any = int(last) if isinstance(node, list) else last  # batch_shapes.0.0
+        old = node[key]
     except (KeyError, IndexError, ValueError, TypeError):
         raise UsageError(
             f"profile scaling names {path!r}, which the profile does not have; "
@@ -653,7 +701,7 @@ def _set_path(data: dict[str, Any], path: str, value: float) -> None:
     if isinstance(old, bool) or not isinstance(old, (int, float)):
         raise UsageError(f"profile scaling names {path!r}, which is not a number")
     value = max(0.0, value)
-    node[last] = round(value) if isinstance(old, int) else value
+    node[key] = round(value) if isinstance(old, int) else value
 
 
 def numeric_paths(data: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

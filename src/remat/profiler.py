@@ -31,6 +31,7 @@ from remat.profiling.calibrate import calibrated
 from remat.profiling.optimes import region_overhead_s
 from remat.profiling.run import measure_all, part_names
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
+from remat.runtime.identity import model_stages, stage_identity
 from remat.solve.from_profile import predict_no_checkpoint_peak
 from remat.stages import discover_stages, resolve_stages
 
@@ -120,6 +121,9 @@ def profile(
         else discover_stages(model, batch, loss_fn)
     )
     refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code
+    # what plans made from this profile record, so apply can tell another model
+    identities = [stage_identity(model.get_submodule(name)) for name in names]
+    batch_shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
     first = next(model.parameters(), None)
     device = first.device if first is not None else None
     dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -151,7 +155,10 @@ def profile(
     profile_s = time.perf_counter() - began
 
     post_grads, grads, pre_grads = gradient_owners(model, names, m.spans.post_modules)
-    stage_list = stage_profiles(m, grads)
+    stage_list = [
+        replace(s, identity=identity)
+        for s, identity in zip(stage_profiles(m, grads), identities, strict=True)
+    ]
     result = Profile(
         model=description or type(model).__name__,
         batch_size=batch_size,
@@ -169,6 +176,8 @@ def profile(
         torch_version=str(torch.__version__),
         dtype=str(dtype).removeprefix("torch."),
         profile_s=profile_s,
+        model_stages=len(model_stages(model, names)),
+        batch_shapes=batch_shapes,
     )
     result = calibrated(result, m)
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))

@@ -27,7 +27,7 @@ from remat.errors import CheckFailed, RematError, UsageError
 from remat.measure.malloc import set_malloc
 from remat.plan import Plan
 from remat.planner import plan as make_plan
-from remat.planner import to_problem
+from remat.planner import to_problem, with_made_for
 from remat.profile_format import Profile
 from remat.profiler import profile
 from remat.solve import minimum_budget, simulate
@@ -337,7 +337,7 @@ def _auto(
     with step("planning"):
         problem = to_problem(prof)
         try:
-            plan = make_plan(problem, budget, "optimal")
+            plan = with_made_for(make_plan(problem, budget, "optimal"), prof)
         except CheckFailed as err:  # no plan fits: say the least budget that does
             # and, when the stages cover little of the memory, that more stages would help
             lines = coverage_lines(prof, given=stages is not None)

@@ -93,7 +93,7 @@ def plan_table(plan: Any) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     from remat.planner import plan as make_plan
-    from remat.planner import to_problem
+    from remat.planner import to_problem, with_made_for
 
     source = _problem_source(args)
     params = _solver_params(args)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         for text in coverage_lines(source, given=given):
             console.print(text)
     problem = to_problem(source, slots=args.slots)
-    result = make_plan(problem, args.budget, args.solver, **params)
+    result = with_made_for(make_plan(problem, args.budget, args.solver, **params), source)
     console.print(plan_table(result))
     peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
     assert peak is not None  # every solver fills in its prediction
@@ -120,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "
             f"checkpointing ({t / t0 - 1:+.1%}); solved in {result.solve_time_s:.3f} s"
+        )
+    if result.made_for is not None and result.made_for.stages is None:
+        console.print(
+            "note: the profile records no stage identities (an older remat wrote it), so "
+            "remat.apply cannot check this plan against the model; profile again to add them"
         )
     write_json(result.to_dict(), args.json)
     return 0

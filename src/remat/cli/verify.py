@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,11 @@ def add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
         "--budget", metavar="B",
         help="profile and plan under this memory budget first: bytes (6GiB) or a fraction of "
         "the peak without checkpointing (50%%, 0.5)",
+    )
+    p.add_argument(
+        "--force-plan", action="store_true",
+        help="apply a plan file even when its stages differ from the model's (it was made "
+        "for another model)",
     )
     p.add_argument("--steps", type=int, default=3, help="training steps per copy (default 3)")
     p.add_argument(
@@ -176,6 +183,7 @@ def render(report: VerifyReport, console: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so building the parser for other subcommands never imports torch.
     from remat.cli.common import model_options
+    from remat.runtime.identity import plan_notes
     from remat.verify.harness import verify
 
     if args.steps < 1:
@@ -191,15 +199,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         plan = _plan_for_budget(args, model, batch, loss_fn, stages, description)
         source = f"budget {args.budget}"
-    report = verify(
-        model, batch, plan, loss_fn,
-        steps=args.steps,
-        optimizer=args.optimizer,
-        tolerance=args.tolerance,
-        seed=args.seed,
-        preserve_rng_state=not args.no_preserve_rng_state,
-    )
-    render(report, console_for(args.json))
+    console = console_for(args.json)
+    notes = plan_notes(model, plan, force=args.force_plan)  # a plan for another model stops here
+    if plan.made_for is None and args.plan is not None:
+        notes += (
+            f"{args.plan} records no model identity (an older remat or a person wrote it), so "
+            "its stages were not checked against this model",
+        )
+    for note in notes:
+        console.print(f"note: {note}")
+    with warnings.catch_warnings():
+        for note in notes:  # shown above; apply would repeat them
+            warnings.filterwarnings("ignore", message=re.escape(note))
+        report = verify(
+            model, batch, plan, loss_fn,
+            steps=args.steps,
+            optimizer=args.optimizer,
+            tolerance=args.tolerance,
+            seed=args.seed,
+            preserve_rng_state=not args.no_preserve_rng_state,
+            force=args.force_plan,
+        )
+    render(report, console)
     write_json(
         {
             "model": args.model, "options": model_options(args), "plan_source": source,

@@ -39,6 +39,7 @@ from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
+from remat.runtime.identity import check_made_for
 from remat.runtime.policies import resolve
 from remat.stages import unknown_path_message
 
@@ -166,11 +167,18 @@ def cache_off_for_training(model: nn.Module) -> bool:
     return True
 
 
-def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> Handle:
+def apply(
+    model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True, force: bool = False
+) -> Handle:
     """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
 
     Training-mode forwards with grad enabled then run the plan's regions and options;
     eval or no-grad forwards call each stage's own forward directly.
+
+    A plan that records what it was made for (``plan.made_for``) is refused, with a
+    UsageError naming the first stage whose class or parameter shapes differ, before the
+    model is touched; ``force=True`` applies it anyway (with a warning). A model with
+    more stages than the plan names gets a warning naming those left out.
 
     ``preserve_rng_state=False`` is a debugging switch, never for training: rebuilds then
     draw fresh random numbers (another dropout mask), so gradients are wrong; it exists
@@ -182,10 +190,9 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
         raise UsageError(
             f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
         )
-    if not isinstance(preserve_rng_state, bool):
-        raise UsageError(
-            f"preserve_rng_state={preserve_rng_state!r} is not a bool; pass True or False"
-        )
+    for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force)):
+        if not isinstance(flag, bool):
+            raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
     if model in _APPLIED:
         raise UsageError(
             "a plan is already applied to this model; call remat.remove(model) before "
@@ -194,6 +201,8 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
     plan.validate()  # again: a frozen dataclass can still be changed behind its back
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
+    stages = _resolve_stages(model, plan)
+    notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
     if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
         # transformers: a key/value cache appended to in forward is appended to again by
@@ -205,8 +214,10 @@ def apply(model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True) -> H
             "training",
             stacklevel=2,
         )
-    stages = _resolve_stages(model, plan)
     policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
+
+    for note in notes:  # before any change: a warning turned into an error leaves no trace
+        warnings.warn(note, stacklevel=2)
 
     # Everything is checked: from here on nothing can fail half-way.
     engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state)

@@ -138,6 +138,7 @@ def verify(
     lr: float = 1e-3,
     check_rebuilds: bool = True,
     preserve_rng_state: bool = True,
+    force: bool = False,
 ) -> VerifyReport:
     """Prove that ``plan`` changes memory and time only, never the training.
 
@@ -151,6 +152,7 @@ def verify(
     ``check_rebuilds`` runs the value check and the hazard detectors in step 1;
     ``preserve_rng_state=False`` applies the plan with RNG preservation off, a debugging
     switch that shows verification catching the wrong dropout masks it causes.
+    ``force=True`` applies a plan made for another model anyway (see ``remat.apply``).
     Returns a :class:`VerifyReport`; ``report.ok`` is True only when every check passed
     and no uncovered hazard was found.
     """
@@ -166,7 +168,7 @@ def verify(
     policy = parse_tolerance(tolerance)
     plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
     resolved = resolve_plan(plan, twin)
-    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state)
+    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state, force=force)
     run = _Run(plain, twin, batch, loss, resolved, policy, seed, lr, cuda_devices())
     try:
         checks, hazards, divergence, values = run.all(
