@@ -163,9 +163,10 @@ def profile(
         model=description or type(model).__name__,
         batch_size=batch_size,
         stages=tuple(stage_list),
-        # the loss and its gradient: scalars of the model's dtype, or float32 above it
+        # the loss (its whole storage: CPU mse_loss returns a view of its elementwise
+        # losses) and its gradient, a scalar of the model's dtype or float32 above it
         fixed=fixed_bytes(m, stage_list[0].boundary_bytes, post_grads, pre_grads,
-                          loss_bytes=2 * max(dtype.itemsize, 4)),
+                          loss_bytes=m.nosave.loss_storage_bytes + max(dtype.itemsize, 4)),
         region_overhead_s=region_overhead_s(m.plain_steps, m.per_stage_steps, m.overhead.time_s),
         region_overhead_bytes=m.overhead.memory_bytes,
         outside_chain_s=max(0.0, m.times.step_s - sum(m.times.fwd_s) - sum(m.times.bwd_s)),

@@ -10,7 +10,9 @@ Such bytes depend on where backward is, not on the plan, so they are read off th
 the profile measured, as the difference between each stage's measured backward peak and
 the simulator's event for the same step:
 
-* the step without checkpointing gives each stage's ``pending_grad_bytes``;
+* the step without checkpointing gives each stage's ``pending_grad_bytes``, beyond the
+  gradients of tensors made before the chain that a later stage reads (a time embedding
+  every block gets), which the chain-break pass counted;
 * each selective step (one option on every stage) gives what that option's backward
   needs beyond it: added to the stage's ``selective_bwd_transient_bytes``.
 
@@ -42,9 +44,16 @@ def _shortfall(profile: Profile, plan: Plan, spans: Sequence[Span]) -> list[int]
 
 def calibrated(profile: Profile, m: Measurements) -> Profile:
     """``profile`` with the pending gradients and the selective backward shortfalls."""
+    # Known first (the probe pass saw which pre-chain tensors the stages read), then
+    # whatever the step still shows beyond it.
+    profile = replace(profile, stages=tuple(
+        replace(s, pending_grad_bytes=b)
+        for s, b in zip(profile.stages, m.before_chain_grads, strict=True)
+    ))
     pending = _shortfall(profile, no_checkpoint_plan(profile), m.spans.stage_backward)
     profile = replace(profile, stages=tuple(
-        replace(s, pending_grad_bytes=p) for s, p in zip(profile.stages, pending, strict=True)
+        replace(s, pending_grad_bytes=s.pending_grad_bytes + p)
+        for s, p in zip(profile.stages, pending, strict=True)
     ))
     names = profile.stage_names
     short = {

@@ -32,6 +32,10 @@ __all__ = ["Links", "find_breaks"]
 class Links(NamedTuple):
     breaks: tuple[str | None, ...]  # per stage: why no region may span the link into it
     reads: tuple[tuple[HeldRead, ...], ...]  # per stage: what it reads from before it
+    # per stage: the bytes of the gradients that tensors made before the chain and read
+    # by it or a later stage gather (a time embedding passed to every block): alive from
+    # the last reader's backward to the pre-chain's, so at this stage's backward
+    before_chain_grad_bytes: tuple[int, ...] = ()
 
 
 def find_breaks(
@@ -46,7 +50,7 @@ def find_breaks(
 
     n = len(names)
     if n < 2:
-        return Links((None,) * n, ((),) * n)
+        return Links((None,) * n, ((),) * n, (0,) * n)
     plan = Plan(stages=tuple(names), regions=(Region(0, n),), solver="profile")
     with buffers_restored(model):
         handle = apply(model, plan)
@@ -60,7 +64,8 @@ def find_breaks(
             del loss
         except UsageError as err:  # the chain cannot be one region at all (grad mode, ...)
             reason = str(err)
-            return Links((None, *(breaks[i] or reason for i in range(1, n))), ((),) * n)
+            return Links((None, *(breaks[i] or reason for i in range(1, n))), ((),) * n,
+                         (0,) * n)
         finally:
             handle.remove()
     inputs = engine.input_slots
@@ -71,4 +76,9 @@ def find_breaks(
         )
         for i in range(n)
     )
-    return Links(tuple(breaks), reads)
+    last: dict[int, tuple[int, int]] = {}  # tensor -> (its last reader, bytes)
+    for i in range(n):
+        for key, nbytes in engine.reads_before[i]:
+            last[key] = (i, nbytes)
+    before = tuple(sum(b for j, b in last.values() if j > i) for i in range(n))
+    return Links(tuple(breaks), reads, before)

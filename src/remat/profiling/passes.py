@@ -89,6 +89,9 @@ class ForwardPass:
     # returned), or None; read from the no-save pass only (Note [Held outside the chain]).
     input_held_through: tuple[int | None, ...] = ()
     output_held_through: tuple[int | None, ...] = ()
+    # The storage behind the loss loss_fn returned: more than its one element where the
+    # kernel returns a view of a whole buffer (CPU mse_loss keeps its elementwise losses).
+    loss_storage_bytes: int = 0
 
 
 def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
@@ -238,6 +241,8 @@ def forward_pass(
                 else:
                     with torch.autograd.graph.saved_tensors_hooks(drop, _never):
                         loss = loss_fn(model, batch)
+                loss_storage = (loss.untyped_storage().nbytes()
+                                if isinstance(loss, torch.Tensor) else 0)
                 del loss
                 if not save:
                     for j in range(n):
@@ -273,4 +278,5 @@ def forward_pass(
         output_held_through=tuple(
             k if k > own[i] and i < n - 1 else None for i, k in enumerate(output_seen)
         ),
+        loss_storage_bytes=loss_storage,
     )

@@ -60,6 +60,7 @@ class Measurements:
     nosave: ForwardPass
     breaks: tuple[str | None, ...]  # per stage: why no region may enter it from the previous
     reads: tuple[tuple[HeldRead, ...], ...]  # per stage: what it reads from before it
+    before_chain_grads: tuple[int, ...]  # per stage: gradients of pre-chain tensors pending
     plain_steps: tuple[StepTimes, ...]  # round by round, paired with the two below
     per_stage_steps: tuple[StepTimes, ...]  # one region per stage
     option_steps: dict[str, tuple[StepTimes, ...]]  # option -> its steps, round by round
@@ -257,6 +258,7 @@ def measure_all(
         nosave=nosave,
         breaks=links.breaks,
         reads=links.reads,
+        before_chain_grads=links.before_chain_grad_bytes,
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),
         option_steps={option: tuple(steps) for option, steps in with_option.items()},

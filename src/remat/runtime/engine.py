@@ -350,6 +350,8 @@ class Engine:
         # pass: (slot, made after, bytes, by its call); with each stage's input slot.
         self.reads: list[list[tuple[int, int, int, bool]]] | None = None
         self.input_slots: list[int | None] = [None] * n
+        # ... and those made before the chain that get a gradient: (id, storage bytes)
+        self.reads_before: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.current: CallRecord | None = None  # the call a rebuild is replaying
         self.rebuilds = 0
         self.offload_noop: dict[int, str] = {}  # stage -> device of its input
@@ -505,6 +507,11 @@ class Engine:
             self.reads[i] += [(leaf.k, tape.made_after[leaf.k], tape.nbytes(leaf.k), by_call)
                               for leaf in template.leaves
                               if isinstance(leaf, Slot) and leaf.k != main]
+            # tensors from before the chain that get a gradient (a time embedding)
+            self.reads_before[i] += [
+                (id(leaf), leaf.untyped_storage().nbytes()) for leaf in template.leaves
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+            ]
 
     def _glue_step(self, step: GlueStep) -> None:
         if self.reads is not None:

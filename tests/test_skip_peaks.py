@@ -1,0 +1,72 @@
+"""Exact peaks on a UNet: skip tensors held by the regions that read them, the gradients
+the skips gather while backward walks back to their makers, and a loss whose storage is
+a whole buffer (docs/cost-model.md, "Tensors a region reads from before it", "Gradients
+pending by position", assumption 14)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.measure import measure_step
+from remat.models.unet import unet
+from remat.plan import Plan
+from remat.profile_format import Profile
+from remat.solve import simulate, solvers
+from remat.solve.from_profile import problem_from_profile
+
+
+@pytest.fixture(scope="module")
+def profiled() -> tuple[nn.Module, Any, Any, Profile]:
+    torch.manual_seed(0)
+    model, batch, loss_fn = unet(channels=8, levels=2, image_size=16, batch_size=4)
+    prof = remat.profile(model, batch, loss_fn, repeats=1)
+    return model, batch, loss_fn, prof
+
+
+def _measured(model: nn.Module, batch: Any, loss_fn: Any, plan: Plan) -> int:
+    applied = copy.deepcopy(model)
+    handle = remat.apply(applied, plan)
+    try:
+        return measure_step(applied, batch, loss_fn).peak_bytes
+    finally:
+        handle.remove()
+
+
+def test_the_up_path_reads_the_down_paths_skips_and_their_gradients_pend(
+    profiled: tuple[nn.Module, Any, Any, Profile],
+) -> None:
+    _, _, _, prof = profiled
+    names = prof.stage_names
+    up = [i for i, n in enumerate(names) if n.startswith("up_blocks.") and n.endswith("resnets.0")]
+    for i in up:  # each up block's first resnet gets a concatenation with a down skip
+        skips = [r for r in prof.stages[i].reads if r.boundary and not r.by_call]
+        assert skips and all(r.made_after < i for r in skips), prof.stages[i].reads
+    # the skips' gradients wait in the down path; the time embedding's everywhere
+    assert max(s.pending_grad_bytes for s in prof.stages[:4]) > 16 * 1024
+    assert all(s.pending_grad_bytes > 0 for s in prof.stages[:-1])
+    # CPU mse_loss returns a view of its elementwise losses: the caller keeps all of them
+    out_bytes = 4 * 4 * 3 * 16 * 16
+    assert prof.fixed.backward_residue_bytes >= out_bytes
+
+
+@pytest.mark.parametrize("where", ["minimum", "75%"])
+def test_the_optimal_plan_runs_within_its_budget_on_a_unet(
+    profiled: tuple[nn.Module, Any, Any, Profile], where: str,
+) -> None:
+    # At the minimum it needs the pending gradients (512 B over without them) and the
+    # loss's whole storage (12 KiB over with the 8 bytes of a scalar).
+    model, batch, loss_fn, prof = profiled
+    problem = problem_from_profile(prof)
+    budget = (solvers.minimum_budget(problem) if where == "minimum"
+              else int(0.75 * prof.measured_peak_bytes))
+    plan = solvers.optimal(problem, budget)
+    measured = _measured(model, batch, loss_fn, plan)
+    predicted = simulate(plan, problem).peak_bytes
+    assert measured <= budget, (measured, budget, plan.regions)
+    assert predicted - 0.05 * predicted <= measured <= predicted, (measured, predicted)
