@@ -255,11 +255,12 @@ def test_optimal_keeps_the_budget_where_regions_hold_tensors_read_from_before_th
     assert least >= min(peak for peak, _ in scores)
     assert any(peak <= least for peak, _ in scores)
     top = max(peak for peak, _ in scores)
-    for budget in {least, top, data.draw(st.integers(least, top))}:
+    for budget in {least, top, data.draw(st.integers(least, top))} - {0}:  # 0 is not a budget
         plan = solvers.optimal(problem, budget)
         assert simulate(plan, problem).peak_bytes == plan.predicted_peak_bytes <= budget
-    with pytest.raises(CheckFailed, match="no plan fits"):
-        solvers.optimal(problem, least - 1)
+    if least > 1:
+        with pytest.raises(CheckFailed, match="no plan fits"):
+            solvers.optimal(problem, least - 1)
 
 
 def test_a_region_holds_what_it_reads_from_before_it_until_its_backward() -> None:

@@ -226,6 +226,27 @@ class _Entry:
     externals: dict[int, torch.Tensor] = field(default_factory=dict)
     children_at: dict[int, list[_Entry]] = field(default_factory=dict)
 
+    def dead_after(self) -> list[list[int]]:
+        """Per step, the slots no later step (nor a child region opening later) reads: a
+        rebuild lets them go there, as the forward did, rather than at its end."""
+        last: dict[int, int] = {}
+        for index, step in enumerate(self.calls):
+            assert step.inputs is not None
+            for child in self.children_at.get(index, ()):
+                for k in child.outer:
+                    last[k] = index - 1  # taken before the step runs
+            for leaf in step.inputs.leaves:
+                if isinstance(leaf, Slot):
+                    last[leaf.k] = index
+            for made in step.outputs:
+                if made is not None:
+                    last.setdefault(made, index)  # made and never read: gone at once
+        dead: list[list[int]] = [[] for _ in self.calls]
+        for k, index in last.items():
+            if k != self.input_slot and index >= 0:
+                dead[index].append(k)
+        return dead
+
     def add(self, step: CallRecord | GlueStep) -> None:
         """Append a step; note the slots it uses from enclosing regions."""
         self.calls.append(step)
@@ -623,20 +644,24 @@ class Engine:
         self.rebuilds += 1
         env = dict(entry.externals)
         env[entry.input_slot] = boundary
+        dead_after = entry.dead_after()
         try:
             for index, step in enumerate(entry.calls):
                 for child in entry.children_at.get(index, ()):
                     child.externals = {k: env[k] for k in child.outer}
                 if isinstance(step, GlueStep):
                     step.replay(env)
-                    continue
-                self.current = step
-                name = f"stage {self.names[step.stage]!r}"
-                assert step.inputs is not None
-                args, kwargs = step.inputs.decode(env, name)
-                module = self.modules[step.stage]
-                out = call_restoring(step.mutated, module, *args, **kwargs)
-                bind(step.outputs, out, env, name)
+                else:
+                    self.current = step
+                    name = f"stage {self.names[step.stage]!r}"
+                    assert step.inputs is not None
+                    args, kwargs = step.inputs.decode(env, name)
+                    module = self.modules[step.stage]
+                    out = call_restoring(step.mutated, module, *args, **kwargs)
+                    bind(step.outputs, out, env, name)
+                    del args, kwargs, out
+                for k in dead_after[index]:  # no later step reads it: free it now
+                    env.pop(k, None)
         finally:
             self._unwind(depth)
             self.phase, self.next_stage, self.current = saved
