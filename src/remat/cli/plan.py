@@ -24,7 +24,7 @@ def add_parser(sub: Any, name: str) -> None:
             "Profile a model (or read a profile written by `remat profile --json`) and choose "
             "its checkpoint plan under a memory budget: the peak of a whole training step, "
             "in bytes (6GiB, 512MiB) or as a fraction of the measured peak without "
-            "checkpointing (50%%, 0.5). Exits 1 when no plan fits, naming the smallest "
+            "checkpointing (50%, 0.5). Exits 1 when no plan fits, naming the smallest "
             "budget that does."
         ),
     )
@@ -91,6 +91,18 @@ def plan_table(plan: Any) -> Table:
     return table
 
 
+def _no_limit(plan: Any) -> bool:
+    """Whether a budget-driven solver checkpointed nothing because the budget needs none."""
+    return (
+        plan.solver in ("optimal", "segments-optimal")
+        and not plan.regions
+        and all(o == "keep" for o in plan.options)
+        and plan.budget_bytes is not None
+        and plan.predicted_peak_bytes is not None
+        and plan.predicted_peak_bytes <= plan.budget_bytes
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from remat.planner import plan as make_plan
     from remat.planner import to_problem, with_made_for
@@ -115,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
     if base:
         line += f" (measured without checkpointing: {format_bytes(base)})"
     console.print(line)
+    if _no_limit(result):
+        console.print(
+            "the budget holds the whole step without checkpointing, so nothing is "
+            "checkpointed (no limit)"
+        )
     t, t0 = result.predicted_step_time_s, result.baseline_step_time_s
     if t and t0:
         console.print(

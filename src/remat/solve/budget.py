@@ -33,6 +33,10 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
         else:
             text = math.floor(text)
     elif isinstance(text, str):
+        if text.strip().startswith("-"):
+            raise UsageError(
+                f"budget {text!r} must be above zero; give bytes such as 6GiB, or 50%"
+            )
         percent = _PERCENT.match(text)
         plain = _FRACTION.match(text)
         if percent:
@@ -40,6 +44,8 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
         elif plain and 0 < float(plain.group(1)) <= 1:
             fraction = float(plain.group(1))
     if fraction is None:
+        if isinstance(text, int) and text <= 0:
+            raise UsageError(f"budget {text!r} must be above zero; give bytes such as 6GiB")
         value = parse_size(text, what="budget")  # type: ignore[arg-type]
     else:
         peak = problem.measured_no_checkpoint_peak_bytes
@@ -47,6 +53,12 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
             raise UsageError(
                 f"budget {text!r} is a fraction of the measured peak without checkpointing, "
                 "which this problem does not have; give bytes such as 6GiB instead"
+            )
+        if peak == 0:
+            raise UsageError(
+                f"budget {text!r} is a fraction of the measured peak without checkpointing, "
+                "which is 0 bytes here, so the profile measured nothing; profile the model "
+                "again, or give bytes such as 6GiB"
             )
         value = math.floor(fraction * peak)
     if value <= 0:
