@@ -91,25 +91,25 @@ def _err(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
-def test_auto_a_factory_that_raises_exits_2_naming_loading_the_model(
+def test_auto_a_factory_that_raises_exits_3_naming_loading_the_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "auto.json"
-    assert main(["auto", "--model", SPEC.format("raising"), *FAST, "--json", str(out)]) == 2
+    assert main(["auto", "--model", SPEC.format("raising"), *FAST, "--json", str(out)]) == 3
     err = _err(capsys)
     assert err.startswith("remat auto: error: loading the model: the model factory raised "
                           "FileNotFoundError: weights.bin is missing")
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["model"] == SPEC.format("raising")
     assert data["error"]["stage"] == "loading the model"
-    assert data["error"]["exit_code"] == 2
+    assert data["error"]["exit_code"] == 3
     assert "weights.bin is missing" in data["error"]["message"]
 
 
-def test_profile_a_factory_that_raises_exits_2_naming_loading_the_model(
+def test_profile_a_factory_that_raises_exits_3_naming_loading_the_model(
     capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["profile", "--model", SPEC.format("raising"), "--repeats", "1"]) == 2
+    assert main(["profile", "--model", SPEC.format("raising"), "--repeats", "1"]) == 3
     assert _err(capsys).startswith("remat profile: error: loading the model: the model "
                                    "factory raised FileNotFoundError")
 
@@ -121,14 +121,15 @@ def test_the_original_exception_stays_chained() -> None:
     assert info.value.stage == "loading the model"  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("command", ["auto", "profile", "bench"])
-def test_a_loss_that_is_not_a_scalar_exits_2_naming_the_first_training_step(
+@pytest.mark.parametrize("command", ["auto", "profile", "bench", "plan", "verify"])
+def test_a_loss_that_is_not_a_scalar_exits_3_naming_the_first_training_step(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     extra = {"auto": FAST, "profile": ["--repeats", "1"],
              "bench": ["--strategies", "none", "--budgets", "100%", "--microbatch-budget",
-                       "off", "--repeats", "1"]}[command]
-    assert main([command, "--model", SPEC.format("not_scalar"), *extra]) == 2
+                       "off", "--repeats", "1"],
+             "plan": ["--budget", "50%"], "verify": ["--plan", "per-stage"]}[command]
+    assert main([command, "--model", SPEC.format("not_scalar"), *extra]) == 3
     err = _err(capsys)
     assert err.startswith(f"remat {command}: error: the first training step: loss_fn returned "
                           "a float32 tensor of shape (4, 16), not a scalar loss")

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.errors import UsageError
+from remat.errors import UsageError, UserCodeError
 from remat.models import convnet_bn, convnext, encdec, gpt, hf, mlp_hetero, resnet, unet
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.
@@ -102,7 +102,7 @@ def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[...,
     """Build a model from a built-in name, ``hf:<model_type>`` or ``package.module:factory``.
 
     Returns ``(model, example_batch, loss_fn)``; raises UsageError for a spec or option
-    the user can fix.
+    the user can fix, UserCodeError for a factory that returns the wrong thing.
     """
     factory = _resolve(spec)
     _check_options(spec, factory, options)
@@ -113,17 +113,17 @@ def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[...,
             if isinstance(result, tuple)
             else f"an object of type {type(result).__name__}"
         )
-        raise UsageError(
+        raise UserCodeError(
             f"model factory {spec!r} returned {got}; it must return (model, example_batch, loss_fn)"
         )
     model, batch, loss_fn = result
     if not isinstance(model, nn.Module):
-        raise UsageError(
+        raise UserCodeError(
             f"model factory {spec!r} returned an object of type {type(model).__name__} "
             "as the model; the first item must be a torch.nn.Module"
         )
     if not callable(loss_fn):
-        raise UsageError(
+        raise UserCodeError(
             f"model factory {spec!r} returned an object of type {type(loss_fn).__name__} "
             "as loss_fn; the third item must be callable as loss_fn(model, batch)"
         )
