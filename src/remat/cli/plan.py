@@ -15,6 +15,8 @@ from remat.errors import UsageError
 from remat.profile_format import Profile
 from remat.units import format_bytes
 
+MAX_SLOTS = 100_000  # about a second for a 12-stage chain
+
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
@@ -107,10 +109,27 @@ def run(args: argparse.Namespace) -> int:
     from remat.planner import plan as make_plan
     from remat.planner import to_problem, with_made_for
 
-    source = _problem_source(args)
+    from remat.solve import SOLVERS
+    from remat.solve.budget import check_budget
+
+    # Every option is checked before profiling, which takes a while and trains the model.
+    if args.solver not in SOLVERS:
+        raise UsageError(
+            f"--solver {args.solver!r} is not known; choose one of {', '.join(SOLVERS)}"
+        )
     params = _solver_params(args)
-    if args.budget is None and args.solver in ("optimal",):
-        raise UsageError("--solver optimal needs --budget, e.g. --budget 50% or --budget 6GiB")
+    if args.budget is None and args.solver in ("optimal", "segments-optimal"):
+        raise UsageError(
+            f"--solver {args.solver} needs --budget, e.g. --budget 50% or --budget 6GiB"
+        )
+    if args.budget is not None:
+        check_budget(args.budget)
+    if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
+        raise UsageError(
+            f"--slots {args.slots} is outside 1..{MAX_SLOTS} (default 500); the solver's "
+            "tables grow with it (a million slots take 2.6 GB for 12 stages)"
+        )
+    source = _problem_source(args)
     console = console_for(args.json)
     if isinstance(source, Profile):  # before solving, so it shows when no plan fits
         given = None if args.profile is not None else stage_list(args.stages) is not None

@@ -191,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} is below 1; give at least one step")
+    if args.budget is not None:
+        from remat.solve.budget import check_budget
+
+        check_budget(args.budget)  # before profiling, which takes a while
     model, batch, loss_fn, stages, description = load(args, check_step=False)
     # the user's own code fails here, named, on a copy: verify starts from the untouched model
     first_step(copy.deepcopy(model), batch, loss_fn)

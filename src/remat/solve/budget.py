@@ -6,10 +6,10 @@ import math
 import re
 
 from remat.errors import UsageError
-from remat.solve.problem import Problem
+from remat.solve.problem import Problem, StageCost
 from remat.units import parse_size
 
-__all__ = ["parse_budget"]
+__all__ = ["check_budget", "parse_budget"]
 
 _FRACTION = re.compile(r"^\s*([0-9]*\.[0-9]+|[0-9]+\.[0-9]*|[0-9]*\.?[0-9]+[eE][+-]?[0-9]+)\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
@@ -64,3 +64,10 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
     if value <= 0:
         raise UsageError(f"budget {text!r} must be above zero; give bytes such as 6GiB, or 50%")
     return value
+
+
+def check_budget(text: str | int | float) -> None:
+    """Raise UsageError for a budget no problem could read, before anything is measured."""
+    stand_in = Problem(stages=(StageCost("stage", 1, 1, {"keep": 0}),),
+                       measured_no_checkpoint_peak_bytes=1 << 50)
+    parse_budget(text, stand_in)
