@@ -56,7 +56,8 @@ def format_bytes(n: float) -> str:
     n = abs(n)
     if n >= 1 << 60:  # beyond any device: a budget meaning "no limit" (1e99)
         return f"{sign}{float(n):.3g} B"
-    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30),
+                        ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             value = n / scale
             text = f"{value:.2f}".rstrip("0").rstrip(".")

@@ -9,7 +9,8 @@ is listed in ``problems``, never hidden; ``ok`` is True only when there are none
 A run that cannot go on raises :class:`Stopped`, which names the step (loading the model,
 the first training step, profiling, planning, applying, verifying, measuring) and says
 why in one sentence: the user's own code failing (factory, forward, loss) is a
-:class:`~remat.errors.UserCodeError` (exit 3); a rebuild torch rejects is described by the hazard ``remat verify`` finds.
+:class:`~remat.errors.UserCodeError` (exit 3); a rebuild torch rejects is described by
+the hazard ``remat verify`` finds.
 """
 
 from __future__ import annotations

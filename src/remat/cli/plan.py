@@ -108,7 +108,6 @@ def _no_limit(plan: Any) -> bool:
 def run(args: argparse.Namespace) -> int:
     from remat.planner import plan as make_plan
     from remat.planner import to_problem, with_made_for
-
     from remat.solve import SOLVERS
     from remat.solve.budget import check_budget
 
