@@ -9,6 +9,7 @@ import re
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from remat.errors import UNEXPECTED_EXIT_CODE, RematError
 
@@ -37,10 +38,17 @@ DEBUG_HELP = "on an error, print the full traceback as well (or set REMAT_DEBUG=
 _NEGATIVE = re.compile(r"^-\.?[0-9]")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its usage errors on one line, as all of remat's are."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from remat import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="remat",
         description="Budget-optimal, automatic and verified activation checkpointing for PyTorch.",
         epilog=EXIT_CODES,
