@@ -80,9 +80,15 @@ def describe(spec: str, options: dict[str, Any]) -> str:
     return " ".join([spec, *(f"{k}={v}" for k, v in options.items())])
 
 
+MAX_THREADS = 1024
+
+
 def check_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} is below 1; give 1 or more")
+    if threads is not None and threads > MAX_THREADS:
+        raise UsageError(f"--threads {threads} is above {MAX_THREADS}; give at most the cores "
+                         "you have")
 
 
 def load(
