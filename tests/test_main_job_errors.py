@@ -91,25 +91,25 @@ def _err(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
-def test_auto_a_factory_that_raises_exits_2_naming_loading_the_model(
+def test_auto_a_factory_that_raises_exits_3_naming_loading_the_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "auto.json"
-    assert main(["auto", "--model", SPEC.format("raising"), *FAST, "--json", str(out)]) == 2
+    assert main(["auto", "--model", SPEC.format("raising"), *FAST, "--json", str(out)]) == 3
     err = _err(capsys)
     assert err.startswith("remat auto: error: loading the model: the model factory raised "
                           "FileNotFoundError: weights.bin is missing")
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["model"] == SPEC.format("raising")
     assert data["error"]["stage"] == "loading the model"
-    assert data["error"]["exit_code"] == 2
+    assert data["error"]["exit_code"] == 3
     assert "weights.bin is missing" in data["error"]["message"]
 
 
-def test_profile_a_factory_that_raises_exits_2_naming_loading_the_model(
+def test_profile_a_factory_that_raises_exits_3_naming_loading_the_model(
     capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["profile", "--model", SPEC.format("raising"), "--repeats", "1"]) == 2
+    assert main(["profile", "--model", SPEC.format("raising"), "--repeats", "1"]) == 3
     assert _err(capsys).startswith("remat profile: error: loading the model: the model "
                                    "factory raised FileNotFoundError")
 
@@ -121,14 +121,15 @@ def test_the_original_exception_stays_chained() -> None:
     assert info.value.stage == "loading the model"  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("command", ["auto", "profile", "bench"])
-def test_a_loss_that_is_not_a_scalar_exits_2_naming_the_first_training_step(
+@pytest.mark.parametrize("command", ["auto", "profile", "bench", "plan", "verify"])
+def test_a_loss_that_is_not_a_scalar_exits_3_naming_the_first_training_step(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     extra = {"auto": FAST, "profile": ["--repeats", "1"],
              "bench": ["--strategies", "none", "--budgets", "100%", "--microbatch-budget",
-                       "off", "--repeats", "1"]}[command]
-    assert main([command, "--model", SPEC.format("not_scalar"), *extra]) == 2
+                       "off", "--repeats", "1"],
+             "plan": ["--budget", "50%"], "verify": ["--plan", "per-stage"]}[command]
+    assert main([command, "--model", SPEC.format("not_scalar"), *extra]) == 3
     err = _err(capsys)
     assert err.startswith(f"remat {command}: error: the first training step: loss_fn returned "
                           "a float32 tensor of shape (4, 16), not a scalar loss")
@@ -179,7 +180,7 @@ def test_a_bench_row_whose_rebuild_torch_rejects_names_the_hazard_and_fails_the_
     row = next(r for r in report.rows if r.key == "per-stage")
     assert row.status == "failed" and (row.reason or "").startswith(REJECTED)
     assert _verify_hazard() in (row.reason or "")
-    assert _failed(report) == [f"per-stage: {row.reason}"]  # so remat bench exits 1
+    assert _failed(report) == [f"per-stage could not run: {row.reason}"]  # remat bench exits 1
 
 
 def test_an_infeasible_budget_writes_the_minimum_budget_in_the_json(
@@ -297,3 +298,101 @@ def test_apply_warns_once_per_model_where_the_cache_is_built() -> None:
         for _ in range(3):
             remat.apply(model, plan).remove()
     assert len(_notes(record)) == 1 and "set model.config.use_cache = False" in _notes(record)[0]
+
+
+def test_bench_exits_1_naming_a_remat_row_that_could_not_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import remat.bench.run as bench_run
+
+    real = bench_run.check_plan
+
+    def check_plan(factory: Any, plan: Any, **kwargs: Any) -> Any:
+        if plan.regions:  # the per-stage row raises; the plain row runs
+            raise RuntimeError("out of file handles")
+        return real(factory, plan, **kwargs)
+
+    monkeypatch.setattr(bench_run, "check_plan", check_plan)
+    assert main(["bench", "--model", SPEC.format("chain"), "--strategies", "none,per-stage",
+                 "--budgets", "100%", "--microbatch-budget", "off", "--no-matched",
+                 "--repeats", "1", "--warmup", "0", "--profile-repeats", "1",
+                 "--verify-steps", "1"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "check failed: per-stage could not run: RuntimeError: out of file handles" in out
+
+
+def test_debug_and_remat_debug_add_the_traceback_to_the_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["profile", "--model", SPEC.format("raising"), "--repeats", "1"]
+    for words, env in ((["--debug", *argv], None), ([*argv, "--debug"], None), (argv, "1")):
+        if env:
+            monkeypatch.setenv("REMAT_DEBUG", env)
+        assert main(words) == 3
+        err = capsys.readouterr().err
+        assert "Traceback" in err and 'raise FileNotFoundError("weights.bin is missing")' in err
+        assert err.strip().splitlines()[-1].startswith("remat profile: error: loading the model")
+    monkeypatch.setenv("REMAT_DEBUG", "0")
+    assert main(argv) == 3
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_unexpected_error_is_one_line_exit_4(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import remat.cli.profile as profile_cli
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("stages")  # a bug inside remat, not the user's doing
+
+    monkeypatch.setattr(profile_cli, "profile_with_progress", broken)
+    assert main(["profile", "--model", SPEC.format("chain"), "--repeats", "1"]) == 4
+    line = _err(capsys)
+    assert line.startswith("remat profile: unexpected error: KeyError: 'stages'; this is a bug")
+    assert main(["--debug", "profile", "--model", SPEC.format("chain"), "--repeats", "1"]) == 4
+    assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "verify", "profile"])
+def test_a_loss_fn_that_raises_exits_3_naming_the_first_training_step(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = {"plan": ["--budget", "50%"], "verify": ["--plan", "per-stage"],
+             "profile": ["--repeats", "1"]}[command]
+    assert main([command, "--model", SPEC.format("loss_raises"), *extra]) == 3
+    assert _err(capsys) == (
+        f"remat {command}: error: the first training step: the model's forward, loss_fn or "
+        "backward raised ValueError: bad label; fix them so that one plain training step runs "
+        "(--debug shows the traceback)")
+
+
+def test_verify_leaves_a_batchnorm_model_as_it_was_after_checking_the_first_step(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, _, _ = held_bn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert main(["verify", "--model", SPEC.format("held_bn"), "--plan", "per-stage",
+                 "--steps", "1"]) == 0
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running stats too
+
+
+_BN: dict[str, Any] = {}
+
+
+def held_bn(batch_size: int = 4) -> Any:
+    if not _BN:
+        torch.manual_seed(0)
+        _BN["model"] = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+                                       for _ in range(3)))
+        _BN["batch"] = torch.randn(batch_size, 8)
+    return _BN["model"], _BN["batch"], lambda m, b: m(b).pow(2).mean()
+
+
+def loss_raises(batch_size: int = 4) -> Any:
+    model, batch, _ = chain(batch_size)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad label")
+
+    return model, batch, loss

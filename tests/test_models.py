@@ -437,6 +437,26 @@ def test_load_model_from_module_spec(user_package: str) -> None:
     assert loss_fn(model, batch).dim() == 0
 
 
+def test_load_model_from_a_file_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_model.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)  # a relative path, not importable as a module from here
+    model, batch, loss_fn = load_model("my_model.py:build", width=3)
+    assert isinstance(model, nn.Linear) and model.in_features == 3
+    assert loss_fn(model, batch).dim() == 0
+    again, _, _ = load_model(f"{tmp_path / 'my_model.py'}:build", width=3)
+    assert type(again).__module__ == type(model).__module__  # one module per file
+
+
+def test_a_model_file_that_is_missing_or_raises_says_so(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"model file '.*nothing\.py' does not exist"):
+        load_model(f"{tmp_path / 'nothing.py'}:build")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no GPU here')\n")
+    with pytest.raises(RuntimeError, match="no GPU here"):  # the user's code: CLI exit 3
+        load_model(f"{broken}:build")
+    assert not any(name.endswith("_broken") for name in sys.modules)
+
+
 @pytest.mark.parametrize(
     ("spec", "options", "named"),
     [

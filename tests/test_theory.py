@@ -79,6 +79,28 @@ def test_best_integer_k_is_the_brute_force_minimum(n: int) -> None:
     assert best.k == min(k for k, t in totals.items() if t == best.total_bytes)
 
 
+def test_best_k_matches_brute_force_for_every_n_and_unequal_sizes() -> None:
+    for n in range(1, 160):
+        for ab, ai in ((1, 1), (7, 2), (2, 7), (1, 34), (5, 0), (0, 3)):
+            rows = [theory.segment_row(n, k, ab, ai) for k in range(1, n + 1)]
+            least = min(r.total_bytes for r in rows)
+            want = next(r for r in rows if r.total_bytes == least)
+            assert theory.best_segment_length(n, ab, ai) == want, (n, ab, ai)
+
+
+def test_best_k_of_a_billion_stages_is_quick_and_exact() -> None:
+    import time
+
+    began = time.perf_counter()
+    best = theory.best_segment_length(10**9, 1)
+    assert time.perf_counter() - began < 2.0  # O(sqrt n), not a loop over n
+    # n/k + k >= 2 sqrt(n) = 63245.6, so 63246 copies is the least any k keeps ...
+    assert best.total_bytes == math.ceil(2 * math.sqrt(10**9))
+    # ... and no shorter segment length reaches it
+    assert all(theory.segment_row(10**9, k, 1).total_bytes > best.total_bytes
+               for k in range(1, best.k))
+
+
 @pytest.mark.parametrize("n", [4, 16, 64, 100, 144])
 def test_continuous_optimum_is_sqrt_n_for_a_uniform_chain(n: int) -> None:
     k, total = theory.continuous_optimum(n, 5.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from remat.errors import CheckFailed, RematError, UsageError
+from remat.errors import CheckFailed, RematError, UsageError, UserCodeError
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,7 @@ __all__ = [
     "Region",
     "RematError",
     "UsageError",
+    "UserCodeError",
     "__version__",
     "applied",
     "apply",

@@ -10,6 +10,49 @@ from remat.errors import UsageError
 
 T = TypeVar("T", bound="JsonArtifact")
 
+# The keys every JSON file of a kind has (and no other kind has all of), what to call it
+# and what writes it: a file of the wrong kind is named as such instead of failing on a
+# missing key. Keyed by ``JsonArtifact.artifact`` where the kind is one.
+KINDS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "plan": (("regions", "options"), "plan", "remat plan --json"),
+    "profile": (("fixed_bytes", "measured_peak_bytes"), "profile", "remat profile --json"),
+    "problem": (("params_bytes", "measured_no_checkpoint_peak_bytes"), "problem file",
+                "Problem.save"),
+    "auto": (("verify_ok", "within_budget"), "remat auto report", "remat auto --json"),
+    "bench": (("rows", "findings"), "remat bench report", "remat bench --json"),
+    "verify": (("checks", "hazards"), "remat verify report", "remat verify --json"),
+    "estimate": (("optimal_k", "rows"), "remat estimate result", "remat estimate --json"),
+}
+
+
+def kind_of(data: Any) -> str | None:
+    """Which kind of remat JSON ``data`` is (a key of :data:`KINDS`), or None."""
+    if not isinstance(data, dict):
+        return None
+    return next((kind for kind, (keys, _, _) in KINDS.items() if all(k in data for k in keys)),
+                None)
+
+
+def check_kind(data: Any, expected: str, source: str | None = None) -> None:
+    """Raise UsageError naming what ``data`` is when it is not a remat ``expected``."""
+    if not isinstance(data, dict) or expected not in KINDS:
+        return
+    keys, name, writer = KINDS[expected]
+    where = f"{source!r}" if source else "this JSON"
+    found = kind_of(data)
+    if found is not None and found != expected:
+        version = data.get("schema_version")
+        schema = f" (schema {version})" if isinstance(version, int) else ""
+        raise UsageError(
+            f"{where} is a {KINDS[found][1]}{schema}, not a {name}; give the {name} {writer} "
+            "wrote"
+        )
+    if found is None and not any(k in data for k in keys):
+        raise UsageError(
+            f"{where} is not a remat {name}: it has none of the keys one has "
+            f"({', '.join(keys)}); give the {name} {writer} wrote"
+        )
+
 
 class JsonArtifact:
     """``to_json``/``from_json``/``save``/``load`` on top of ``to_dict``/``from_dict``.
@@ -33,13 +76,15 @@ class JsonArtifact:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_json(cls: type[T], text: str) -> T:
+    def from_json(cls: type[T], text: str, source: str | None = None) -> T:
+        """Read ``text``; ``source`` (a path) names the file in the errors."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise UsageError(
                 f"the {cls.artifact} is not valid JSON ({err}); check the file"
             ) from None
+        check_kind(data, cls.artifact, source)
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
@@ -54,4 +99,4 @@ class JsonArtifact:
             raise UsageError(
                 f"cannot read {cls.artifact} file {str(path)!r} ({err.strerror}){hint}"
             ) from None
-        return cls.from_json(text)
+        return cls.from_json(text, str(path))

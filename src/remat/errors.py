@@ -1,4 +1,9 @@
-"""The one exception family remat raises for problems a user can fix."""
+"""The one exception family remat raises for problems a user can fix.
+
+Each error carries the exit code the command line ends with (``remat --help`` and
+README's Commands section list them): 1 a check failed, 2 a usage error, 3 the user's
+own code (model factory, forward, loss_fn, backward) failed.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,18 @@ class UsageError(RematError, ValueError):
     exit_code = 2
 
 
+class UserCodeError(UsageError):
+    """The user's own code failed: the model factory raised or returned the wrong thing,
+    or the forward, ``loss_fn`` or backward raised or gave no scalar loss."""
+
+    exit_code = 3
+
+
 class CheckFailed(RematError):
     """A check the user asked for did not pass (gradients differ, budget infeasible)."""
 
     exit_code = 1
+
+
+#: Exit code of an exception remat did not expect (a bug, or a case it does not handle).
+UNEXPECTED_EXIT_CODE = 4

@@ -23,7 +23,6 @@ ones, plans solved from a bare problem) apply unchecked.
 from __future__ import annotations
 
 import itertools
-import math
 import re
 import sys
 import types
@@ -207,8 +206,7 @@ class Plan(JsonArtifact):
             if value is not None and (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
+                or not 0 <= value < 1e300  # finite (not nan), and an int a float can hold
             ):
                 raise UsageError(f"{name}={value!r} is not a time; give seconds >= 0 or None")
         if self.made_for is not None:

@@ -68,11 +68,18 @@ OPTIONS = (
 )
 
 
+#: The largest byte count a profile or problem holds (1 PiB): no device keeps more, and
+#: the solver's int64 sums of a few thousand of them stay exact.
+MAX_BYTES = 1 << 50
+
+
 def _int(value: object, what: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(f"profile {what}={value!r} is not a byte count; give an int >= 0")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
+        raise UsageError(
+            f"profile {what}={value!r} is not a byte count; give an int from 0 to 2**50 (1 PiB)"
+        )
     return value
 
 
@@ -80,10 +87,17 @@ def _float(value: object, what: str) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
+        or not math.isfinite(value if isinstance(value, float) else 0.0)
+        or not 0 <= value < 1e300  # an int too large for a float is no time either
     ):
         raise UsageError(f"profile {what}={value!r} is not a time; give seconds >= 0")
+    return float(value)
+
+
+def _finite(value: object, what: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not abs(value) < 1e300 or value != value):
+        raise UsageError(f"profile {what}={value!r} is not a finite number")
     return float(value)
 
 
@@ -294,7 +308,9 @@ class StageProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageProfile:
-        where = f"profile stage {data.get('name', '?')!r}" if isinstance(data, Mapping) else ""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a profile stage must be a JSON object, got {type(data).__name__}")
+        where = f"profile stage {data.get('name', '?')!r}"
         keys = (*_STAGE_KEYS, *(k for k in _OPTIONAL_STAGE_KEYS if k in data))
         _check_keys(data, keys, where or "a profile stage")
         values = {k: data[k] for k in keys}
@@ -375,6 +391,10 @@ class FixedBytes:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FixedBytes:
+        if not isinstance(data, Mapping):
+            raise UsageError(
+                f"profile fixed_bytes must be a JSON object, got {type(data).__name__}"
+            )
         fields = (*_FIXED_FIELDS, *((n, k) for n, k in _OPTIONAL_FIXED_FIELDS if k in data))
         _check_keys(data, tuple(key for _, key in fields), "profile fixed_bytes")
         return cls(**{name: data[key] for name, key in fields})
@@ -447,10 +467,12 @@ class Scaling:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Scaling:
         _check_keys(data, ("batch_sizes", "fits"), "profile scaling")
+        if not isinstance(data["fits"], Mapping):
+            raise UsageError("profile scaling fits must be a JSON object of {'a', 'b'} fits")
         fits = {}
         for path, fit in data["fits"].items():
             _check_keys(fit, ("a", "b"), f"profile scaling fit {path!r}")
-            fits[path] = LinearFit(float(fit["a"]), float(fit["b"]))
+            fits[path] = LinearFit(*(_finite(fit[k], f"scaling fit {path!r} {k}") for k in "ab"))
         sizes = data["batch_sizes"]
         if not isinstance(sizes, list) or len(sizes) != 2:
             raise UsageError(f"profile scaling batch_sizes={sizes!r} must be a pair of sizes")

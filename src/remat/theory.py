@@ -81,7 +81,7 @@ def segment_row(n: int, k: int, boundary_bytes: int, inner_bytes: int | None = N
     _check_nonnegative(boundary_bytes, "the boundary size")
     inner = boundary_bytes if inner_bytes is None else inner_bytes
     _check_nonnegative(inner, "the inner size")
-    segments = math.ceil(n / k)
+    segments = -(-n // k)  # ceil(n / k), exact for any n
     boundary = segments * int(boundary_bytes)
     local = min(k, n) * int(inner)
     return SegmentRow(k, segments, boundary, local, boundary + local)
@@ -98,10 +98,18 @@ def segment_table(
 
 
 def best_segment_length(n: int, boundary_bytes: int, inner_bytes: int | None = None) -> SegmentRow:
-    """The integer segment length with the smallest total (the smallest such k on ties)."""
+    """The integer segment length with the smallest total (the smallest such k on ties).
+
+    Exact in ``O(sqrt(n))``: of the lengths giving the same number of segments
+    ``s = ceil(n/k)`` the shortest, ``ceil(n/s)``, keeps the least, and those are the
+    ``k <= isqrt(n) + 1`` together with ``ceil(n/s)`` for ``s <= isqrt(n) + 1``.
+    """
     _check_positive_int(n, "the number of stages n")
-    best = segment_row(n, 1, boundary_bytes, inner_bytes)
-    for k in range(2, n + 1):
+    r = math.isqrt(n) + 1
+    candidates = sorted({k for k in range(1, r + 1) if k <= n} | {-(-n // s) for s in
+                                                                  range(1, r + 1)})
+    best = segment_row(n, candidates[0], boundary_bytes, inner_bytes)
+    for k in candidates[1:]:
         row = segment_row(n, k, boundary_bytes, inner_bytes)
         if row.total_bytes < best.total_bytes:
             best = row

@@ -35,6 +35,8 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
         if text < 0:
             raise UsageError(f"{what} {text} is negative; give a size of zero bytes or more")
         return text
+    if str(text).strip().startswith("-"):
+        raise UsageError(f"{what} {text!r} is negative; give a size of zero bytes or more")
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
@@ -52,7 +54,10 @@ def format_bytes(n: float) -> str:
     """Print a byte count with a binary unit: ``512 MiB``, ``2 GiB``, ``1.5 KiB``, ``100 B``."""
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if n >= 1 << 60:  # beyond any device: a budget meaning "no limit" (1e99)
+        return f"{sign}{float(n):.3g} B"
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30),
+                        ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             value = n / scale
             text = f"{value:.2f}".rstrip("0").rstrip(".")

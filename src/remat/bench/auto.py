@@ -8,8 +8,9 @@ is listed in ``problems``, never hidden; ``ok`` is True only when there are none
 
 A run that cannot go on raises :class:`Stopped`, which names the step (loading the model,
 the first training step, profiling, planning, applying, verifying, measuring) and says
-why in one sentence: the user's own code failing (factory, forward, loss) is a usage
-error; a rebuild torch rejects is described by the hazard ``remat verify`` finds.
+why in one sentence: the user's own code failing (factory, forward, loss) is a
+:class:`~remat.errors.UserCodeError` (exit 3); a rebuild torch rejects is described by
+the hazard ``remat verify`` finds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from remat.coverage import coverage, coverage_lines
-from remat.errors import CheckFailed, RematError, UsageError
+from remat.errors import CheckFailed, RematError, UserCodeError
 from remat.measure.malloc import set_malloc
 from remat.plan import Plan
 from remat.planner import plan as make_plan
@@ -48,10 +49,11 @@ STAGES = ("loading the model", "the first training step", "profiling", "planning
           "applying", "verifying", "measuring")
 # Where an exception that is not remat's comes from the user's own code.
 _USER_CODE = {
-    "loading the model": "the model factory raised {error}; fix the factory (calling it in "
-                         "Python shows the traceback)",
+    "loading the model": "the model factory raised {error}; fix the factory (--debug "
+                         "shows the traceback)",
     "the first training step": "the model's forward, loss_fn or backward raised {error}; fix "
-                               "them so that one plain training step runs",
+                               "them so that one plain training step runs (--debug shows the "
+                               "traceback)",
 }
 # What torch says when a checkpointed region's rebuild differs from its forward
 # (CheckpointError, and selective checkpointing's plain RuntimeError).
@@ -63,7 +65,8 @@ _REJECTED = ("different number of tensors was saved", "different metadata",
 class Stopped(RematError):
     """A run stopped before its report: at which step (``stage``), and why.
 
-    ``exit_code`` is the cause's (2 for the user's mistakes, 1 for a failed check); the
+    ``exit_code`` is the cause's (2 for the user's mistakes, 3 for the user's own code
+    failing, 1 for a failed check); the
     cause stays chained. ``minimum_budget_bytes``: with an infeasible budget, the least
     one any plan fits.
     """
@@ -128,7 +131,7 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
     remat's own errors keep their message and exit code; a rejected rebuild becomes the
     hazard sentence (``diagnose``, default :func:`hazard_reason` without a model), exit
     1; any other exception while loading the model or in the first training step is the
-    user's code failing, exit 2. Anything else propagates: it is a bug, with a traceback.
+    user's code failing, exit 3. Anything else propagates: it is a bug, with a traceback.
     """
     try:
         yield
@@ -142,8 +145,12 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
             raise Stopped(stage, reason, CheckFailed.exit_code) from err
         if stage in _USER_CODE:
             reason = _USER_CODE[stage].format(error=failure(err))
-            raise Stopped(stage, reason, UsageError.exit_code) from err
+            raise Stopped(stage, reason, UserCodeError.exit_code) from err
         raise
+
+
+def _article(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
@@ -152,12 +159,12 @@ def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> No
     with step("the first training step"):
         loss = loss_fn(model, batch)
         if not isinstance(loss, torch.Tensor):
-            raise UsageError(
-                f"loss_fn returned a {type(loss).__name__}, not a tensor; make "
+            raise UserCodeError(
+                f"loss_fn returned {_article(type(loss).__name__)}, not a tensor; make "
                 "loss_fn(model, batch) return the loss as a scalar tensor"
             )
         if loss.numel() != 1 or not loss.is_floating_point():
-            raise UsageError(
+            raise UserCodeError(
                 f"loss_fn returned a {str(loss.dtype).removeprefix('torch.')} tensor of shape "
                 f"{tuple(loss.shape)}, not a scalar loss; reduce it to one number (e.g. .mean())"
             )

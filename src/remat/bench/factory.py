@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from remat.errors import UsageError
+from remat.errors import UsageError, UserCodeError
 
 from .runners import Factory
 
@@ -44,7 +44,9 @@ def make_factory(
         opts = base if batch_size is None else {**base, "batch_size": batch_size}
         result = load_model(model, **opts) if isinstance(model, str) else model(**opts)
         if not (isinstance(result, tuple) and len(result) == 3):
-            raise UsageError("the model factory must return (model, example_batch, loss_fn)")
+            raise UserCodeError(
+                "the model factory must return (model, example_batch, loss_fn)"
+            )
         cache_off_for_training(result[0])  # every model built here is trained
         return result
 

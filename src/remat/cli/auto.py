@@ -14,7 +14,7 @@ from rich.table import Table
 from remat.cli.bench import progress_bar
 from remat.cli.common import add_model_options, check_threads, model_options, stage_list
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import RematError, UsageError
+from remat.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -31,7 +31,7 @@ def add_parser(sub: Any, name: str) -> None:
             "verify that training is unchanged and measure it against the plain model: "
             "predicted against measured peak, the step-time overhead, whether gradients are "
             "equal, and where the memory went. Exits 0 only when every step ran, verify "
-            "passed and the measured peak is within the budget and within 5%% of the "
+            "passed and the measured peak is within the budget and within 5% of the "
             "prediction; 1 otherwise. With --json, a run that stops early writes the step it "
             "stopped at and why in an error object."
         ),
@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
         write_json(_stopped(args, {"stage": "checking the options", "message": str(err),
                                    "exit_code": err.exit_code}), args.json)
         raise
-    except Exception as err:  # a bug: the traceback follows, and the JSON still says so
-        write_json(_stopped(args, {"stage": None, "message": failure(err), "exit_code": 1}),
-                   args.json)
+    except Exception as err:  # a bug: main says so in one line, and the JSON too
+        write_json(_stopped(args, {"stage": None, "message": failure(err),
+                                   "exit_code": UNEXPECTED_EXIT_CODE}), args.json)
         raise
     _report(args, report)
     return 0 if report.ok else 1

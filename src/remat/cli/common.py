@@ -80,18 +80,29 @@ def describe(spec: str, options: dict[str, Any]) -> str:
     return " ".join([spec, *(f"{k}={v}" for k, v in options.items())])
 
 
+MAX_THREADS = 1024
+
+
 def check_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} is below 1; give 1 or more")
+    if threads is not None and threads > MAX_THREADS:
+        raise UsageError(f"--threads {threads} is above {MAX_THREADS}; give at most the cores "
+                         "you have")
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str] | None, str]:
+def load(
+    args: argparse.Namespace, *, check_step: bool = True
+) -> tuple[Any, Any, Any, list[str] | None, str]:
     """``(model, batch, loss_fn, stages, description)`` from the model options.
 
-    A factory that raises is the user's code failing: one line naming the step, exit 2.
-    A transformers model's key/value cache is switched off for training, with a note.
+    A factory that raises, or (``check_step``) a model whose plain training step fails
+    (forward, ``loss_fn``, backward, a loss that is not a scalar), is the user's code
+    failing: one line naming the step, exit 3. The step leaves the parameters as they
+    were, not what the forward changed (batch-norm statistics, Python-side state). A
+    transformers model's key/value cache is switched off for training, with a note.
     """
-    from remat.bench.auto import step
+    from remat.bench.auto import first_step, step
     from remat.models import load_model
     from remat.runtime.apply import cache_off_for_training
     from remat.stages import resolve_stages
@@ -100,6 +111,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[str] | None, str
     with step("loading the model"):
         model, batch, loss_fn = load_model(args.model, **options)
     cache_off_for_training(model)
+    if check_step:
+        first_step(model, batch, loss_fn)
     stages = stage_list(args.stages)
     if stages is not None:
         resolve_stages(model, stages)  # a wrong path fails before any measuring

@@ -14,6 +14,9 @@ from remat.units import format_bytes, parse_size
 
 DEFAULT_LAYERS = 64
 DEFAULT_ACT = "32MiB"
+# Bounds that keep the optimum quick (O(sqrt n)) and every figure a finite float.
+MAX_LAYERS = 10**9
+MAX_BYTES = 10**30
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -70,6 +73,14 @@ def _parse_ks(text: str, n: int) -> list[int]:
     return sorted(set(ks))
 
 
+def _check_size(nbytes: int, what: str) -> None:
+    if nbytes > MAX_BYTES:
+        raise UsageError(
+            f"{what} is {nbytes:.3g} bytes, above the {MAX_BYTES:.0e} this estimate takes; "
+            "give a smaller size"
+        )
+
+
 def _sizes(args: argparse.Namespace) -> tuple[int, int, dict[str, Any] | None]:
     """The (boundary, inner) bytes the options ask for, and transformer sizing if given."""
     if args.transformer is not None:
@@ -99,6 +110,8 @@ def _sizes(args: argparse.Namespace) -> tuple[int, int, dict[str, Any] | None]:
             "layer_bytes": sizes.layer_bytes,
             "layer_bytes_flash": sizes.layer_bytes_flash,
         }
+        _check_size(sizes.hidden_state_bytes, "--transformer's hidden state")
+        _check_size(inner, "--transformer's layer estimate")
         return sizes.hidden_state_bytes, inner, info
     if args.flash:
         raise UsageError("--flash only applies with --transformer B,S,H,Hq,BYTES")
@@ -107,6 +120,8 @@ def _sizes(args: argparse.Namespace) -> tuple[int, int, dict[str, Any] | None]:
     act = parse_size(args.act if args.act is not None else DEFAULT_ACT, what="--act")
     boundary = parse_size(args.boundary, what="--boundary") if args.boundary is not None else act
     inner = parse_size(args.inner, what="--inner") if args.inner is not None else act
+    _check_size(boundary, "--boundary" if args.boundary is not None else "--act")
+    _check_size(inner, "--inner" if args.inner is not None else "--act")
     if inner == 0:
         raise UsageError(
             "the inner size is zero, so there is nothing to checkpoint; give a size above 0"
@@ -118,6 +133,11 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
     n = DEFAULT_LAYERS if args.layers is None else args.layers
     if n < 1:
         raise UsageError(f"--layers {n} is below 1; a chain has at least one stage")
+    if n > MAX_LAYERS:
+        raise UsageError(
+            f"--layers {n} is above {MAX_LAYERS}, the most this estimate takes; give fewer "
+            "stages"
+        )
     boundary, inner, transformer = _sizes(args)
     ks = _parse_ks(args.k, n) if args.k is not None else None
     rows = theory.segment_table(n, boundary, inner, ks)

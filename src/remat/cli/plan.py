@@ -15,6 +15,8 @@ from remat.errors import UsageError
 from remat.profile_format import Profile
 from remat.units import format_bytes
 
+MAX_SLOTS = 100_000  # about a second for a 12-stage chain
+
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(
@@ -24,7 +26,7 @@ def add_parser(sub: Any, name: str) -> None:
             "Profile a model (or read a profile written by `remat profile --json`) and choose "
             "its checkpoint plan under a memory budget: the peak of a whole training step, "
             "in bytes (6GiB, 512MiB) or as a fraction of the measured peak without "
-            "checkpointing (50%%, 0.5). Exits 1 when no plan fits, naming the smallest "
+            "checkpointing (50%, 0.5). Exits 1 when no plan fits, naming the smallest "
             "budget that does."
         ),
     )
@@ -91,14 +93,42 @@ def plan_table(plan: Any) -> Table:
     return table
 
 
+def _no_limit(plan: Any) -> bool:
+    """Whether a budget-driven solver checkpointed nothing because the budget needs none."""
+    return (
+        plan.solver in ("optimal", "segments-optimal")
+        and not plan.regions
+        and all(o == "keep" for o in plan.options)
+        and plan.budget_bytes is not None
+        and plan.predicted_peak_bytes is not None
+        and plan.predicted_peak_bytes <= plan.budget_bytes
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from remat.planner import plan as make_plan
     from remat.planner import to_problem, with_made_for
+    from remat.solve import SOLVERS
+    from remat.solve.budget import check_budget
 
-    source = _problem_source(args)
+    # Every option is checked before profiling, which takes a while and trains the model.
+    if args.solver not in SOLVERS:
+        raise UsageError(
+            f"--solver {args.solver!r} is not known; choose one of {', '.join(SOLVERS)}"
+        )
     params = _solver_params(args)
-    if args.budget is None and args.solver in ("optimal",):
-        raise UsageError("--solver optimal needs --budget, e.g. --budget 50% or --budget 6GiB")
+    if args.budget is None and args.solver in ("optimal", "segments-optimal"):
+        raise UsageError(
+            f"--solver {args.solver} needs --budget, e.g. --budget 50% or --budget 6GiB"
+        )
+    if args.budget is not None:
+        check_budget(args.budget)
+    if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
+        raise UsageError(
+            f"--slots {args.slots} is outside 1..{MAX_SLOTS} (default 500); the solver's "
+            "tables grow with it (a million slots take 2.6 GB for 12 stages)"
+        )
+    source = _problem_source(args)
     console = console_for(args.json)
     if isinstance(source, Profile):  # before solving, so it shows when no plan fits
         given = None if args.profile is not None else stage_list(args.stages) is not None
@@ -115,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
     if base:
         line += f" (measured without checkpointing: {format_bytes(base)})"
     console.print(line)
+    if _no_limit(result):
+        console.print(
+            "the budget holds the whole step without checkpointing, so nothing is "
+            "checkpointed (no limit)"
+        )
     t, t0 = result.predicted_step_time_s, result.baseline_step_time_s
     if t and t0:
         console.print(

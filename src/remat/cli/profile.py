@@ -117,10 +117,7 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.bench.auto import first_step
-
     model, batch, loss_fn, stages, description = load(args)
-    first_step(model, batch, loss_fn)
     result = profile_with_progress(
         model,
         batch,
@@ -130,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         description=description,
         malloc=args.malloc,
-        fresh=lambda: load(args)[:3],
+        fresh=lambda: load(args, check_step=False)[:3],
     )
     data = result.to_dict()
     console = console_for(args.json)

@@ -182,13 +182,22 @@ def render(report: VerifyReport, console: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so building the parser for other subcommands never imports torch.
+    import copy
+
+    from remat.bench.auto import first_step
     from remat.cli.common import model_options
     from remat.runtime.identity import plan_notes
     from remat.verify.harness import verify
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} is below 1; give at least one step")
-    model, batch, loss_fn, stages, description = load(args)
+    if args.budget is not None:
+        from remat.solve.budget import check_budget
+
+        check_budget(args.budget)  # before profiling, which takes a while
+    model, batch, loss_fn, stages, description = load(args, check_step=False)
+    # the user's own code fails here, named, on a copy: verify starts from the untouched model
+    first_step(copy.deepcopy(model), batch, loss_fn)
     if args.plan is not None:
         if stages is None and not Path(args.plan).exists():  # a builder: the whole chain
             from remat.stages import discover_stages

@@ -1,4 +1,5 @@
-"""Built-in models, transformers models (``hf:<model_type>``) and ``package.module:factory``.
+"""Built-in models, transformers models (``hf:<model_type>``), ``package.module:factory``
+and ``path/to/file.py:factory``.
 
 A model factory takes keyword-only options and returns ``(model, example_batch, loss_fn)``,
 where ``loss_fn(model, batch)`` runs the forward pass and returns a scalar loss.
@@ -7,14 +8,19 @@ where ``loss_fn(model, batch)`` runs the forward pass and returns a scalar loss.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
+import sys
+import zlib
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from remat.errors import UsageError
+from remat.errors import UsageError, UserCodeError
 from remat.models import convnet_bn, convnext, encdec, gpt, hf, mlp_hetero, resnet, unet
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.
@@ -34,27 +40,53 @@ __all__ = ["BUILTINS", "DEFAULT_MODEL", "load_model", "parse_set_options"]
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def _import_file(path: Path) -> ModuleType:
+    """The Python file ``path`` as a module (``my_model.py`` of ``my_model.py:factory``)."""
+    if not path.is_file():
+        raise UsageError(f"model file {str(path)!r} does not exist; give the path of the .py "
+                         "file that defines the factory")
+    name = f"remat_model_{zlib.crc32(str(path.resolve()).encode()):08x}_{path.stem}"
+    if name in sys.modules:  # the same file again: one module, as with an import
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a .py file always has both
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so that its classes pickle and dataclasses resolve
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise  # the user's own code: the command names it (loading the model, exit 3)
+    return module
+
+
 def _resolve(spec: str) -> Callable[..., Any]:
-    """Find the factory a spec names: a built-in, ``hf:<model_type>`` or ``package.module:attr``."""
+    """Find the factory a spec names: a built-in, ``hf:<model_type>``, ``package.module:attr``
+    or ``path/to/file.py:attr``."""
     if spec in BUILTINS:
         return BUILTINS[spec]
     if spec.startswith(hf.PREFIX):
         return hf.hf_factory(spec)
     choices = ", ".join([*BUILTINS, *(hf.PREFIX + name for name in hf.FAMILIES)])
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = spec.rpartition(":") if ".py:" in spec else spec.partition(":")
     if not sep:
         raise UsageError(
-            f"unknown model {spec!r}; choose one of {choices} or give package.module:factory"
+            f"unknown model {spec!r}; choose one of {choices} or give package.module:factory "
+            "or path/to/file.py:factory"
         )
     if not module_name or not attr:
         raise UsageError(f"model spec {spec!r} is incomplete; write it as package.module:factory")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UsageError(
-            f"cannot import module {module_name!r} from model spec {spec!r} ({err}); "
-            "check the name and that its directory is on PYTHONPATH"
-        ) from err
+    if module_name.endswith(".py"):
+        module = _import_file(Path(module_name))
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise UsageError(
+                f"cannot import module {module_name!r} from model spec {spec!r} ({err}); "
+                "check the name and that its directory is on PYTHONPATH, or give the file "
+                "as path/to/file.py:factory"
+            ) from err
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -99,10 +131,11 @@ def _check_options(spec: str, factory: Callable[..., Any], options: dict[str, An
 
 
 def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[..., Any]]:
-    """Build a model from a built-in name, ``hf:<model_type>`` or ``package.module:factory``.
+    """Build a model from a built-in name, ``hf:<model_type>``, ``package.module:factory``
+    or ``path/to/file.py:factory``.
 
     Returns ``(model, example_batch, loss_fn)``; raises UsageError for a spec or option
-    the user can fix.
+    the user can fix, UserCodeError for a factory that returns the wrong thing.
     """
     factory = _resolve(spec)
     _check_options(spec, factory, options)
@@ -113,17 +146,17 @@ def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[...,
             if isinstance(result, tuple)
             else f"an object of type {type(result).__name__}"
         )
-        raise UsageError(
+        raise UserCodeError(
             f"model factory {spec!r} returned {got}; it must return (model, example_batch, loss_fn)"
         )
     model, batch, loss_fn = result
     if not isinstance(model, nn.Module):
-        raise UsageError(
+        raise UserCodeError(
             f"model factory {spec!r} returned an object of type {type(model).__name__} "
             "as the model; the first item must be a torch.nn.Module"
         )
     if not callable(loss_fn):
-        raise UsageError(
+        raise UserCodeError(
             f"model factory {spec!r} returned an object of type {type(loss_fn).__name__} "
             "as loss_fn; the third item must be callable as loss_fn(model, batch)"
         )

@@ -6,10 +6,10 @@ import math
 import re
 
 from remat.errors import UsageError
-from remat.solve.problem import Problem
+from remat.solve.problem import Problem, StageCost
 from remat.units import parse_size
 
-__all__ = ["parse_budget"]
+__all__ = ["check_budget", "parse_budget"]
 
 _FRACTION = re.compile(r"^\s*([0-9]*\.[0-9]+|[0-9]+\.[0-9]*|[0-9]*\.?[0-9]+[eE][+-]?[0-9]+)\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
@@ -33,6 +33,10 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
         else:
             text = math.floor(text)
     elif isinstance(text, str):
+        if text.strip().startswith("-"):
+            raise UsageError(
+                f"budget {text!r} must be above zero; give bytes such as 6GiB, or 50%"
+            )
         percent = _PERCENT.match(text)
         plain = _FRACTION.match(text)
         if percent:
@@ -40,6 +44,8 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
         elif plain and 0 < float(plain.group(1)) <= 1:
             fraction = float(plain.group(1))
     if fraction is None:
+        if isinstance(text, int) and text <= 0:
+            raise UsageError(f"budget {text!r} must be above zero; give bytes such as 6GiB")
         value = parse_size(text, what="budget")  # type: ignore[arg-type]
     else:
         peak = problem.measured_no_checkpoint_peak_bytes
@@ -48,7 +54,20 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
                 f"budget {text!r} is a fraction of the measured peak without checkpointing, "
                 "which this problem does not have; give bytes such as 6GiB instead"
             )
+        if peak == 0:
+            raise UsageError(
+                f"budget {text!r} is a fraction of the measured peak without checkpointing, "
+                "which is 0 bytes here, so the profile measured nothing; profile the model "
+                "again, or give bytes such as 6GiB"
+            )
         value = math.floor(fraction * peak)
     if value <= 0:
         raise UsageError(f"budget {text!r} must be above zero; give bytes such as 6GiB, or 50%")
     return value
+
+
+def check_budget(text: str | int | float) -> None:
+    """Raise UsageError for a budget no problem could read, before anything is measured."""
+    stand_in = Problem(stages=(StageCost("stage", 1, 1, {"keep": 0}),),
+                       measured_no_checkpoint_peak_bytes=1 << 50)
+    parse_budget(text, stand_in)

@@ -47,12 +47,19 @@ SCHEMA_VERSION = 2
 #: Versions this remat reads: 1 lacks the gradient parts, ``saves_input`` and the
 #: optimizer step's temporaries, whose defaults reproduce how version 1 counted.
 READABLE_VERSIONS = (1, 2)
+#: The largest byte count a problem holds (1 PiB), as in a profile: the solver's int64
+#: sums of a few thousand of them stay exact.
+MAX_BYTES = 1 << 50
+
 
 def _bytes(value: object, what: str) -> int:
     if isinstance(value, float) and value.is_integer() and value >= 0:
         value = int(value)
     if isinstance(value, (int, str)) and not isinstance(value, bool):
-        return parse_size(value, what=what)
+        nbytes = parse_size(value, what=what)
+        if nbytes > MAX_BYTES:
+            raise UsageError(f"{what}={value!r} is above 2**50 bytes (1 PiB); no device keeps it")
+        return nbytes
     raise UsageError(f"{what}={value!r} is not a byte count; give an int >= 0 or a size like 32MiB")
 
 
@@ -60,8 +67,8 @@ def _seconds(value: object, what: str) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
+        or not math.isfinite(value if isinstance(value, float) else 0.0)
+        or not 0 <= value < 1e300  # an int too large for a float is no time either
     ):
         raise UsageError(f"{what}={value!r} is not a time; give seconds as a number >= 0")
     return float(value)

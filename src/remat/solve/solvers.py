@@ -50,6 +50,16 @@ def _budget(budget: Budget, problem: Problem) -> int | None:
     return None if budget is None else parse_budget(budget, problem)
 
 
+def _unlimited(problem: Problem, limit: int) -> bool:
+    """Whether ``limit`` holds the plan without checkpointing, so nothing need be rebuilt.
+
+    Every region, rebuild and option only adds time (all are measured as times >= 0), so
+    that plan is then the fastest; answering here keeps budgets of any size (1e99 bytes)
+    out of the tables' int64 arithmetic.
+    """
+    return simulate(_as_plan(problem, ([], None)), problem).peak_bytes <= limit
+
+
 def _finish(
     problem: Problem,
     regions: Sequence[tuple[int, int]],
@@ -217,6 +227,8 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     if limit is None:
         raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
     fill = _fill(path)
+    if _unlimited(problem, limit):
+        return _finish(problem, [], None, "optimal", limit, t0)
 
     def tables_plan(dp_limit: int) -> Found | None:
         avail = dp_limit - problem.backward_base_bytes
@@ -337,6 +349,8 @@ def segments_optimal(problem: Problem, budget: Budget) -> Plan:
     limit = _budget(budget, problem)
     if limit is None:
         raise UsageError("segments-optimal needs a budget; give one such as 6GiB or 50%")
+    if _unlimited(problem, limit):
+        return _finish(problem, [], None, "segments-optimal", limit, t0)
 
     def flat_plan(dp_limit: int) -> Found | None:
         avail = dp_limit - problem.backward_base_bytes

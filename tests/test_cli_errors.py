@@ -1,0 +1,216 @@
+"""What the command line says to input a user can type: one line naming the real cause.
+
+Budgets of any size and sign, files of the wrong kind, profiles that measured nothing,
+sizes ``remat estimate`` cannot list, and help texts; all torch-free or on the tiny
+profile in tests/fixtures (mlp-hetero, 4 blocks of width 32).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from remat.cli import main
+from remat.errors import UsageError
+from remat.plan import Plan
+from remat.planner import plan, to_problem
+from remat.profile_format import Profile
+from remat.solve import Problem, simulate, solvers
+from remat.units import format_bytes
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PROFILE = FIXTURES / "profile_mlp_tiny.json"
+
+
+def _err(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# -- budgets of any size -------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", ["1e22", "1e99", "1e300", 10**99, 1e300])
+@pytest.mark.parametrize("path", ["numpy", "numba"])
+def test_a_budget_beyond_int64_plans_no_checkpointing(budget: object, path: str) -> None:
+    if path == "numba":
+        from remat.solve import dp_numba
+
+        if not dp_numba.available():
+            pytest.skip("numba is not installed (the fast extra)")
+    problem = to_problem(Profile.load(PROFILE))
+    for solver in (solvers.optimal, solvers.segments_optimal):
+        kwargs = {"path": path} if solver is solvers.optimal else {}
+        result = solver(problem, budget, **kwargs)  # type: ignore[arg-type]
+        assert result.regions == () and set(result.options) == {"keep"}
+        assert result.budget_bytes is not None and result.budget_bytes >= 10**22
+        none = simulate(Plan(problem.stage_names), problem)
+        assert result.predicted_peak_bytes == none.peak_bytes
+
+
+def test_a_budget_just_below_no_checkpointing_still_runs_the_tables() -> None:
+    problem = Problem.load(FIXTURES / "chain_hetero_6.json")
+    none = simulate(Plan(problem.stage_names), problem).peak_bytes
+    least = solvers.minimum_budget(problem)
+    assert least < none  # this profile has room between the two
+    result = plan(problem, (least + none) // 2)
+    assert result.regions or set(result.options) != {"keep"}
+    assert result.predicted_peak_bytes is not None
+    assert result.predicted_peak_bytes <= (least + none) // 2
+
+
+def test_cli_plan_with_a_huge_budget_says_there_is_no_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "--profile", str(PROFILE), "--budget", "1e99"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "against a budget of 1e+99 B" in out
+    assert "so nothing is checkpointed (no limit)" in out
+
+
+def test_format_bytes_of_sizes_beyond_any_device() -> None:
+    assert format_bytes(3 << 50) == "3 PiB"
+    assert format_bytes(10**99) == "1e+99 B"
+    assert format_bytes(-(10**30)) == "-1e+30 B"
+
+
+@pytest.mark.parametrize("spelling", [["--budget", "-5%"], ["--budget=-5%"],
+                                      ["--budget", "-1e9"], ["--budget", "-2GiB"],
+                                      ["--budget=-0.5"]])
+def test_a_negative_budget_must_be_above_zero_however_it_is_written(
+    spelling: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--profile", str(PROFILE), *spelling]) == 2
+    value = spelling[-1].removeprefix("--budget=")
+    assert _err(capsys) == (f"remat plan: error: budget {value!r} must be above zero; give "
+                            "bytes such as 6GiB, or 50%")
+
+
+@pytest.mark.parametrize("argv", [["auto", "--budget", "-5%"], ["verify", "--budget", "-5%"],
+                                  ["bench", "--budgets", "-5%,50%"],
+                                  ["bench", "--microbatch-budget", "-5%"]])
+def test_every_command_rejects_a_negative_budget_before_loading_a_model(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the model cannot be imported: loading it first would be the error
+    assert main([*argv, "--model", "no.such.module:factory"]) == 2
+    assert "'-5%' must be above zero" in _err(capsys)
+
+
+def test_plan_checks_its_options_before_profiling(capsys: pytest.CaptureFixture[str]) -> None:
+    # an unknown model module would fail first if the model were loaded before the checks
+    for argv, message in (
+        (["--solver", "fastest"], "--solver 'fastest' is not known"),
+        (["--budget", "lots"], "budget 'lots' is not a size"),
+        (["--budget", "50%", "--slots", "0"], "--slots 0 is outside 1..100000"),
+        (["--budget", "50%", "--slots", "1000000000"], "--slots 1000000000 is outside"),
+    ):
+        assert main(["plan", "--model", "no.such.module:factory", *argv]) == 2
+        assert message in _err(capsys)
+
+
+# -- files of the wrong kind ---------------------------------------------------------------
+
+def _plan_file(tmp_path: Path) -> Path:
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(PROFILE), "--solver", "per-stage",
+                 "--json", str(path)]) == 0
+    return path
+
+
+def test_a_profile_given_as_a_plan_is_named_a_profile(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(UsageError, match=r"is a profile \(schema 2\), not a plan"):
+        Plan.load(PROFILE)
+    assert main(["verify", "--model", "mlp-hetero", "--set", "n_blocks=2", "--set",
+                 "d_model=16", "--set", "pattern=wn", "--set", "expansion=2", "--batch-size",
+                 "2", "--plan", str(PROFILE)]) == 2
+    assert _err(capsys) == (f"remat verify: error: {str(PROFILE)!r} is a profile (schema 2), "
+                            "not a plan; give the plan remat plan --json wrote")
+
+
+def test_a_plan_given_as_a_profile_is_named_a_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _plan_file(tmp_path)
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(path), "--budget", "50%"]) == 2
+    assert _err(capsys) == (f"remat plan: error: {str(path)!r} is a plan (schema 1), not a "
+                            "profile; give the profile remat profile --json wrote")
+
+
+def test_a_problem_file_given_as_a_profile_is_named_a_problem_file(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = FIXTURES / "chain_tiny_3.json"
+    assert main(["plan", "--profile", str(path), "--budget", "50%"]) == 2
+    assert "is a problem file (schema 1), not a profile" in _err(capsys)
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile"])
+def test_json_that_is_no_remat_file_says_so_not_schema_none(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "foo.json"
+    path.write_text('{"foo": 1}')
+    loader = Plan if kind == "plan" else Profile
+    with pytest.raises(UsageError) as info:
+        loader.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{str(path)!r} is not a remat {kind}: it has none of the keys")
+    assert "None" not in message
+
+
+def test_a_profile_that_measured_no_peak_does_not_blame_the_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = json.loads(PROFILE.read_text())
+    data["measured_peak_bytes"] = 0
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--profile", str(path), "--budget", "50%"]) == 2
+    err = _err(capsys)
+    assert "which is 0 bytes here, so the profile measured nothing" in err
+    assert "must be above zero" not in err
+
+
+# -- estimate sizes ------------------------------------------------------------------------
+
+def test_estimate_of_a_billion_stages_is_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    began = time.perf_counter()
+    assert main(["estimate", "--layers", "1000000000", "--json", "-"]) == 0
+    assert time.perf_counter() - began < 5
+    data = json.loads(capsys.readouterr().out)
+    assert data["optimal_total_bytes"] == 63246 * 32 * 2**20  # ceil(2 sqrt(1e9)) copies
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--layers", "1000000001"], "--layers 1000000001 is above 1000000000"),
+    (["--act", "1e300"], "--act is 1e+300 bytes, above the 1e+30"),
+    (["--inner", "1e40", "--boundary", "1"], "--inner is 1e+40 bytes"),
+    (["--transformer", "99999999999,99999999999,99999999999,1,2"],
+     "--transformer's hidden state is"),
+    (["--act", "-5MiB"], "--act '-5MiB' is negative"),
+])
+def test_estimate_sizes_beyond_its_limits_are_one_line_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate", *argv]) == 2
+    assert message in _err(capsys)
+
+
+# -- help ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["plan", "auto", "verify", "bench", "profile", "estimate"])
+def test_help_prints_percent_signs_once_and_the_exit_codes(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "%%" not in out
+    flat = " ".join(out.split())
+    assert "3 your own code failed" in flat and "--debug" in flat
