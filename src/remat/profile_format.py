@@ -433,8 +433,8 @@ class TimingNoise:
     ``rounds``: timed rounds of steps (warm-up excluded), ``extra_rounds`` of them added
     because the first ones were noisy. ``step_spread``: the plain step's relative spread
     over rounds (interquartile range over median; max - min below four rounds).
-    ``stage_spread``: the median over stages of the relative spread of their pooled
-    forward, backward and rebuild samples. ``identical_spread``: how differently
+    ``stage_spread``: the median over stages of the largest relative spread of their
+    pooled forward, backward and rebuild samples. ``identical_spread``: how differently
     identical stages measured before pooling (the largest ``max / min - 1`` of their own
     medians; 0 with no identical stages). ``region_overhead_range_s``: the range of the
     per-round figures ``region_overhead_s`` is the median of.

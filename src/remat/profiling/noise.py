@@ -68,9 +68,14 @@ def option_extras(plain: Sequence[StepTimes], with_option: Sequence[StepTimes],
     ]
 
 
+def _median_of_largest(times: Sequence[Sequence[Pooled]]) -> float:
+    """The median over stages of each stage's largest relative spread among ``times``."""
+    largest = [max(x.relative for x in stage) for stage in zip(*times, strict=True)]
+    return float(statistics.median(largest)) if largest else 0.0
+
+
 def _stage_spread(plain: Sequence[StepTimes], group_of: Sequence[int]) -> float:
-    spreads = [x.relative for what in _TIMES for x in pool(samples(plain, what), group_of)]
-    return float(statistics.median(spreads)) if spreads else 0.0
+    return _median_of_largest([pool(samples(plain, what), group_of) for what in _TIMES])
 
 
 def extra_rounds(plain: Sequence[StepTimes], group_of: Sequence[int], repeats: int) -> int:
@@ -88,7 +93,6 @@ def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
                  region_overhead_range_s: tuple[float, float]) -> TimingNoise:
     """What the profile records of its noise (:class:`~remat.profile_format.TimingNoise`)."""
     times = stage_times(plain, per_stage, group_of)
-    spreads = [x.relative for pooled in times.values() for x in pooled]
     among = max(
         spread_among(samples(steps, what), group_of)
         for steps, what in ((plain, "fwd_s"), (plain, "bwd_s"), (per_stage, "rebuild_s"))
@@ -97,7 +101,7 @@ def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
         rounds=len(plain),
         extra_rounds=extra,
         step_spread=relative_spread([s.step_s for s in plain]),
-        stage_spread=float(statistics.median(spreads)) if spreads else 0.0,
+        stage_spread=_median_of_largest(list(times.values())),
         identical_spread=among,
         region_overhead_range_s=region_overhead_range_s,
     )

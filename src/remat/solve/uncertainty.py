@@ -186,7 +186,7 @@ def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: i
                 regret = max(regret, lost)
     nominal = _overhead(plan, profile, slots)
     noise = profile.timing_noise
-    spread = max([noise.largest if noise else 0.0, *(_relative(s) for s in profile.stages)])
+    spread = noise.largest if noise else max(_relative(s) for s in profile.stages)
     return PlanUncertainty(
         overhead=nominal,
         overhead_low=min(nominal, *overheads),
