@@ -51,9 +51,12 @@ def _busy() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", BUSY], preexec_fn=pin)
 
 
-def _run(model: str, budget: str, extra: list[str], busy: bool) -> dict[str, Any]:
+def _run(model: str, budget: str, extra: list[str], busy: bool,
+         keep: Path | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "auto.json"
+        if keep is not None:
+            extra = [*extra, "--out", str(keep)]
         cmd = [sys.executable, "-m", "remat", "auto", "--model", model, "--budget", budget,
                "--json", str(out), *extra]
         hog = _busy() if busy else None
@@ -127,6 +130,8 @@ def main() -> None:
     parser.add_argument("--busy", default="2,4", help="runs (from 1) with a busy loop alongside")
     parser.add_argument("--extra", default="", help="more arguments for remat auto")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".md")))
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep each run's auto --out folder under DIR/MODEL-RUN")
     args = parser.parse_args()
     busy = {int(k) for k in args.busy.split(",") if k}
     extra = shlex.split(args.extra)
@@ -160,7 +165,8 @@ def main() -> None:
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         runs = []
         for k in range(1, args.runs + 1):
-            data = _run(model, budget, extra, k in busy)
+            keep = None if args.keep is None else Path(args.keep) / f"{model}-{k}"
+            data = _run(model, budget, extra, k in busy, keep)
             runs.append(data)
             line = _line(k, data)
             print(f"{model} {line}", flush=True)
