@@ -90,7 +90,7 @@ def _plan_key(data: dict[str, Any]) -> str:
 def _line(k: int, data: dict[str, Any]) -> str:
     if "plan" not in data:
         return (f"| {k} | {'yes' if data['busy'] else 'no'} | stopped: "
-                f"{data.get('error', data.get('stderr'))} | | | | | | {data['exit_code']} |")
+                f"{data.get('error', data.get('stderr'))} | | | | | | | {data['exit_code']} |")
     predicted, measured = data["predicted_overhead"], data["overhead"]
     u = data.get("plan_uncertainty") or {}
     span = (f"{u['overhead_low']:+.1%}..{u['overhead_high']:+.1%}"
@@ -99,10 +99,12 @@ def _line(k: int, data: dict[str, Any]) -> str:
     spread = (f"{max(noise['step_spread'], noise['stage_spread']):.0%} "
               f"({noise['rounds']} rounds)" if noise else "-")
     low, high = data.get("overhead_range", [measured, measured])
+    predicted_base = data["plan"].get("baseline_step_time_s") or 0.0
+    moved = (f"{data['baseline_step_time_s'] / predicted_base:.1f}x" if predicted_base else "-")
     return (
         f"| {k} | {'yes' if data['busy'] else 'no'} | {_plan_key(data)} | "
         f"{predicted:+.1%} | {span} | {measured:+.1%} [{low:+.1%}, {high:+.1%}] | "
-        f"{(measured - predicted) * 100:+.1f} | {spread} | {data['exit_code']} "
+        f"{(measured - predicted) * 100:+.1f} | {spread} | {moved} | {data['exit_code']} "
         f"({data['wall_s']:.0f} s) |"
     )
 
@@ -153,7 +155,9 @@ def main() -> None:
         "than a point under some draw of the times); the measured overhead, the median of "
         "the interleaved per-pair ratios [interquartile range]; measured less predicted "
         "in points; the profile's timing spread (largest of the plain step's and the "
-        "stages' interquartile range over median) and its timed rounds; auto's exit code "
+        "stages' interquartile range over median) and its timed rounds; how many times "
+        "longer the plain step took while measuring than the profile predicted it (far "
+        "from 1x: the load changed between profiling and measuring); auto's exit code "
         "and the run's wall time.", "",
     ]
     verdicts = []
@@ -161,8 +165,8 @@ def main() -> None:
         budget = BUDGETS.get(model, "50%")
         out += [f"## {model}, budget {budget}", "",
                 "| run | busy loop | plan | predicted | within the noise | measured "
-                "[IQR] | gap (pts) | timing spread | exit (wall) |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "[IQR] | gap (pts) | timing spread | measure / profile | exit (wall) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         runs = []
         for k in range(1, args.runs + 1):
             keep = None if args.keep is None else Path(args.keep) / f"{model}-{k}"

@@ -43,7 +43,7 @@ from .measure import by_tracker, interleaved, paired, time_stats
 from .runners import EagerRunner, Runner
 
 __all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
-           "rebuild_rejected", "step"]
+           "rebuild_rejected", "step", "torch_threads_kept"]
 
 #: The steps of the main job, in order (``Stopped.stage`` is one of them).
 STAGES = ("loading the model", "the first training step", "profiling", "planning",
@@ -146,6 +146,23 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
             reason = _USER_CODE[stage].format(error=failure(err))
             raise Stopped(stage, reason, UsageError.exit_code) from err
         raise
+
+
+@contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """torch's intra-op thread count as it was on entry, again on exit.
+
+    The optimal solver's numba kernel runs on numba's OpenMP layer, which sets the
+    process's OpenMP thread count, the one torch's CPU ops use: after a solve under
+    ``--threads 1`` torch ran on two threads, and on a loaded two-core machine each
+    plain gpt step then took 15x as long while ``auto`` measured as while it profiled.
+    """
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
@@ -364,7 +381,7 @@ def _auto(
 
     t = time.perf_counter()
     report("planning", 0, 1)
-    with step("planning"):
+    with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
         try:
             plan = with_made_for(make_plan(problem, budget, "optimal"), prof)

@@ -98,7 +98,15 @@ def _step_lines(report: AutoReport) -> list[str]:
             "machine's speed moved during the measurement (each pair ran back to back, so "
             "the per-pair figure is the steadier one)"
         )
-    if report.profile is not None:
+    if report.profile is not None and report.profile.step_s > 0:
+        speed = report.baseline_step_time_s / report.profile.step_s
+        if not 2 / 3 <= speed <= 1.5:
+            lines.append(
+                f"note: the plain step took {speed:.1f}x as long while measuring as while "
+                f"profiling ({report.baseline_step_time_s * 1e3:.1f} ms against "
+                f"{report.profile.step_s * 1e3:.1f} ms): the prediction and the measurement "
+                "saw differently loaded machines, so they may disagree by more than the model"
+            )
         lines += noise_lines(report.profile)[1:]  # the warning, when there is one
     if report.uncertainty is not None and report.uncertainty.uncertain:
         lines.append(report.uncertainty.sentence())
