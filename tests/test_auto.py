@@ -92,3 +92,76 @@ def test_cli_bad_budget_is_a_one_line_usage_error(capsys: pytest.CaptureFixture[
     assert main(["auto", "--budget", "plenty"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("remat auto: error:") and "\n" not in err
+
+
+def test_auto_json_names_its_overhead_statistics(report: AutoReport) -> None:
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["overhead_statistic"] == "median of per-pair ratios"
+    pairs = data["overhead_pairs"]
+    assert len(pairs) == 2  # repeats=2
+    assert data["overhead"] == pytest.approx(sorted(pairs)[0] / 2 + sorted(pairs)[1] / 2)
+    assert data["overhead_of_medians"] == pytest.approx(
+        data["step_time_s"] / data["baseline_step_time_s"] - 1)
+    assert data["timing_noise"]["rounds"] >= 2
+    u = data["plan_uncertainty"]
+    assert u["overhead_low"] <= data["predicted_overhead"] <= u["overhead_high"]
+
+
+def _summary(step: float, base: float, pairs: tuple[float, ...],
+             profiled_step: float | None = None) -> list[str]:
+    from statistics import median
+
+    from remat.cli.auto import _step_lines
+    from remat.profile_format import FixedBytes, Profile, StageProfile
+
+    profile = None if profiled_step is None else Profile(
+        model="m", batch_size=1, stages=(StageProfile("a", 1, 1, {"keep": 0}),),
+        fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0), step_s=profiled_step)
+
+    report = AutoReport(
+        model="m", budget="50%", budget_bytes=1, plan=Plan(("a",)), baseline_peak_bytes=2,
+        predicted_peak_bytes=1, measured_peak_bytes=1, predicted_peak_event="e",
+        peak_phase=None, peak_module=None, peak_by_category={},
+        baseline_peak_by_category={}, baseline_step_time_s=base, step_time_s=step,
+        overhead=median(pairs), overhead_pairs=pairs, predicted_overhead=0.2, profile=profile,
+    )
+    return _step_lines(report)
+
+
+def test_the_summary_says_which_statistic_each_figure_is() -> None:
+    # the issue's case: medians 349.2 ms against 554.2 ms, per-pair ratios' median -16.3%
+    lines = _summary(0.3492, 0.5542, (-0.40, -0.20, -0.163, -0.10, 0.05))
+    assert lines[0] == ("step: median 349.2 ms with the plan against 554.2 ms without "
+                        "checkpointing (-37.0%, ratio of the medians)")
+    assert lines[1].startswith("overhead: -16.3% (median of 5 interleaved per-pair ratios, "
+                               "interquartile -20.0%..-10.0%); predicted +20.0%")
+    assert lines[2].startswith("note: the ratio of the medians and the median of the "
+                               "per-pair ratios differ by 21 points")
+    steady = _summary(0.12, 0.1, (0.19, 0.2, 0.21))
+    assert len(steady) == 2 and "(+20.0%, ratio of the medians)" in steady[0]
+
+
+def test_the_summary_says_when_the_machine_moved_between_profiling_and_measuring() -> None:
+    moved = _summary(1.2, 1.0, (0.19, 0.2, 0.21), profiled_step=0.1)
+    assert moved[-1].startswith("note: the plain step took 10.0x as long while measuring as "
+                                "while profiling (1000.0 ms against 100.0 ms)")
+    assert len(_summary(1.2, 1.0, (0.19, 0.2, 0.21), profiled_step=0.9)) == 2
+
+
+def test_planning_leaves_torchs_thread_count_as_it_was() -> None:
+    """numba's OpenMP layer sets the process's thread count, which torch shares."""
+    import torch
+
+    from remat.bench.auto import torch_threads_kept
+    from remat.solve import Problem, minimum_budget, optimal
+
+    problem = Problem.load(Path(__file__).parent / "fixtures" / "chain_hetero_6.json")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch_threads_kept():
+            optimal(problem, minimum_budget(problem) * 2)
+            torch.set_num_threads(2)  # what a numba solve does on a two-core machine
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

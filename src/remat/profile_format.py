@@ -53,6 +53,7 @@ __all__ = [
     "Profile",
     "Scaling",
     "StageProfile",
+    "TimingNoise",
 ]
 
 SCHEMA_VERSION = 2
@@ -99,6 +100,15 @@ def _finite(value: object, what: str) -> float:
             or not abs(value) < 1e300 or value != value):
         raise UsageError(f"profile {what}={value!r} is not a finite number")
     return float(value)
+
+
+def _range(value: object, what: str) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise UsageError(f"profile {what}={value!r} is not a [low, high] pair of seconds")
+    low, high = _float(value[0], what), _float(value[1], what)
+    if low > high:
+        raise UsageError(f"profile {what}={value!r} has low above high; give [low, high]")
+    return low, high
 
 
 def _check_keys(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
@@ -215,6 +225,13 @@ class StageProfile:
     # The stage module's class, parameter shapes and dtypes (remat.model_identity), which
     # plans made from the profile record so apply can check the model. Written only when set.
     identity: StageIdentity | None = None
+    # The index of the first stage identical to this one (same class, parameters and
+    # input shapes), whose rounds were pooled with this stage's: every member of the
+    # group has the median of all of them (remat.profiling.pooling). Written only when set.
+    same_as: int | None = None
+    # Time -> (low, high): the interquartile range of the samples its median was taken
+    # over ("fwd_s", "bwd_s", "rebuild_s", "extra_bwd_s.<option>"). Written only when set.
+    time_spread: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -261,7 +278,12 @@ class StageProfile:
         object.__setattr__(self, "reads", reads_from(self.reads, f"profile {where}"))
         if self.identity is not None and not isinstance(self.identity, StageIdentity):
             raise UsageError(f"profile {where} identity must be a StageIdentity or null")
-        for name in ("input_held_through", "output_held_through"):
+        if not isinstance(self.time_spread, Mapping):
+            raise UsageError(f"profile {where} time_spread must map times to [low, high]")
+        object.__setattr__(self, "time_spread", MappingProxyType({
+            str(k): _range(v, f"{where} time_spread[{k!r}]") for k, v in self.time_spread.items()
+        }))
+        for name in ("input_held_through", "output_held_through", "same_as"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
@@ -304,6 +326,12 @@ class StageProfile:
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
             **({"identity": self.identity.to_dict()} if self.identity is not None else {}),
+            **({"same_as": self.same_as} if self.same_as is not None else {}),
+            **(
+                {"time_spread": {k: list(v) for k, v in self.time_spread.items()}}
+                if self.time_spread
+                else {}
+            ),
         }
 
     @classmethod
@@ -346,6 +374,8 @@ _OPTIONAL_STAGE_KEYS = (
     "reads",
     "pending_grad_bytes",
     "identity",
+    "same_as",
+    "time_spread",
 )
 
 
@@ -414,6 +444,67 @@ _FIXED_FIELDS = (
     ("optimizer_step_bytes", "optimizer_step"),
 )
 _OPTIONAL_FIXED_FIELDS = (("backward_residue_bytes", "backward_residue"),)
+
+
+@dataclass(frozen=True)
+class TimingNoise:
+    """How much the profile's timed rounds disagreed (remat.profiling.pooling).
+
+    ``rounds``: timed rounds of steps (warm-up excluded), ``extra_rounds`` of them added
+    because the first ones were noisy. ``step_spread``: the plain step's relative spread
+    over rounds (interquartile range over median; max - min below four rounds).
+    ``stage_spread``: the median over stages of the largest relative spread of their
+    pooled forward, backward and rebuild samples. ``identical_spread``: how differently
+    identical stages measured before pooling (the largest ``max / min - 1`` of their own
+    medians; 0 with no identical stages). ``region_overhead_range_s``: the range of the
+    per-round figures ``region_overhead_s`` is the median of.
+    """
+
+    rounds: int
+    extra_rounds: int = 0
+    step_spread: float = 0.0
+    stage_spread: float = 0.0
+    identical_spread: float = 0.0
+    region_overhead_range_s: tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "extra_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"profile timing_noise {name}={value!r} is not a count of "
+                                 "rounds; give an int >= 0")
+        for name in ("step_spread", "stage_spread", "identical_spread"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value >= 0
+            ):
+                raise UsageError(f"profile timing_noise {name}={value!r} is not a ratio >= 0")
+            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "region_overhead_range_s", _range(
+            self.region_overhead_range_s, "timing_noise region_overhead_range_s"))
+
+    @property
+    def largest(self) -> float:
+        """The larger of the step's and the stages' spreads (the stages' after pooling:
+        ``identical_spread`` says how noisy the machine was, not the pooled medians)."""
+        return max(self.step_spread, self.stage_spread)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "extra_rounds": self.extra_rounds,
+            "step_spread": self.step_spread,
+            "stage_spread": self.stage_spread,
+            "identical_spread": self.identical_spread,
+            "region_overhead_range_s": list(self.region_overhead_range_s),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TimingNoise:
+        keys = ("rounds", "extra_rounds", "step_spread", "stage_spread", "identical_spread",
+                "region_overhead_range_s")
+        _check_keys(data, keys, "profile timing_noise")
+        return cls(**{k: data[k] for k in keys})
 
 
 @dataclass(frozen=True)
@@ -507,6 +598,7 @@ class Profile(JsonArtifact):
     # shapes of the batch's tensors. Written only when set.
     model_stages: int | None = None
     batch_shapes: tuple[tuple[int, ...], ...] | None = None
+    timing_noise: TimingNoise | None = None  # written only when set
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -612,6 +704,11 @@ class Profile(JsonArtifact):
                 if self.batch_shapes is not None
                 else {}
             ),
+            **(
+                {"timing_noise": self.timing_noise.to_dict()}
+                if self.timing_noise is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -641,8 +738,10 @@ class Profile(JsonArtifact):
             stages=tuple(StageProfile.from_dict(s) for s in data["stages"]),
             fixed=FixedBytes.from_dict(data["fixed_bytes"]),
             scaling=None if scaling is None else Scaling.from_dict(scaling),
+            timing_noise=(TimingNoise.from_dict(data["timing_noise"])
+                          if "timing_noise" in data else None),
             **{k: data[k] for k in _PROFILE_SCALARS},
-            **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS if k in data},
+            **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS if k in data and k != "timing_noise"},
         )
 
 
@@ -668,7 +767,7 @@ _PROFILE_KEYS = (
     "scaling",
     *_PROFILE_SCALARS,
 )
-_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes")  # written only when set
+_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise")  # written only when set
 
 
 def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:

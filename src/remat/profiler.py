@@ -10,6 +10,7 @@ mode and the caller's RNG state are put back.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections import Counter
@@ -28,7 +29,8 @@ from remat.plan import parse_option
 from remat.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.calibrate import calibrated
-from remat.profiling.optimes import region_overhead_s
+from remat.profiling.noise import timing_noise
+from remat.profiling.optimes import region_overhead_rounds, region_overhead_s
 from remat.profiling.run import measure_all, part_names
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
 from remat.runtime.identity import model_stages, stage_identity
@@ -159,6 +161,16 @@ def profile(
         replace(s, identity=identity)
         for s, identity in zip(stage_profiles(m, grads), identities, strict=True)
     ]
+    floor = m.overhead.time_s
+    residuals = region_overhead_rounds(m.plain_steps, m.per_stage_steps)
+    noise = timing_noise(
+        m.plain_steps, m.per_stage_steps, m.same_as, extra=m.extra_rounds,
+        region_overhead_range_s=(max(floor, min(residuals)), max(floor, max(residuals))),
+    )
+    # per round, so that one slow round's step is not set against another's stages
+    outside = statistics.median(
+        s.step_s - sum(s.fwd_s) - sum(s.bwd_s) for s in m.plain_steps
+    )
     result = Profile(
         model=description or type(model).__name__,
         batch_size=batch_size,
@@ -167,9 +179,9 @@ def profile(
         # losses) and its gradient, a scalar of the model's dtype or float32 above it
         fixed=fixed_bytes(m, stage_list[0].boundary_bytes, post_grads, pre_grads,
                           loss_bytes=m.nosave.loss_storage_bytes + max(dtype.itemsize, 4)),
-        region_overhead_s=region_overhead_s(m.plain_steps, m.per_stage_steps, m.overhead.time_s),
+        region_overhead_s=region_overhead_s(m.plain_steps, m.per_stage_steps, floor),
         region_overhead_bytes=m.overhead.memory_bytes,
-        outside_chain_s=max(0.0, m.times.step_s - sum(m.times.fwd_s) - sum(m.times.bwd_s)),
+        outside_chain_s=max(0.0, outside),
         step_s=m.times.step_s,
         measured_peak_bytes=m.step.peak_bytes,
         optimizer=optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower(),
@@ -179,6 +191,7 @@ def profile(
         profile_s=profile_s,
         model_stages=len(model_stages(model, names)),
         batch_shapes=batch_shapes,
+        timing_noise=noise,
     )
     result = calibrated(result, m)
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
@@ -277,7 +290,9 @@ def fit_scaling(first: Profile, second: Profile) -> Scaling:
         for path in y1
         if path in y2
         and path not in _NOT_FITTED
-        and not path.startswith("scaling.")
+        and not path.startswith(("scaling.", "timing_noise."))
+        and ".time_spread." not in path
+        and not path.endswith(".same_as")
         and y1[path] != y2[path]
     }
     return Scaling((n1, n2), fits)

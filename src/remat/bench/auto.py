@@ -15,6 +15,7 @@ the hazard ``remat verify`` finds.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from remat.planner import to_problem, with_made_for
 from remat.profile_format import Profile
 from remat.profiler import profile
 from remat.solve import minimum_budget, simulate
+from remat.solve.uncertainty import PlanUncertainty, plan_uncertainty
 from remat.units import format_bytes
 
 from .environment import Environment, describe_environment
@@ -42,7 +44,7 @@ from .measure import by_tracker, interleaved, paired, time_stats
 from .runners import EagerRunner, Runner
 
 __all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
-           "rebuild_rejected", "step"]
+           "rebuild_rejected", "step", "torch_threads_kept"]
 
 #: The steps of the main job, in order (``Stopped.stage`` is one of them).
 STAGES = ("loading the model", "the first training step", "profiling", "planning",
@@ -153,6 +155,23 @@ def _article(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
+@contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """torch's intra-op thread count as it was on entry, again on exit.
+
+    The optimal solver's numba kernel runs on numba's OpenMP layer, which sets the
+    process's OpenMP thread count, the one torch's CPU ops use: after a solve under
+    ``--threads 1`` torch ran on two threads, and on a loaded two-core machine each
+    plain gpt step then took 15x as long while ``auto`` measured as while it profiled.
+    """
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
     """One plain training step (gradients dropped after), so that the user's own code
     fails here, named, instead of deep inside profiling."""
@@ -190,7 +209,7 @@ class AutoReport:
     baseline_peak_by_category: Mapping[str, int] = field(hash=False)
     baseline_step_time_s: float = 0.0
     step_time_s: float = 0.0
-    overhead: float = 0.0
+    overhead: float = 0.0  # the median of the per-pair ratios, less 1
     predicted_overhead: float | None = None
     verify_ok: bool = False
     grads_match: bool = False
@@ -200,6 +219,27 @@ class AutoReport:
     timings_s: Mapping[str, float] = field(default_factory=dict, hash=False)
     elapsed_s: float = 0.0
     profile: Profile | None = field(default=None, repr=False, compare=False)
+    # each interleaved pair's ratio, less 1 (``overhead`` is their median)
+    overhead_pairs: tuple[float, ...] = ()
+    # the chosen plan against the profile's timing noise (None: the profile has none)
+    uncertainty: PlanUncertainty | None = None
+
+    @property
+    def overhead_of_medians(self) -> float:
+        """The median step with the plan over the median step without, less 1: another
+        statistic than ``overhead`` (the median of per-pair ratios); they part when the
+        machine's speed moved during the measurement."""
+        return self.step_time_s / self.baseline_step_time_s - 1 if self.baseline_step_time_s \
+            else 0.0
+
+    @property
+    def overhead_range(self) -> tuple[float, float]:
+        """The interquartile range of the per-pair ratios, less 1 (min and max below four)."""
+        values = sorted(self.overhead_pairs) or [self.overhead]
+        if len(values) < 4:
+            return values[0], values[-1]
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return q1, q3
 
     @property
     def peak_error(self) -> float:
@@ -233,7 +273,14 @@ class AutoReport:
             "baseline_step_time_s": self.baseline_step_time_s,
             "step_time_s": self.step_time_s,
             "overhead": self.overhead,
+            "overhead_statistic": "median of per-pair ratios",
+            "overhead_pairs": list(self.overhead_pairs),
+            "overhead_range": list(self.overhead_range),
+            "overhead_of_medians": self.overhead_of_medians,
             "predicted_overhead": self.predicted_overhead,
+            "plan_uncertainty": None if self.uncertainty is None else self.uncertainty.to_dict(),
+            "timing_noise": (None if self.profile is None or self.profile.timing_noise is None
+                             else self.profile.timing_noise.to_dict()),
             "verify_ok": self.verify_ok,
             "grads_match": self.grads_match,
             "verify_detail": self.verify_detail,
@@ -341,7 +388,7 @@ def _auto(
 
     t = time.perf_counter()
     report("planning", 0, 1)
-    with step("planning"):
+    with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
         try:
             plan = with_made_for(make_plan(problem, budget, "optimal"), prof)
@@ -351,6 +398,7 @@ def _auto(
             raise Stopped("planning", "; ".join([str(err), *lines]), err.exit_code,
                           minimum_budget(problem)) from err
         predicted_event = simulate(plan, problem).peak_event
+        uncertainty = plan_uncertainty(prof, plan, slots=problem.slots)
     timings["plan_s"] = time.perf_counter() - t
 
     report("applying", 0, 1)
@@ -399,6 +447,9 @@ def _auto(
         baseline_step_time_s=time_stats(times["plain"]).median_s,
         step_time_s=time_stats(times["planned"]).median_s,
         overhead=ratio - 1,
+        overhead_pairs=tuple(a / b - 1 for a, b in zip(times["planned"], times["plain"],
+                                                        strict=True) if b > 0),
+        uncertainty=uncertainty,
         predicted_overhead=predicted_overhead,
         verify_ok=bool(check.verify_ok),
         grads_match=check.grads_match,

@@ -72,6 +72,47 @@ def _categories(report: AutoReport) -> Table:
     return table
 
 
+def _step_lines(report: AutoReport) -> list[str]:
+    """The step time and the overhead, each saying which statistic it is."""
+    from remat.solve.uncertainty import noise_lines
+
+    lines = [
+        f"step: median {report.step_time_s * 1e3:.1f} ms with the plan against "
+        f"{report.baseline_step_time_s * 1e3:.1f} ms without checkpointing "
+        f"({report.overhead_of_medians:+.1%}, ratio of the medians)"
+    ]
+    low, high = report.overhead_range
+    pairs = len(report.overhead_pairs)
+    line = (f"overhead: {report.overhead:+.1%} (median of {pairs} interleaved per-pair "
+            f"ratios, interquartile {low:+.1%}..{high:+.1%})")
+    if report.predicted_overhead is not None:
+        line += f"; predicted {report.predicted_overhead:+.1%}"
+        u = report.uncertainty
+        if u is not None:
+            line += f" ({u.overhead_low:+.1%}..{u.overhead_high:+.1%} within the timing noise)"
+    lines.append(line)
+    if abs(report.overhead_of_medians - report.overhead) > 0.05:
+        lines.append(
+            f"note: the ratio of the medians and the median of the per-pair ratios differ by "
+            f"{abs(report.overhead_of_medians - report.overhead) * 100:.0f} points: the "
+            "machine's speed moved during the measurement (each pair ran back to back, so "
+            "the per-pair figure is the steadier one)"
+        )
+    if report.profile is not None and report.profile.step_s > 0:
+        speed = report.baseline_step_time_s / report.profile.step_s
+        if not 2 / 3 <= speed <= 1.5:
+            lines.append(
+                f"note: the plain step took {speed:.1f}x as long while measuring as while "
+                f"profiling ({report.baseline_step_time_s * 1e3:.1f} ms against "
+                f"{report.profile.step_s * 1e3:.1f} ms): the prediction and the measurement "
+                "saw differently loaded machines, so they may disagree by more than the model"
+            )
+        lines += noise_lines(report.profile)[1:]  # the warning, when there is one
+    if report.uncertainty is not None and report.uncertainty.uncertain:
+        lines.append(report.uncertainty.sentence())
+    return lines
+
+
 def render(report: AutoReport, console: Console) -> None:
     from remat.bench.report import options_summary
     from remat.coverage import coverage_lines
@@ -92,13 +133,8 @@ def render(report: AutoReport, console: Console) -> None:
         f"without checkpointing {format_bytes(report.baseline_peak_bytes)} "
         f"({report.measured_peak_bytes / report.baseline_peak_bytes - 1:+.0%})"
     )
-    predicted = ("" if report.predicted_overhead is None
-                 else f"; predicted {report.predicted_overhead:+.1%}")
-    console.print(
-        f"step: {report.step_time_s * 1e3:.1f} ms against {report.baseline_step_time_s * 1e3:.1f}"
-        f" ms without checkpointing: overhead {report.overhead:+.1%} (median of interleaved "
-        f"pairs{predicted})"
-    )
+    for line in _step_lines(report):
+        console.print(line)
     grads = "equal" if report.grads_match else "[bold red]DIFFERENT[/]"
     console.print(f"gradients: {grads}; verify {'passed' if report.verify_ok else 'FAILED'}: "
                   f"{report.verify_detail}")

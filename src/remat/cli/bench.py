@@ -161,7 +161,8 @@ def _table(report: BenchReport) -> Table:
             f"{' '.join(r.regions) or '-'} / {options_summary(r.options)}",
         )
     table.caption = ("measured: the live-storage tracker; * torch.profiler allocator events "
-                     "(compiled rows); overhead against no checkpointing (predicted)")
+                     "(compiled rows); step: median [min, max]; overhead: median of per-round "
+                     "ratios to no checkpointing (predicted)")
     return table
 
 

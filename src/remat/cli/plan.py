@@ -13,6 +13,7 @@ from remat.cli.output import add_json_option, console_for, write_json
 from remat.coverage import coverage_lines
 from remat.errors import UsageError
 from remat.profile_format import Profile
+from remat.solve.uncertainty import noise_lines, plan_uncertainty
 from remat.units import format_bytes
 
 MAX_SLOTS = 100_000  # about a second for a 12-stage chain
@@ -161,5 +162,11 @@ def run(args: argparse.Namespace) -> int:
             "note: the profile records no stage identities (an older remat wrote it), so "
             "remat.apply cannot check this plan against the model; profile again to add them"
         )
+    if isinstance(source, Profile):  # the plan JSON stays a plan (verify --plan reads it)
+        for text in noise_lines(source):
+            console.print(text)
+        found = plan_uncertainty(source, result, slots=problem.slots)
+        if found is not None:
+            console.print(found.sentence())
     write_json(result.to_dict(), args.json)
     return 0

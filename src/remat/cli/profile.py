@@ -12,6 +12,7 @@ from rich.table import Table
 from remat.cli.common import add_model_options, load, profile_with_progress
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.coverage import coverage_lines
+from remat.solve.uncertainty import noise_lines
 from remat.units import format_bytes
 
 _OPTION_COLUMNS = (
@@ -64,7 +65,9 @@ def _table(data: dict[str, Any]) -> Table:
         caption=(
             "keep, matmuls, attn, nothing: bytes saved for backward beyond the stage's "
             "input and output, kept and under selective:save-matmuls, save-attention, "
-            "save-nothing; * the output stays referenced outside the chain"
+            "save-nothing; * the output stays referenced outside the chain; fwd, bwd, "
+            "rebuild: medians over the rounds, pooled over identical stages (= k: the "
+            "same as stage k)"
         ),
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -77,8 +80,10 @@ def _table(data: dict[str, Any]) -> Table:
         table.add_column(title, justify="right")
     for s in data["stages"]:
         saved = s["saved_bytes"]
+        same = s.get("same_as")
         table.add_row(
-            s["name"] + (" *" if s["output_kept_outside"] else ""),
+            s["name"] + (" *" if s["output_kept_outside"] else "")
+            + ("" if same is None else f" (= {same})"),
             size(s["boundary_bytes"]),
             *(size(saved[o]) if o in saved else "-" for o, _ in _OPTION_COLUMNS),
             f"{s['fwd_s'] * 1e3:.2f}",
@@ -134,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(_table(data))
     _summary(console, data)
     for line in coverage_lines(result, given=stages is not None):
+        console.print(line)
+    for line in noise_lines(result):
         console.print(line)
     write_json(data, args.json)
     return 0

@@ -15,6 +15,9 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
   its input's gradient (the simulator counts it), plus its output when it saved that (the
   simulator no longer counts it there). The parameter gradients it has created by its
   peak are in it; the simulator adds the stage's ``grad_bytes`` after that peak.
+* times (``fwd_s``, ``bwd_s``, ``rebuild_s``, ``extra_bwd_s``): medians over the timed
+  rounds of the stage and of every stage identical to it (:mod:`.noise`), each with its
+  interquartile range (``time_spread``).
 * selective options' extra time (``extra_bwd_s``): what the stage's forward and backward
   took with the option on every stage beyond the plain step of the same round (the
   median over rounds): the option's replay in backward and its dispatch mode's cost in
@@ -49,7 +52,8 @@ from torch import nn
 
 from remat.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
-from remat.profiling.optimes import option_extra_s
+from remat.profiling.noise import option_extras, stage_times
+from remat.profiling.pooling import Pooled
 from remat.profiling.run import NOTHING, Measurements
 
 __all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]
@@ -95,10 +99,12 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
 
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     found = []
+    same_as = m.same_as or tuple(range(len(m.names)))
     extras = {
-        o: option_extra_s(m.plain_steps, m.option_steps[o], m.overhead.time_s)
+        o: option_extras(m.plain_steps, m.option_steps[o], same_as, m.overhead.time_s)
         for o in m.selective_options
     }
+    times = stage_times(m.plain_steps, m.per_stage_steps, same_as)
     for i, name in enumerate(m.names):
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
         saved = {"keep": max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)}
@@ -113,7 +119,11 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output else 0
-        extra = {option: extras[option][i] for option in m.selective_options}
+        extra = {option: extras[option][i].median for option in m.selective_options}
+        pooled: dict[str, Pooled] = {
+            **{what: times[what][i] for what in times},
+            **{f"extra_bwd_s.{o}": extras[o][i] for o in m.selective_options},
+        }
         # Under a selective option the stage's backward replays its unsaved ops first; in
         # the simulator's terms (its backward event charges keep's saved bytes), the
         # transient that backward needs (the problem offers the option only where keep's
@@ -131,9 +141,9 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 boundary_bytes=nosave.boundary_bytes,
                 output_bytes=nosave.output_bytes,
                 saved_bytes=saved,
-                fwd_s=m.times.fwd_s[i],
-                bwd_s=m.times.bwd_s[i],
-                rebuild_s=m.rebuild.rebuild_s[i],
+                fwd_s=times["fwd_s"][i].median,
+                bwd_s=times["bwd_s"][i].median,
+                rebuild_s=times["rebuild_s"][i].median,
                 extra_bwd_s=extra,
                 # A rebuild of the stage runs with its changed buffers cloned (module
                 # docstring): counted in both forward figures, a few bytes over elsewhere.
@@ -155,6 +165,9 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 selective_bwd_transient_bytes=replay,
                 input_held_through=m.nosave.input_held_through[i],
                 output_held_through=m.nosave.output_held_through[i],
+                same_as=same_as[i] if same_as[i] != i else None,
+                time_spread={what: (x.low, x.high) for what, x in pooled.items()
+                             if x.samples > 1},
             )
         )
     return found

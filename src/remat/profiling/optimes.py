@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from remat.profiling.timing import StepTimes
 
-__all__ = ["option_extra_s", "policy_op_names", "region_overhead_s"]
+__all__ = ["option_extra_s", "policy_op_names", "region_overhead_rounds", "region_overhead_s"]
 
 
 def policy_op_names(option: str, stage: str) -> frozenset[str]:
@@ -62,10 +62,14 @@ def region_overhead_s(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]
     """Seconds one region costs beyond rebuilding its stage: per round, the step with one
     region per stage less the plain step and the timed rebuilds, over the number of
     regions; the median over rounds, at least ``floor_s`` (the tiny chain's figure)."""
+    return max(floor_s, statistics.median(region_overhead_rounds(plain, per_stage)))
+
+
+def region_overhead_rounds(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]
+                           ) -> list[float]:
+    """Per round: the step with one region per stage less the plain step and the timed
+    rebuilds, over the number of regions (:func:`region_overhead_s` is their median)."""
     _rounds(plain, per_stage)
     n = len(plain[0].fwd_s)
-    residual = statistics.median(
-        (r.step_s - p.step_s - sum(r.rebuild_s)) / n
-        for p, r in zip(plain, per_stage, strict=True)
-    )
-    return max(floor_s, residual)
+    return [(r.step_s - p.step_s - sum(r.rebuild_s)) / n
+            for p, r in zip(plain, per_stage, strict=True)]

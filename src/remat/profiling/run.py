@@ -1,6 +1,7 @@
 """One profiling run: every measurement a Profile is built from, in a fixed order.
 
-It costs ``(2 + s) * (repeats + 1)`` training steps (``s`` selective options), one step
+It costs ``(2 + s) * (repeats + 1)`` training steps (``s`` selective options; up to
+``repeats`` rounds more when the first ones were noisy, :mod:`.noise`), one step
 measured by the tracker and up to four tracked forwards:
 
 1. a forward that saves nothing (what a stage costs inside a region; which outputs stay
@@ -13,7 +14,9 @@ measured by the tracker and up to four tracked forwards:
    costs each stage, :mod:`.optimes`); the first round is a warm-up whose times are
    dropped (it creates the optimizer state, right after which the tracker counts
    parameters, buffers, gradients, optimizer state and the batch, and it grows the
-   allocator to the step's size);
+   allocator to the step's size), and its plain step records which stages are identical
+   (:mod:`.identical`), whose times are pooled (:mod:`.pooling`); a noisy set of rounds
+   gets one more set (:func:`.noise.extra_rounds`);
 3. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
 4. for each selective option, one forward with the option applied to the stages that run
    one of its ops (a stage that runs none keeps what ``save-nothing`` keeps), and one step
@@ -40,10 +43,13 @@ from remat.measure.tracker import iter_tensors
 from remat.plan import Plan
 from remat.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
+from remat.profiling.identical import recording_signatures
 from remat.profiling.links import find_breaks
+from remat.profiling.noise import extra_rounds
 from remat.profiling.optimes import policy_op_names
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
+from remat.profiling.pooling import identical_groups
 from remat.profiling.timeline import Span, StepSpans, split_step
 from remat.profiling.timing import StepTimes, median_times, timed_steps
 from remat.runtime import apply
@@ -73,6 +79,8 @@ class Measurements:
     measured_in: dict[str, frozenset[int]]  # option -> stages measured in its pass
     counts: dict[str, int]  # params_bytes, buffers_bytes, grads_bytes, ... by the tracker
     overhead: RegionOverhead
+    same_as: tuple[int, ...] = ()  # per stage: the first stage identical to it (pooling)
+    extra_rounds: int = 0  # rounds added because the first ones were noisy
 
     @cached_property
     def times(self) -> StepTimes:
@@ -195,9 +203,9 @@ def measure_all(
     rebuilt: list[StepTimes] = []
     plain: list[StepTimes] = []
     with_option: dict[str, list[StepTimes]] = {option: [] for option in option_plans}
-    for r in range(repeats + 1):
-        if r == 1:
-            part(parts[2])
+
+    def one_round(signatures: list[str | None] | None = None) -> None:
+        nonlocal rebuilt, plain
         rebuilt += timed_steps(
             model,
             batch,
@@ -209,11 +217,29 @@ def measure_all(
             device=device,
             on_step=count_fixed,
         )
-        plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1, device=device)
+        if signatures is None:
+            plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
+                                 device=device)
+        else:  # the warm-up's plain step also records which stages are identical
+            with recording_signatures(modules) as found:
+                plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
+                                     device=device)
+            signatures[:] = found
         for option, plan in option_plans.items():
             with_option[option] += timed_steps(
                 model, batch, loss_fn, optimizer, modules, steps=1, plan=plan, device=device
             )
+
+    signatures: list[str | None] = []
+    one_round(signatures)
+    part(parts[2])
+    for _ in range(repeats):
+        one_round()
+    same_as = tuple(identical_groups(signatures))
+    # A noisy first set gets one more (bounded): more samples move the medians less.
+    extra = extra_rounds(plain[1:], same_as, repeats)
+    for _ in range(extra):
+        one_round()
     rebuilt, plain = rebuilt[1:], plain[1:]
     with_option = {option: steps[1:] for option, steps in with_option.items()}
 
@@ -269,4 +295,6 @@ def measure_all(
         measured_in=measured_in,
         counts=counts,
         overhead=overhead,
+        same_as=same_as,
+        extra_rounds=extra,
     )

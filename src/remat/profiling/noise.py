@@ -1,0 +1,107 @@
+"""The profile's times from its timed rounds: pooled over identical stages, with their noise.
+
+See :mod:`.pooling` for why identical stages are pooled. A profile whose first rounds
+disagree by more than :data:`NOISY` times one more set of rounds (at most
+:data:`MAX_EXTRA_ROUNDS`), once: more samples move the medians less, and the extra
+rounds are recorded (``timing_noise.extra_rounds``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from remat.profile_format import TimingNoise
+from remat.profiling.pooling import Pooled, pool, relative_spread, spread_among
+from remat.profiling.timing import StepTimes
+from remat.solve.uncertainty import NOISY
+
+__all__ = [
+    "MAX_EXTRA_ROUNDS",
+    "NOISY",
+    "extra_rounds",
+    "option_extras",
+    "samples",
+    "stage_times",
+    "timing_noise",
+]
+
+#: At most this many rounds are added to a noisy profile.
+MAX_EXTRA_ROUNDS = 4
+
+_TIMES = ("fwd_s", "bwd_s")
+
+
+def samples(steps: Sequence[StepTimes], what: str) -> list[list[float]]:
+    """Per stage, its ``what`` (``fwd_s``, ``bwd_s``, ``rebuild_s``) in each round."""
+    n = len(steps[0].fwd_s) if steps else 0
+    return [[getattr(s, what)[i] for s in steps] for i in range(n)]
+
+
+def stage_times(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                group_of: Sequence[int]) -> dict[str, list[Pooled]]:
+    """``fwd_s`` and ``bwd_s`` from the plain steps, ``rebuild_s`` from the steps with one
+    region per stage, each pooled over identical stages."""
+    return {
+        "fwd_s": pool(samples(plain, "fwd_s"), group_of),
+        "bwd_s": pool(samples(plain, "bwd_s"), group_of),
+        "rebuild_s": pool(samples(per_stage, "rebuild_s"), group_of),
+    }
+
+
+def option_extras(plain: Sequence[StepTimes], with_option: Sequence[StepTimes],
+                  group_of: Sequence[int], floor_s: float = 0.0) -> list[Pooled]:
+    """Per stage: what its forward and backward took under an option beyond the plain step
+    of the same round, pooled over identical stages; never below ``floor_s`` (one
+    checkpoint frame, see :func:`remat.profiling.optimes.option_extra_s`)."""
+    if not plain or len(plain) != len(with_option):
+        raise ValueError(f"need paired rounds, got {len(plain)} plain and {len(with_option)}")
+    n = len(plain[0].fwd_s)
+    diffs = [
+        [(o.fwd_s[i] + o.bwd_s[i]) - (p.fwd_s[i] + p.bwd_s[i])
+         for p, o in zip(plain, with_option, strict=True)]
+        for i in range(n)
+    ]
+    return [
+        Pooled(max(floor_s, x.median), max(floor_s, x.low), max(floor_s, x.high), x.samples)
+        for x in pool(diffs, group_of)
+    ]
+
+
+def _median_of_largest(times: Sequence[Sequence[Pooled]]) -> float:
+    """The median over stages of each stage's largest relative spread among ``times``."""
+    largest = [max(x.relative for x in stage) for stage in zip(*times, strict=True)]
+    return float(statistics.median(largest)) if largest else 0.0
+
+
+def _stage_spread(plain: Sequence[StepTimes], group_of: Sequence[int]) -> float:
+    return _median_of_largest([pool(samples(plain, what), group_of) for what in _TIMES])
+
+
+def extra_rounds(plain: Sequence[StepTimes], group_of: Sequence[int], repeats: int) -> int:
+    """Rounds to add after the first ``repeats``: as many again (at most
+    :data:`MAX_EXTRA_ROUNDS`) when the plain steps or the stages' pooled times spread more
+    than :data:`NOISY`, else none."""
+    step = relative_spread([s.step_s for s in plain])
+    if max(step, _stage_spread(plain, group_of)) <= NOISY:
+        return 0
+    return min(repeats, MAX_EXTRA_ROUNDS)
+
+
+def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                 group_of: Sequence[int], *, extra: int,
+                 region_overhead_range_s: tuple[float, float]) -> TimingNoise:
+    """What the profile records of its noise (:class:`~remat.profile_format.TimingNoise`)."""
+    times = stage_times(plain, per_stage, group_of)
+    among = max(
+        spread_among(samples(steps, what), group_of)
+        for steps, what in ((plain, "fwd_s"), (plain, "bwd_s"), (per_stage, "rebuild_s"))
+    )
+    return TimingNoise(
+        rounds=len(plain),
+        extra_rounds=extra,
+        step_spread=relative_spread([s.step_s for s in plain]),
+        stage_spread=_median_of_largest(list(times.values())),
+        identical_spread=among,
+        region_overhead_range_s=region_overhead_range_s,
+    )

@@ -1,0 +1,267 @@
+"""Timings that know their noise: identical stages pooled, the noise recorded, and a plan
+checked against it (uncertain when the noise would choose another plan)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from remat.plan import Plan, Region
+from remat.planner import plan as make_plan
+from remat.profile_format import FixedBytes, Profile, StageProfile, TimingNoise
+from remat.profiler import profile
+from remat.profiling.identical import stage_signature
+from remat.profiling.noise import MAX_EXTRA_ROUNDS, extra_rounds, option_extras, timing_noise
+from remat.profiling.pooling import identical_groups, pool, spread_among
+from remat.profiling.timing import StepTimes
+from remat.solve.uncertainty import noise_lines, plan_uncertainty, with_times
+
+torch.set_num_threads(1)
+D = 8
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int = 16, kind: str = "a", layer_idx: int = 0) -> None:
+        super().__init__()
+        self.kind = kind
+        self.layer_idx = layer_idx  # names the layer; does not change its work
+        self.lin1 = nn.Linear(D, hidden)
+        self.lin2 = nn.Linear(hidden, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.tanh(self.lin1(x)))
+
+
+class Chain(nn.Module):
+    def __init__(self, blocks: list[Block]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def _x(rows: int = 4) -> torch.Tensor:
+    return torch.randn(rows, D, requires_grad=True)
+
+
+# -- which stages are identical --------------------------------------------------------------
+
+
+def test_identical_blocks_share_a_signature_and_different_ones_do_not() -> None:
+    x = _x()
+    base = stage_signature(Block(), (x,), {})
+    assert stage_signature(Block(layer_idx=5), (x,), {}) == base  # its position only
+    assert stage_signature(Block(hidden=32), (x,), {}) != base  # other parameter shapes
+    assert stage_signature(Block(kind="b"), (x,), {}) != base  # another setting
+    assert stage_signature(Block(), (_x(rows=6),), {}) != base  # another input shape
+    assert stage_signature(Block(), (x.detach(),), {}) != base  # no input gradient
+    assert stage_signature(Block().double(), (x.double(),), {}) != base  # other dtypes
+
+
+def test_groups_name_the_first_identical_stage() -> None:
+    assert identical_groups(["a", "b", "a", None, "b", None]) == [0, 1, 0, 3, 1, 5]
+
+
+# -- pooling -----------------------------------------------------------------------------------
+
+
+def test_identical_stages_get_one_median_and_different_ones_keep_theirs() -> None:
+    samples = [[1.0, 9.0], [2.0, 3.0], [50.0, 60.0], [4.0, 5.0]]
+    pooled = pool(samples, [0, 0, 2, 0])
+    # stages 0, 1, 3 pool 1, 9, 2, 3, 4, 5: median 3.5; stage 2 alone: 55
+    assert [p.median for p in pooled] == [3.5, 3.5, 55.0, 3.5]
+    assert pooled[0].samples == 6 and pooled[2].samples == 2
+    assert (pooled[2].low, pooled[2].high) == (50.0, 60.0)  # min and max below four
+    assert pool(samples, [0, 1, 2, 3])[0].median == 5.0  # unpooled: its own rounds
+    # before pooling, stage 0's own median (5) is 2x stage 1's (2.5)
+    assert spread_among(samples, [0, 0, 2, 0]) == pytest.approx(1.0)
+    assert spread_among(samples, [0, 1, 2, 3]) == 0.0
+
+
+def _steps(fwd: list[float], bwd: list[float], step: float = 1.0) -> StepTimes:
+    return StepTimes(step_s=step, fwd_s=tuple(fwd), bwd_s=tuple(bwd),
+                     rebuild_s=(0.0,) * len(fwd))
+
+
+def test_an_options_extra_time_is_pooled_over_identical_stages() -> None:
+    plain = [_steps([1.0, 1.0], [1.0, 1.0]), _steps([1.0, 1.0], [1.0, 1.0])]
+    option = [_steps([1.5, 1.1], [1.0, 1.0]), _steps([1.5, 1.3], [1.0, 1.0])]
+    pooled = option_extras(plain, option, [0, 0])
+    assert [round(p.median, 6) for p in pooled] == [0.4, 0.4]  # of 0.5, 0.1, 0.5, 0.3
+    alone = option_extras(plain, option, [0, 1])
+    assert [round(p.median, 6) for p in alone] == [0.5, 0.2]
+
+
+# -- recording the noise -----------------------------------------------------------------------
+
+
+def test_a_noisy_first_set_of_rounds_gets_more_and_a_quiet_one_none() -> None:
+    quiet = [_steps([1.0, 1.0], [2.0, 2.0], step=5.0) for _ in range(3)]
+    assert extra_rounds(quiet, [0, 0], repeats=3) == 0
+    noisy = [_steps([1.0, 1.0], [2.0, 2.0], step=s) for s in (5.0, 9.0, 5.5)]
+    assert extra_rounds(noisy, [0, 0], repeats=3) == 3
+    assert extra_rounds(noisy, [0, 0], repeats=50) == MAX_EXTRA_ROUNDS
+    # the stages alone noisy (one of two identical stages slow in one round)
+    stages = [_steps([1.0, 4.0], [2.0, 2.0], step=5.0), _steps([1.0, 1.0], [2.0, 2.0], step=5.0)]
+    assert extra_rounds(stages, [0, 0], repeats=2) == 2
+
+
+def test_timing_noise_records_rounds_spreads_and_identical_stages() -> None:
+    plain = [_steps([1.0, 3.0], [2.0, 2.0], step=10.0), _steps([1.0, 3.0], [2.0, 2.0], step=12.0)]
+    noise = timing_noise(plain, plain, [0, 0], extra=1, region_overhead_range_s=(0.1, 0.2))
+    assert noise.rounds == 2 and noise.extra_rounds == 1
+    assert noise.step_spread == pytest.approx(2 / 11)
+    assert noise.identical_spread == pytest.approx(2.0)  # stage 1 timed 3x stage 0
+    assert noise.stage_spread > 0  # 1 and 3 pooled
+    unpooled = timing_noise(plain, plain, [0, 1], extra=0, region_overhead_range_s=(0.1, 0.2))
+    assert unpooled.identical_spread == 0.0 and unpooled.stage_spread == 0.0
+
+
+@pytest.fixture(scope="module")
+def mixed_profile() -> Profile:
+    """Three identical blocks and a wider one."""
+    model = Chain([Block(layer_idx=0), Block(layer_idx=1), Block(layer_idx=2), Block(hidden=64)])
+    return profile(model, _x(), repeats=2, options=("keep", "selective:save-nothing"))
+
+
+def test_a_profile_pools_identical_stages_and_records_its_noise(mixed_profile: Profile) -> None:
+    stages = mixed_profile.stages
+    assert [s.same_as for s in stages] == [None, 0, 0, None]
+    for what in ("fwd_s", "bwd_s", "rebuild_s"):
+        assert getattr(stages[1], what) == getattr(stages[0], what) == getattr(stages[2], what)
+    assert stages[1].extra_bwd_s == stages[0].extra_bwd_s
+    assert stages[3].fwd_s != stages[0].fwd_s  # not pooled with the others
+    for s in stages:
+        for what in ("fwd_s", "bwd_s", "rebuild_s"):
+            low, high = s.time_spread[what]
+            assert low <= getattr(s, what) <= high
+        assert "extra_bwd_s.selective:save-nothing" in s.time_spread
+    noise = mixed_profile.timing_noise
+    assert noise is not None
+    assert noise.rounds == 2 + noise.extra_rounds
+    assert noise.region_overhead_range_s[0] <= mixed_profile.region_overhead_s
+    assert noise.region_overhead_range_s[1] >= mixed_profile.region_overhead_s
+    data = json.loads(mixed_profile.to_json())
+    assert data["stages"][1]["same_as"] == 0 and "same_as" not in data["stages"][0]
+    assert Profile.from_dict(data) == mixed_profile
+    assert noise_lines(mixed_profile)[0].startswith(f"timing noise: {noise.rounds} rounds")
+    assert "3 identical stages in 1 group(s)" in noise_lines(mixed_profile)[0]
+
+
+def test_a_profile_without_the_noise_fields_still_loads(mixed_profile: Profile) -> None:
+    data = json.loads(mixed_profile.to_json())
+    del data["timing_noise"]
+    for stage in data["stages"]:
+        stage.pop("same_as", None)
+        del stage["time_spread"]
+    old = Profile.from_dict(data)
+    assert old.timing_noise is None and all(s.same_as is None for s in old.stages)
+    assert noise_lines(old) == []
+    plan = make_plan(old, None, "per-stage")
+    assert plan_uncertainty(old, plan) is None  # nothing to check it against
+
+
+def test_bad_noise_fields_are_refused_in_one_sentence(mixed_profile: Profile) -> None:
+    from remat.errors import UsageError
+
+    data = json.loads(mixed_profile.to_json())
+    data["stages"][0]["time_spread"]["fwd_s"] = [2.0, 1.0]
+    with pytest.raises(UsageError, match="low above high"):
+        Profile.from_dict(data)
+    with pytest.raises(UsageError, match="rounds"):
+        TimingNoise(rounds=-1)
+
+
+# -- the plan against the noise ----------------------------------------------------------------
+
+
+def _two_way(rebuild_spread: float) -> Profile:
+    """Four stages of which one must be checkpointed: stage 0 rebuilds in 1.0 s, stage 1 in
+    1.1 s, stages 2 and 3 in 5 s; each rebuild known to +-``rebuild_spread``."""
+    rebuild = [1.0, 1.1, 5.0, 5.0]
+    stages = tuple(
+        StageProfile(
+            name=f"s{i}", boundary_bytes=100, output_bytes=100, saved_bytes={"keep": 1000},
+            fwd_s=1.0, bwd_s=1.0, rebuild_s=r,
+            time_spread={"fwd_s": (0.99, 1.01), "bwd_s": (0.99, 1.01),
+                         "rebuild_s": (r - rebuild_spread, r + rebuild_spread)},
+        )
+        for i, r in enumerate(rebuild)
+    )
+    fixed = FixedBytes(params_bytes=0, buffers_bytes=0, grads_bytes=0, optimizer_state_bytes=0,
+                       inputs_bytes=0, pre_chain_bytes=0, post_chain_bytes=0)
+    return Profile(model="two-way", batch_size=1, stages=stages, fixed=fixed,
+                   timing_noise=TimingNoise(rounds=5, stage_spread=rebuild_spread))
+
+
+def _budget(profile: Profile) -> int:
+    """A budget one single-stage region over stage 0 or 1 fits and no checkpointing does not."""
+    from remat.solve import simulate
+    from remat.solve.from_profile import problem_from_profile
+
+    problem = problem_from_profile(profile)
+    peaks = [simulate(Plan(profile.stage_names, (Region(i, i + 1),)), problem).peak_bytes
+             for i in (0, 1)]
+    assert peaks[0] == peaks[1]
+    none = simulate(Plan(profile.stage_names), problem).peak_bytes
+    assert none > peaks[0]  # something must be checkpointed
+    return (peaks[0] + none) // 2  # one single-stage region fits, no checkpointing does not
+
+
+def test_a_plan_the_noise_would_flip_is_reported_uncertain() -> None:
+    noisy = _two_way(rebuild_spread=0.5)
+    chosen = make_plan(noisy, _budget(noisy))
+    assert chosen.regions == (Region(0, 1),)  # on the medians, stage 0 is cheaper
+    found = plan_uncertainty(noisy, chosen)
+    assert found is not None and found.uncertain
+    assert 0 < found.changed <= found.trials
+    assert found.regret > 0.01
+    assert found.overhead_low < found.overhead < found.overhead_high
+    assert found.sentence().startswith("plan uncertain:")
+    assert f"{found.overhead_low:+.1%} and {found.overhead_high:+.1%}" in found.sentence()
+
+
+def test_a_plan_the_noise_cannot_flip_is_not_uncertain() -> None:
+    quiet = _two_way(rebuild_spread=0.02)
+    chosen = make_plan(quiet, _budget(quiet))
+    found = plan_uncertainty(quiet, chosen)
+    assert found is not None and not found.uncertain and found.changed == 0
+    assert found.trials == 10
+    assert found.sentence().startswith("plan stable within the timing noise")
+    assert found.overhead_high - found.overhead_low < 0.02
+
+
+def test_identical_stages_draw_their_times_together() -> None:
+    base = _two_way(rebuild_spread=0.5)
+    stages = list(base.stages)
+    stages[1] = StageProfile(**{**stages[1].__dict__, "rebuild_s": 1.0, "same_as": 0,
+                                "time_spread": stages[0].time_spread})
+    grouped = Profile(**{**base.__dict__, "stages": tuple(stages)})
+    calls = iter(range(1, 100))
+    drawn = with_times(grouped, lambda _what, _low, _mid, _high: float(next(calls)))
+    assert drawn.stages[0].rebuild_s == drawn.stages[1].rebuild_s
+    assert drawn.stages[2].rebuild_s != drawn.stages[3].rebuild_s
+
+
+def test_the_uncertainty_check_imports_no_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import remat.solve.uncertainty\n"
+        "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules"
+        " if sys.modules[m] is not None)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr
