@@ -165,3 +165,29 @@ def test_planning_leaves_torchs_thread_count_as_it_was() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_numba_solver_itself_leaves_torchs_thread_count_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every caller of the numba tables (plan --model, bench, auto) gets torch's count back."""
+    import torch
+
+    pytest.importorskip("numba")
+    from remat.solve import Problem, dp, dp_numba
+
+    problem = Problem.load(Path(__file__).parent / "fixtures" / "chain_hetero_6.json")
+    inner = dp_numba._numba_tables
+
+    def solve_like_numba_on_two_cores(*args: object) -> object:
+        torch.set_num_threads(2)  # what numba's OpenMP layer did
+        return inner(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dp_numba, "_numba_tables", solve_like_numba_on_two_cores)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dp_numba.numba_tables(dp.Model(problem, 1 << 20), 40, 1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

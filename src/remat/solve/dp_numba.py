@@ -98,6 +98,29 @@ def _kernel() -> Any:
 def numba_tables(model: Model, max_slots: int, threads: int | None = None) -> Tables:
     """Fill the same tables as :func:`remat.solve.dp.numpy_tables` with a compiled loop
     (``threads``: default :func:`solver_threads`)."""
+    with _torch_threads_kept():
+        return _numba_tables(model, max_slots, threads)
+
+
+class _torch_threads_kept:
+    """torch's thread count as on entry, again on exit, if the caller imported torch.
+
+    numba's OpenMP threading layer sets the process's OpenMP thread count, which torch's
+    CPU ops share: after a solve under ``--threads 1`` torch ran on two threads (on a
+    loaded two-core machine the measured steps then took up to 15x as long). Read
+    through ``sys.modules``: the planning core never imports torch itself.
+    """
+
+    def __enter__(self) -> None:
+        self.torch = sys.modules.get("torch")
+        self.threads = self.torch.get_num_threads() if self.torch is not None else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.torch is not None and self.torch.get_num_threads() != self.threads:
+            self.torch.set_num_threads(self.threads)
+
+
+def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
     import numba
 
     workers = solver_threads() if threads is None else threads
@@ -156,6 +179,11 @@ def numba_tables(model: Model, max_slots: int, threads: int | None = None) -> Ta
 
 def numba_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
     """The one-level solver's ``top`` table, bitwise equal to ``flat.numpy_flat``."""
+    with _torch_threads_kept():
+        return _numba_flat(fi, max_slots)
+
+
+def _numba_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
     top = np.empty((fi.n + 1, max_slots + 1))
     _kernel().flat_fill(top, max_slots, fi.q, fi.gs, fi.ob, fi.ovh_s, fi.post, fi.after, fi.a,
                         fi.g, fi.nt, fi.hold_b, fi.need_b, fi.t_b, fi.rh, fi.hold_in, fi.bwd_in,

@@ -146,9 +146,10 @@ def selective_everywhere(
 
 
 def minimum_budget(problem: Problem) -> int:
-    """The smallest budget remat finds a plan for: the least predicted peak over all plans
-    (exact), or, where regions hold tensors read from before them (which the DP does not
-    count: Note [Reads from before a region]), the simulated peak of the plan found."""
+    """The least predicted peak over all plans (exact); where regions hold tensors read
+    from before them (which the tables do not count: Note [Reads from before a region]),
+    the simulated peak of the tables' smallest-peak plan: a budget that plan fits, which
+    another plan may undercut."""
     return _least_plan(problem)[0]
 
 
