@@ -21,7 +21,7 @@ from remat.profiling.identical import stage_signature
 from remat.profiling.noise import MAX_EXTRA_ROUNDS, extra_rounds, option_extras, timing_noise
 from remat.profiling.pooling import identical_groups, pool, spread_among
 from remat.profiling.timing import StepTimes
-from remat.solve.uncertainty import noise_lines, plan_uncertainty, with_times
+from remat.solve.uncertainty import noise_lines, plan_uncertainty, steadiest, with_times
 
 torch.set_num_threads(1)
 D = 8
@@ -186,10 +186,11 @@ def test_bad_noise_fields_are_refused_in_one_sentence(mixed_profile: Profile) ->
 # -- the plan against the noise ----------------------------------------------------------------
 
 
-def _two_way(rebuild_spread: float) -> Profile:
-    """Four stages of which one must be checkpointed: stage 0 rebuilds in 1.0 s, stage 1 in
-    1.1 s, stages 2 and 3 in 5 s; each rebuild known to +-``rebuild_spread``."""
-    rebuild = [1.0, 1.1, 5.0, 5.0]
+def _two_way(rebuild_spread: float, first: float = 1.0, second: float = 1.1) -> Profile:
+    """Four stages of which one must be checkpointed: stage 0 rebuilds in ``first`` s,
+    stage 1 in ``second`` s, stages 2 and 3 in 5 s; each rebuild known to
+    +-``rebuild_spread``."""
+    rebuild = [first, second, 5.0, 5.0]
     stages = tuple(
         StageProfile(
             name=f"s{i}", boundary_bytes=100, output_bytes=100, saved_bytes={"keep": 1000},
@@ -240,6 +241,30 @@ def test_a_plan_the_noise_cannot_flip_is_not_uncertain() -> None:
     assert found.trials == 10
     assert found.sentence().startswith("plan stable within the timing noise")
     assert found.overhead_high - found.overhead_low < 0.02
+
+
+@pytest.mark.parametrize("first, second", [(1.0, 1.03), (1.03, 1.0)])
+def test_of_plans_tied_within_the_noise_the_same_one_is_chosen_whichever_the_medians_favour(
+    first: float, second: float,
+) -> None:
+    # 0.03 s apart, against a tie of 1% of the 8 s plain step: one plan as far as the
+    # timings can tell; the medians favour either, the choice is the same.
+    tied = _two_way(rebuild_spread=0.1, first=first, second=second)
+    chosen = make_plan(tied, _budget(tied))
+    assert chosen.regions == ((Region(0, 1),) if first < second else (Region(1, 2),))
+    steady = steadiest(tied, chosen)
+    assert steady.regions == (Region(0, 1),)
+    assert steady.budget_bytes == chosen.budget_bytes
+    assert steady.predicted_peak_bytes is not None and steady.budget_bytes is not None
+    assert steady.predicted_peak_bytes <= steady.budget_bytes
+
+
+def test_a_plan_faster_beyond_the_tie_is_kept_over_a_simpler_one() -> None:
+    # stage 1's rebuild is 0.5 s cheaper (6% of the plain step): not a tie
+    clear = _two_way(rebuild_spread=0.1, first=1.5, second=1.0)
+    chosen = make_plan(clear, _budget(clear))
+    assert chosen.regions == (Region(1, 2),)
+    assert steadiest(clear, chosen).regions == (Region(1, 2),)
 
 
 def test_identical_stages_draw_their_times_together() -> None:

@@ -33,7 +33,7 @@ from remat.planner import to_problem, with_made_for
 from remat.profile_format import Profile
 from remat.profiler import profile
 from remat.solve import minimum_budget, simulate
-from remat.solve.uncertainty import PlanUncertainty, plan_uncertainty
+from remat.solve.uncertainty import PlanUncertainty, plan_uncertainty, steadiest
 from remat.units import format_bytes
 
 from .environment import Environment, describe_environment
@@ -391,7 +391,10 @@ def _auto(
     with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
         try:
-            plan = with_made_for(make_plan(problem, budget, "optimal"), prof)
+            # the simplest of the plans tied within the timing noise (steadiest)
+            plan = with_made_for(
+                steadiest(prof, make_plan(problem, budget, "optimal"), slots=problem.slots),
+                prof)
         except CheckFailed as err:  # no plan fits: say the least budget that does
             # and, when the stages cover little of the memory, that more stages would help
             lines = coverage_lines(prof, given=stages is not None)

@@ -13,7 +13,7 @@ from remat.cli.output import add_json_option, console_for, write_json
 from remat.coverage import coverage_lines
 from remat.errors import UsageError
 from remat.profile_format import Profile
-from remat.solve.uncertainty import noise_lines, plan_uncertainty
+from remat.solve.uncertainty import noise_lines, plan_uncertainty, steadiest
 from remat.units import format_bytes
 
 MAX_SLOTS = 100_000  # about a second for a 12-stage chain
@@ -136,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
         for text in coverage_lines(source, given=given):
             console.print(text)
     problem = to_problem(source, slots=args.slots)
-    result = with_made_for(make_plan(problem, args.budget, args.solver, **params), source)
+    result = make_plan(problem, args.budget, args.solver, **params)
+    if isinstance(source, Profile):  # the simplest of the plans tied within the noise
+        result = steadiest(source, result, slots=problem.slots)
+    result = with_made_for(result, source)
     console.print(plan_table(result))
     peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
     assert peak is not None  # every solver fills in its prediction

@@ -29,7 +29,8 @@ from remat.solve.from_profile import problem_from_profile
 from remat.solve.simulate import baseline_time, simulate
 from remat.solve.solvers import optimal
 
-__all__ = ["NOISY", "PlanUncertainty", "noise_lines", "plan_uncertainty", "with_times"]
+__all__ = ["NOISY", "PlanUncertainty", "noise_lines", "plan_uncertainty", "steadiest",
+           "with_times"]
 
 #: A spread (interquartile range over median) above which timings are called noisy.
 NOISY = 0.2
@@ -156,6 +157,52 @@ def _overhead(plan: Plan, profile: Profile, slots: int) -> float:
 
 def _same(a: Plan, b: Plan) -> bool:
     return a.regions == b.regions and a.options == b.options
+
+
+def _simplest(plan: Plan) -> tuple[Any, ...]:
+    """The order among tied plans: fewer regions, fewer stages off keep, then by name."""
+    return (len(plan.regions), sum(o != "keep" for o in plan.options), plan.options,
+            tuple((r.start, r.stop) for r in plan.regions))
+
+
+def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
+              seed: int = 0) -> Plan:
+    """Among the plans the optimal solver picks on ``profile``'s medians and on the draws
+    of :func:`plan_uncertainty`, the simplest (fewest regions, then fewest stages off keep,
+    then by name) of those within :data:`TIE` of the fastest on the medians.
+
+    Plans that close are one plan as far as the timings can tell; which of them the
+    medians favour changes from one profile to the next (three blocks of mlp-hetero under
+    save-nothing, save-attention or save-matmuls, 0.3 points apart), so the choice among
+    them is made by a fixed rule instead, and five runs choose alike. ``plan`` itself
+    when it was not chosen by the optimal solver or the profile has no measured ranges.
+    """
+    if plan.solver != "optimal" or plan.budget_bytes is None or not _has_ranges(profile):
+        return plan
+    rng = random.Random(seed)
+    trials = [_corner(True), _corner(False), *(_random(rng) for _ in range(draws))]
+    found = {(plan.regions, plan.options): plan}
+    for draw in trials:
+        try:
+            other = optimal(problem_from_profile(with_times(profile, draw), slots=slots),
+                            plan.budget_bytes)
+        except CheckFailed:
+            continue
+        found.setdefault((other.regions, other.options), other)
+    if len(found) == 1:
+        return plan
+    problem = problem_from_profile(profile, slots=slots)
+    base = baseline_time(problem).total_s
+    timed = [(simulate(p, problem), p) for p in found.values()]
+    fastest = min(sim.step_time_s for sim, _ in timed)
+    near = [(sim, p) for sim, p in timed
+            if base <= 0 or (sim.step_time_s - fastest) / base <= TIE]
+    sim, choice = min(near, key=lambda sp: _simplest(sp[1]))
+    if choice is plan:
+        return plan
+    return replace(plan, regions=choice.regions, options=choice.options,
+                   predicted_peak_bytes=sim.peak_bytes,
+                   predicted_step_time_s=sim.step_time_s)
 
 
 def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
