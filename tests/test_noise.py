@@ -259,6 +259,50 @@ def test_of_plans_tied_within_the_noise_the_same_one_is_chosen_whichever_the_med
     assert steady.predicted_peak_bytes <= steady.budget_bytes
 
 
+def test_near_neighbours_of_the_chosen_plan_compete_in_the_tie() -> None:
+    # A stage may take save-matmuls or save-attention, 0.01 s apart either way on a 4 s
+    # plain step: one plan as far as the timings can tell. The re-solves need not find
+    # the other (its ranges cover only the rebuild), its neighbour does.
+    def tied(matmuls: float, attention: float) -> Profile:
+        stages = tuple(
+            StageProfile(
+                name=f"s{i}", boundary_bytes=100, output_bytes=100,
+                saved_bytes={"keep": 1000, "selective:save-matmuls": 100,
+                             "selective:save-attention": 100},
+                fwd_s=1.0, bwd_s=1.0, rebuild_s=5.0,  # a region costs far more
+                extra_bwd_s={"selective:save-matmuls": matmuls,
+                             "selective:save-attention": attention},
+                time_spread={"rebuild_s": (4.9, 5.1)},
+            )
+            for i in range(2)
+        )
+        fixed = FixedBytes(0, 0, 0, 0, 0, 0, 0)
+        return Profile(model="tied", batch_size=1, stages=stages, fixed=fixed,
+                       timing_noise=TimingNoise(rounds=5, stage_spread=0.1))
+
+    choices = set()
+    for matmuls, attention in ((0.10, 0.11), (0.11, 0.10)):
+        profile = tied(matmuls, attention)
+        from remat.solve.from_profile import problem_from_profile
+
+        problem = problem_from_profile(profile)
+        both = simulate_peak(profile, ("selective:save-matmuls",) * 2)
+        chosen = make_plan(profile, both + 100)  # the first stage selective, the second keeps
+        cheaper = "selective:save-matmuls" if matmuls < attention else "selective:save-attention"
+        assert chosen.options == (cheaper, "keep")
+        choices.add(steadiest(profile, chosen).options)
+        assert problem.n == 2
+    assert choices == {("selective:save-attention", "keep")}
+
+
+def simulate_peak(profile: Profile, options: tuple[str, ...]) -> int:
+    from remat.solve import simulate
+    from remat.solve.from_profile import problem_from_profile
+
+    return simulate(Plan(profile.stage_names, (), options),
+                    problem_from_profile(profile)).peak_bytes
+
+
 def test_a_plan_faster_beyond_the_tie_is_kept_over_a_simpler_one() -> None:
     # stage 1's rebuild is 0.5 s cheaper (6% of the plain step): not a tie
     clear = _two_way(rebuild_spread=0.1, first=1.5, second=1.0)

@@ -26,6 +26,7 @@ from remat.errors import CheckFailed
 from remat.plan import Plan
 from remat.profile_format import Profile, StageProfile
 from remat.solve.from_profile import problem_from_profile
+from remat.solve.problem import Problem
 from remat.solve.simulate import baseline_time, simulate
 from remat.solve.solvers import optimal
 
@@ -165,13 +166,31 @@ def _simplest(plan: Plan) -> tuple[Any, ...]:
             tuple((r.start, r.stop) for r in plan.regions))
 
 
+def _swaps(options: tuple[str, ...], problem: Problem) -> list[tuple[str, ...]]:
+    """The options with one stage's changed, or every stage of one option moved to
+    another: the near neighbours a re-solve may not reach (three blocks under
+    save-matmuls against the same three under save-attention)."""
+    out = []
+    for i, o in enumerate(options):
+        for other in problem.options(i):
+            if other != o:
+                out.append((*options[:i], other, *options[i + 1:]))
+    for o in set(options):
+        for other in {x for i in range(problem.n) for x in problem.options(i)} - {o}:
+            if all(other in problem.options(i) for i, x in enumerate(options) if x == o):
+                out.append(tuple(other if x == o else x for x in options))
+    return out
+
+
 def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
               seed: int = 0) -> Plan:
     """Among the plans the optimal solver picks on ``profile``'s medians and on the draws
     of :func:`plan_uncertainty`, the simplest (fewest regions, then fewest stages off keep,
     then by name) of those within :data:`TIE` of the fastest on the medians.
 
-    Plans that close are one plan as far as the timings can tell; which of them the
+    Each of those plans' near neighbours (one stage's option changed, or all of one
+    option's stages moved to another) competes too, where it fits the budget. Plans that
+    close are one plan as far as the timings can tell; which of them the
     medians favour changes from one profile to the next (three blocks of mlp-hetero under
     save-nothing, save-attention or save-matmuls, 0.3 points apart), so the choice among
     them is made by a fixed rule instead, and five runs choose alike. ``plan`` itself
@@ -189,11 +208,15 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
         except CheckFailed:
             continue
         found.setdefault((other.regions, other.options), other)
+    problem = problem_from_profile(profile, slots=slots)
+    for p in list(found.values()):
+        for options in _swaps(p.options, problem):
+            found.setdefault((p.regions, options), replace(p, options=options))
     if len(found) == 1:
         return plan
-    problem = problem_from_profile(profile, slots=slots)
     base = baseline_time(problem).total_s
     timed = [(simulate(p, problem), p) for p in found.values()]
+    timed = [(sim, p) for sim, p in timed if sim.peak_bytes <= plan.budget_bytes]
     fastest = min(sim.step_time_s for sim, _ in timed)
     near = [(sim, p) for sim, p in timed
             if base <= 0 or (sim.step_time_s - fastest) / base <= TIE]
