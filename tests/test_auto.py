@@ -191,3 +191,40 @@ def test_the_numba_solver_itself_leaves_torchs_thread_count_as_it_was(
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_wide_pairs_are_timed_again_with_twice_as_many_and_narrow_ones_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    auto_module = importlib.import_module("remat.bench.auto")  # remat.bench.auto is also a function
+    assert auto_module._spread({"planned": [1.0, 1.1, 1.2, 1.3], "plain": [1.0] * 4}) > 0.1
+    assert auto_module._spread({"planned": [1.1, 1.1, 1.12, 1.1], "plain": [1.0] * 4}) < 0.1
+    calls: list[int] = []
+    real = auto_module.interleaved
+
+    def wide_first(steps: dict, *, repeats: int, warmup: int, progress: object = None
+                   ) -> dict[str, list[float]]:
+        calls.append(repeats)
+        real(steps, repeats=1, warmup=0)  # the steps still run
+        if len(calls) == 1:  # the first pairs spread 30 points between quartiles
+            return {"plain": [1.0] * repeats,
+                    "planned": [1.0 + 0.1 * k for k in range(repeats)]}
+        return {"plain": [1.0] * repeats, "planned": [1.2] * repeats}
+
+    monkeypatch.setattr(auto_module, "interleaved", wide_first)
+    wide = remat.auto("gpt", options=TINY, budget="80%", repeats=4)
+    assert calls == [4, 8]
+    assert len(wide.overhead_pairs) == 12
+    assert wide.overhead == pytest.approx(0.2)  # the median of all twelve pairs
+    calls.clear()
+
+    def narrow(steps: dict, *, repeats: int, warmup: int, progress: object = None
+               ) -> dict[str, list[float]]:
+        calls.append(repeats)
+        return {"plain": [1.0] * repeats, "planned": [1.2] * repeats}
+
+    monkeypatch.setattr(auto_module, "interleaved", narrow)
+    remat.auto("gpt", options=TINY, budget="80%", repeats=4)
+    assert calls == [4]
