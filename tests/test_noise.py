@@ -115,6 +115,10 @@ def test_a_noisy_first_set_of_rounds_gets_more_and_a_quiet_one_none() -> None:
     # the stages alone noisy (one of two identical stages slow in one round)
     stages = [_steps([1.0, 4.0], [2.0, 2.0], step=5.0), _steps([1.0, 1.0], [2.0, 2.0], step=5.0)]
     assert extra_rounds(stages, [0, 0], repeats=2) == 2
+    # the plain steps quiet, the steps a checkpoint's cost is read from noisy
+    rebuilt = [_steps([1.0, 1.0], [2.0, 2.0], step=s) for s in (6.0, 11.0, 6.5)]
+    assert extra_rounds(quiet, [0, 0], repeats=3, others=[rebuilt]) == 3
+    assert extra_rounds(quiet, [0, 0], repeats=3, others=[quiet]) == 0
 
 
 def test_timing_noise_records_rounds_spreads_and_identical_stages() -> None:

@@ -78,11 +78,13 @@ def _stage_spread(plain: Sequence[StepTimes], group_of: Sequence[int]) -> float:
     return _median_of_largest([pool(samples(plain, what), group_of) for what in _TIMES])
 
 
-def extra_rounds(plain: Sequence[StepTimes], group_of: Sequence[int], repeats: int) -> int:
+def extra_rounds(plain: Sequence[StepTimes], group_of: Sequence[int], repeats: int,
+                 others: Sequence[Sequence[StepTimes]] = ()) -> int:
     """Rounds to add after the first ``repeats``: as many again (at most
-    :data:`MAX_EXTRA_ROUNDS`) when the plain steps or the stages' pooled times spread more
-    than :data:`NOISY`, else none."""
-    step = relative_spread([s.step_s for s in plain])
+    :data:`MAX_EXTRA_ROUNDS`) when the plain steps, the stages' pooled times or the
+    ``others`` steps (with regions, with an option: what a checkpoint's cost is read
+    from) spread more than :data:`NOISY`, else none."""
+    step = max(relative_spread([s.step_s for s in steps]) for steps in (plain, *others))
     if max(step, _stage_spread(plain, group_of)) <= NOISY:
         return 0
     return min(repeats, MAX_EXTRA_ROUNDS)
