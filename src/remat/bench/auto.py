@@ -33,7 +33,7 @@ from remat.planner import to_problem, with_made_for
 from remat.profile_format import Profile
 from remat.profiler import profile
 from remat.solve import minimum_budget, simulate
-from remat.solve.uncertainty import PlanUncertainty, plan_uncertainty, steadiest
+from remat.solve.uncertainty import PlanUncertainty, steadiest_and_uncertainty
 from remat.units import format_bytes
 
 from .environment import Environment, describe_environment
@@ -409,17 +409,16 @@ def _auto(
     with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
         try:
-            # the simplest of the plans tied within the timing noise (steadiest)
-            plan = with_made_for(
-                steadiest(prof, make_plan(problem, budget, "optimal"), slots=problem.slots),
-                prof)
+            # the simplest of the plans tied within the timing noise, and its uncertainty
+            chosen, uncertainty = steadiest_and_uncertainty(
+                prof, make_plan(problem, budget, "optimal"), slots=problem.slots)
+            plan = with_made_for(chosen, prof)
         except CheckFailed as err:  # no plan fits: say the least budget that does
             # and, when the stages cover little of the memory, that more stages would help
             lines = coverage_lines(prof, given=stages is not None)
             raise Stopped("planning", "; ".join([str(err), *lines]), err.exit_code,
                           minimum_budget(problem)) from err
         predicted_event = simulate(plan, problem).peak_event
-        uncertainty = plan_uncertainty(prof, plan, slots=problem.slots)
     timings["plan_s"] = time.perf_counter() - t
 
     report("applying", 0, 1)

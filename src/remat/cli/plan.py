@@ -13,7 +13,7 @@ from remat.cli.output import add_json_option, console_for, write_json
 from remat.coverage import coverage_lines
 from remat.errors import UsageError
 from remat.profile_format import Profile
-from remat.solve.uncertainty import noise_lines, plan_uncertainty, steadiest
+from remat.solve.uncertainty import noise_lines, steadiest_and_uncertainty
 from remat.units import format_bytes
 
 MAX_SLOTS = 100_000  # about a second for a 12-stage chain
@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(text)
     problem = to_problem(source, slots=args.slots)
     result = make_plan(problem, args.budget, args.solver, **params)
+    found = None
     if isinstance(source, Profile):  # the simplest of the plans tied within the noise
-        result = steadiest(source, result, slots=problem.slots)
+        result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
     result = with_made_for(result, source)
     console.print(plan_table(result))
     peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
@@ -168,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(source, Profile):  # the plan JSON stays a plan (verify --plan reads it)
         for text in noise_lines(source):
             console.print(text)
-        found = plan_uncertainty(source, result, slots=problem.slots)
         if found is not None:
             console.print(found.sentence())
     write_json(result.to_dict(), args.json)

@@ -171,6 +171,9 @@ class _Walker:
         self.blocks: dict[Hashable, int] = {}
         self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
         self.read_holds: dict[int, int] = {}  # tensors regions read from before them: holders
+        # what each open region reads from before it (read once, at its opening)
+        self.any_reads = any(s.reads for s in stages)
+        self.open_reads: dict[Region, list[HeldRead]] = {}
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -250,7 +253,9 @@ class _Walker:
     def open_region(self, region: Region) -> None:
         """The region holds its input and what it reads from before it."""
         self.hold(region.start)
-        for r in self.region_reads(region):
+        reads = self.region_reads(region) if self.any_reads else []
+        self.open_reads[region] = reads
+        for r in reads:
             if r.boundary:
                 self.hold(r.made_after)
                 continue
@@ -261,7 +266,7 @@ class _Walker:
 
     def close_region(self, region: Region) -> None:
         self.release(region.start)
-        for r in self.region_reads(region):
+        for r in self.open_reads.pop(region):
             if r.boundary:
                 self.release(r.made_after)
                 continue
@@ -470,7 +475,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
     assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
-    assert not w.read_holds, w.read_holds
+    assert not w.read_holds and not w.open_reads, w.read_holds
     assert set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)

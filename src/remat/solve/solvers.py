@@ -185,6 +185,17 @@ def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
 
 
 Found = tuple[list[tuple[int, int]], list[str] | None]
+
+
+def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
+    """``limit`` above the backward base in slots: (slot bytes, whole slots, the bytes
+    left over); None when the base alone is over it."""
+    avail = limit - problem.backward_base_bytes
+    if avail < 0:
+        return None
+    slot = max(1, -(-avail // problem.slots))
+    m = avail // slot
+    return slot, m, avail - m * slot
 _TIGHTEN_ROUNDS = 4
 
 
@@ -232,12 +243,11 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
         return _finish(problem, [], None, "optimal", limit, t0)
 
     def tables_plan(dp_limit: int) -> Found | None:
-        avail = dp_limit - problem.backward_base_bytes
-        if avail < 0:
+        slots = _slots(problem, dp_limit)
+        if slots is None:
             return None
-        slot = max(1, -(-avail // problem.slots))
-        m = avail // slot
-        tables = fill(dp.Model(problem, slot, avail - m * slot), m)
+        slot, m, spare = slots
+        tables = fill(dp.Model(problem, slot, spare), m)
         return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
 
     found = _within(problem, limit, tables_plan)
@@ -354,12 +364,11 @@ def segments_optimal(problem: Problem, budget: Budget) -> Plan:
         return _finish(problem, [], None, "segments-optimal", limit, t0)
 
     def flat_plan(dp_limit: int) -> Found | None:
-        avail = dp_limit - problem.backward_base_bytes
-        if avail < 0:
+        slots = _slots(problem, dp_limit)
+        if slots is None:
             return None
-        slot = max(1, -(-avail // problem.slots))
-        m = avail // slot
-        tables = flat.flat_tables(flat.FlatInputs.build(problem, slot, avail - m * slot), m)
+        slot, m, spare = slots
+        tables = flat.flat_tables(flat.FlatInputs.build(problem, slot, spare), m)
         return (flat.flat_plan(tables, m), None) if math.isfinite(tables.top[0, m]) else None
 
     found = _within(problem, limit, flat_plan)

@@ -31,7 +31,7 @@ from remat.solve.simulate import baseline_time, simulate
 from remat.solve.solvers import optimal
 
 __all__ = ["NOISY", "PlanUncertainty", "noise_lines", "plan_uncertainty", "steadiest",
-           "with_times"]
+           "steadiest_and_uncertainty", "with_times"]
 
 #: A spread (interquartile range over median) above which timings are called noisy.
 NOISY = 0.2
@@ -182,8 +182,44 @@ def _swaps(options: tuple[str, ...], problem: Problem) -> list[tuple[str, ...]]:
     return out
 
 
+def _drawn(profile: Profile, draws: int, seed: int) -> list[Profile]:
+    """``profile`` under the two corners and ``draws`` seeded random draws."""
+    rng = random.Random(seed)
+    trials = [_corner(True), _corner(False), *(_random(rng) for _ in range(draws))]
+    return [with_times(profile, draw) for draw in trials]
+
+
+def _resolvable(profile: Profile, plan: Plan) -> bool:
+    return plan.solver == "optimal" and plan.budget_bytes is not None and _has_ranges(profile)
+
+
+Resolved = list[tuple[Profile, "Plan | None"]]  # each drawn profile, the optimal plan on it
+
+
+def _resolved(profile: Profile, budget: int, slots: int, draws: int, seed: int) -> Resolved:
+    out: Resolved = []
+    for drawn in _drawn(profile, draws, seed):
+        try:
+            out.append((drawn, optimal(problem_from_profile(drawn, slots=slots), budget)))
+        except CheckFailed:  # times do not move memory; kept for safety
+            out.append((drawn, None))
+    return out
+
+
+def steadiest_and_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500
+                              ) -> tuple[Plan, PlanUncertainty | None]:
+    """:func:`steadiest`, then :func:`plan_uncertainty` of its choice, on one set of
+    re-solves (the choice keeps the budget, so the re-solves are the same)."""
+    resolved = None
+    if _resolvable(profile, plan):
+        assert plan.budget_bytes is not None
+        resolved = _resolved(profile, plan.budget_bytes, slots, DRAWS, 0)
+    chosen = steadiest(profile, plan, slots=slots, resolved=resolved)
+    return chosen, plan_uncertainty(profile, chosen, slots=slots, resolved=resolved)
+
+
 def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
-              seed: int = 0) -> Plan:
+              seed: int = 0, resolved: Resolved | None = None) -> Plan:
     """Among the plans the optimal solver picks on ``profile``'s medians and on the draws
     of :func:`plan_uncertainty`, the simplest (fewest regions, then fewest stages off keep,
     then by name) of those within :data:`TIE` of the fastest on the medians.
@@ -196,18 +232,15 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     them is made by a fixed rule instead, and five runs choose alike. ``plan`` itself
     when it was not chosen by the optimal solver or the profile has no measured ranges.
     """
-    if plan.solver != "optimal" or plan.budget_bytes is None or not _has_ranges(profile):
+    if not _resolvable(profile, plan):
         return plan
-    rng = random.Random(seed)
-    trials = [_corner(True), _corner(False), *(_random(rng) for _ in range(draws))]
+    assert plan.budget_bytes is not None
+    if resolved is None:
+        resolved = _resolved(profile, plan.budget_bytes, slots, draws, seed)
     found = {(plan.regions, plan.options): plan}
-    for draw in trials:
-        try:
-            other = optimal(problem_from_profile(with_times(profile, draw), slots=slots),
-                            plan.budget_bytes)
-        except CheckFailed:
-            continue
-        found.setdefault((other.regions, other.options), other)
+    for _, other in resolved:
+        if other is not None:
+            found.setdefault((other.regions, other.options), other)
     problem = problem_from_profile(profile, slots=slots)
     for p in list(found.values()):
         for options in _swaps(p.options, problem):
@@ -229,31 +262,29 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
 
 
 def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
-                     seed: int = 0) -> PlanUncertainty | None:
+                     seed: int = 0, resolved: Resolved | None = None
+                     ) -> PlanUncertainty | None:
     """The chosen ``plan`` of ``profile`` checked against its timing noise (module
     docstring); None for a profile without measured ranges (written before remat recorded
-    them). Re-solves only a plan the ``optimal`` solver chose, at its budget."""
+    them). Re-solves only a plan the ``optimal`` solver chose, at its budget (or takes
+    ``resolved``, the re-solves :func:`steadiest` made at the same budget)."""
     if not _has_ranges(profile):
         return None
-    rng = random.Random(seed)
-    trials = [_corner(True), _corner(False), *(_random(rng) for _ in range(draws))]
-    resolve = plan.solver == "optimal" and plan.budget_bytes is not None
+    resolve = _resolvable(profile, plan)
+    if resolved is None:
+        resolved = (_resolved(profile, plan.budget_bytes, slots, draws, seed)
+                    if resolve and plan.budget_bytes is not None
+                    else [(drawn, None) for drawn in _drawn(profile, draws, seed)])
     overheads, changed, regret = [], 0, 0.0
-    for draw in trials:
-        drawn = with_times(profile, draw)
+    for drawn, other in resolved:
         ours = _overhead(plan, drawn, slots)
         overheads.append(ours)
-        if resolve:
-            try:
-                other = optimal(problem_from_profile(drawn, slots=slots), plan.budget_bytes)
-            except CheckFailed:  # times do not move memory; kept for safety
-                continue
-            if _same(other, plan):
-                continue
-            lost = ours - _overhead(other, drawn, slots)
-            if lost > TIE:
-                changed += 1
-                regret = max(regret, lost)
+        if other is None or _same(other, plan):
+            continue
+        lost = ours - _overhead(other, drawn, slots)
+        if lost > TIE:
+            changed += 1
+            regret = max(regret, lost)
     nominal = _overhead(plan, profile, slots)
     noise = profile.timing_noise
     spread = noise.largest if noise else max(_relative(s) for s in profile.stages)
@@ -261,7 +292,7 @@ def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: i
         overhead=nominal,
         overhead_low=min(nominal, *overheads),
         overhead_high=max(nominal, *overheads),
-        trials=len(trials) if resolve else 0,
+        trials=len(resolved) if resolve else 0,
         changed=changed,
         spread=spread,
         regret=regret,
