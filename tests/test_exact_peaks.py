@@ -8,6 +8,7 @@ containers, skip lists) and the warning text about them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 import remat
 from remat.measure import measure_step
 from remat.models.resnet import resnet
-from remat.plan import Plan
+from remat.plan import Plan, Region
 from remat.profile_format import FixedBytes, Profile, StageProfile
 from remat.profiler import notes
 from remat.profiling.passes import forward_pass
@@ -197,23 +198,56 @@ def test_the_minimum_budget_plan_runs_within_its_prediction(
     assert predicted - 1024 <= measured <= predicted
 
 
-def test_outputs_held_outside_are_charged_to_the_forwards_they_outlive() -> None:
-    def stage(i: int, held_in: int | None = None, held_out: int | None = None) -> StageProfile:
+def test_outputs_held_outside_are_held_in_the_forwards_they_outlive() -> None:
+    def stage(i: int, held_in: int | None = None, held_out: int | None = None,
+              gets_previous: bool = True) -> StageProfile:
         return StageProfile(f"s{i}", 100 * (i + 1), 100 * (i + 2), {"keep": 0},
-                            input_held_through=held_in, output_held_through=held_out)
+                            input_held_through=held_in, output_held_through=held_out,
+                            gets_previous_output=gets_previous)
 
     # x_0 (held to the end) is held by stage 0 in every plan; x_2 is stage 1's output and
-    # stage 2's input, held through stage 3 (charged once); x_3 is returned by the model.
+    # stage 2's input, held through stage 3 (one tensor, the later figure); x_3 is
+    # returned by the model; stage 3's output is a tensor apart from stage 4's input (the
+    # model's code made a new one from it) and the model's code holds it through stage 4.
     stages = (stage(0, held_in=4), stage(1, held_out=4 - 1), stage(2, held_in=3, held_out=5),
-              stage(3), stage(4))
+              stage(3, held_out=4), stage(4, gets_previous=False))
     prof = Profile(model="M", batch_size=1, stages=stages, fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
-    held, after_chain = held_outside(prof)
-    assert held == [0, 0, 0, 300, 400]
-    assert after_chain == 400
+    held_through, output = held_outside(prof)
+    assert held_through == [4, None, 3, 5, None]
+    assert output == [None, None, None, (4, 500), None]
     problem = problem_from_profile(prof)
-    assert [s.fwd_transient_bytes for s in problem.stages] == held
-    assert [s.nosave_transient_bytes for s in problem.stages] == held
-    assert problem.post_chain_bytes == 400
+    assert [s.held_through for s in problem.stages] == held_through
+    assert [s.output_held_through for s in problem.stages] == [None, None, None, 4, None]
+    assert problem.stages[3].output_held_bytes == 500
+    assert problem.post_chain_bytes == 0  # held at the chain's end, not a post-chain figure
+    # the DP's charge: x_2 during the forward of stage 3, x_3 and stage 3's output during
+    # stage 4's; x_0 is held by stage 0 in every plan (it keeps its input; no region
+    # contains it otherwise)
+    assert problem.held_in_forward == (0, 0, 0, 300, 900)
+    assert problem.held_at_chain_end == 900
+    # the simulator holds them exactly: not where the plan holds them already, and not in
+    # rebuilds, where the model's frames are gone
+    bare = Problem(tuple(dataclasses.replace(s, held_through=None, output_held_through=None)
+                         for s in problem.stages),
+                   post_chain_bytes=problem.post_chain_bytes)
+
+    def extra(*regions: Region) -> dict[str, int]:
+        plan = Plan(problem.stage_names, regions)
+        held, without = dict(simulate(plan, problem).events), dict(simulate(plan, bare).events)
+        return {e: held[e] - without[e] for e in held if held[e] != without[e]}
+
+    # every stage keeps its input: the plan holds the boundaries anyway, not stage 3's
+    # output apart from them (through the post-chain: still held at the chain's end)
+    apart = {"forward s4": 500, "forward post-chain": 500, "backward post-chain": 500}
+    assert extra() == apart
+    per_stage = extra(*(Region(i, i + 1) for i in range(5)))  # each region holds its input
+    assert per_stage == {"forward s4 (in [4, 5), not saved)": 500,
+                         "forward post-chain": 500, "backward post-chain": 500}
+    # [1, 4) holds only x_1: the model's code holds x_2 during stage 3's forward and x_3
+    # (returned) from stage 4's; none of it in the rebuild, where its frames are gone
+    assert extra(Region(1, 4)) == {"forward s3 (in [1, 4), not saved)": 300,
+                                   "forward s4": 900, "forward post-chain": 900,
+                                   "backward post-chain": 900}
 
 
 def test_the_minimum_budget_holds_to_the_byte_where_the_measured_residue_is_not_positive(

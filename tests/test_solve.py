@@ -122,11 +122,11 @@ _MAX_PLANS = 6000  # keeps one brute force under half a second
 
 
 @st.composite
-def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = False
-           ) -> Problem:
+def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = False,
+           held: bool = False) -> Problem:
     """Random heterogeneous chains with small integer sizes and integer times (``breaks``:
     some links are chain breaks; ``reads``: stages read tensors made before them, which
-    regions opening later hold)."""
+    regions opening later hold; ``held``: the model's code holds some inputs in forward)."""
     n = draw(st.integers(1, max_n))
     small = st.integers(0, 6)
     a = [draw(small) for _ in range(n + 1)]
@@ -170,6 +170,7 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
                          by_call=draw(st.booleans()))
                 for t, made in enumerate(draw(st.lists(st.integers(0, i), max_size=2)))
             ) if reads else (),
+            held_through=draw(st.none() | st.integers(i + 1, n + 1)) if held else None,
         ))
     pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
     attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads
@@ -267,6 +268,30 @@ def test_optimal_keeps_the_budget_where_regions_hold_tensors_read_from_before_th
             pass
         else:
             assert simulate(plan, problem).peak_bytes <= least - 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(held=True))
+def test_the_tables_charge_what_the_model_holds_in_forward_at_least_as_the_simulator(
+    problem: Problem,
+) -> None:
+    # The simulator holds the boundaries the model's code keeps in the top-level forward
+    # exactly; the tables charge them as an upper bound: every plan they accept fits.
+    scores = brute_force(problem)
+    base = problem.backward_base_bytes
+    top = max(peak for peak, _ in scores) - base + 2
+    model = dp.Model(problem, 1)
+    fast, slow = dp.numpy_tables(model, top), dp.python_tables(model, top)
+    assert np.array_equal(fast.top, slow.top) and np.array_equal(fast.seg1, slow.seg1)
+    assert solvers.minimum_budget(problem) >= min(peak for peak, _ in scores)
+    for m in range(top + 1):
+        got = fast.top[0, m] + constant_s(problem)
+        best = min((t for p, t in scores if p <= base + m), default=math.inf)
+        assert got >= best  # never faster than a plan that really fits
+        if math.isfinite(got):
+            regions, options = dp.reconstruct(fast, m)
+            plan = Plan(problem.stage_names, tuple(Region(*r) for r in regions), tuple(options))
+            assert simulate(plan, problem).peak_bytes <= base + m
 
 
 def test_a_region_holds_what_it_reads_from_before_it_until_its_backward() -> None:
@@ -690,7 +715,7 @@ def _numba() -> object:
 
 
 @settings(max_examples=40, deadline=None)
-@given(chains(breaks=True), st.integers(0, 40))
+@given(chains(breaks=True, held=True), st.integers(0, 40))
 def test_numba_tables_equal_numpy_tables(problem: Problem, top: int) -> None:
     dp_numba = _numba()
     model = dp.Model(problem, 1)
@@ -752,7 +777,7 @@ def test_solver_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 @settings(max_examples=40, deadline=None)
-@given(chains(breaks=True), st.integers(0, 40))
+@given(chains(breaks=True, held=True), st.integers(0, 40))
 def test_numba_flat_table_equals_numpy_flat_table(problem: Problem, top: int) -> None:
     from remat.solve import flat
 

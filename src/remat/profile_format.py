@@ -209,6 +209,10 @@ class StageProfile:
     # the pass that saves nothing; written only when set (docs/cost-model.md).
     input_held_through: int | None = None
     output_held_through: int | None = None
+    # Whether the stage's input is the previous stage's output itself (one tensor); False
+    # where the model's code between them made a new one (a residual add, a concatenation
+    # with a skip tensor, an upsampling), so the two are held apart. Written only when false.
+    gets_previous_output: bool = True
     # option -> the backward transient the stage needs under that selective option (its
     # replay included) where the simulator charges keep's saved bytes; measured with the
     # option on. Written only when set.
@@ -262,7 +266,8 @@ class StageProfile:
             str(k): _float(v, f"{where} extra_bwd_s[{k!r}]") for k, v in self.extra_bwd_s.items()
         }
         object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
-        for flag in ("output_kept_outside", "saves_input", "saves_output"):
+        for flag in ("output_kept_outside", "saves_input", "saves_output",
+                     "gets_previous_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"profile {where} {flag} must be true or false")
         if self.break_before is not None and not isinstance(self.break_before, str):
@@ -317,6 +322,7 @@ class StageProfile:
                 for name in ("input_held_through", "output_held_through")
                 if getattr(self, name) is not None
             },
+            **({} if self.gets_previous_output else {"gets_previous_output": False}),
             **(
                 {"selective_bwd_transient_bytes": dict(self.selective_bwd_transient_bytes)}
                 if self.selective_bwd_transient_bytes
@@ -370,6 +376,7 @@ _OPTIONAL_STAGE_KEYS = (
     "link_saved_bytes",
     "input_held_through",
     "output_held_through",
+    "gets_previous_output",
     "selective_bwd_transient_bytes",
     "reads",
     "pending_grad_bytes",

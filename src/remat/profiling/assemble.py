@@ -27,7 +27,8 @@ add up to what that step really did), in the terms ``remat.solve.simulate`` coun
   and stage ``i``'s call keeps for backward (a norm's input, a dropout mask, the residual
   stream when the block's input is a norm of it): the live total's rise over that code,
   less stage ``i``'s input when that code made it, plus stage ``i - 1``'s output when that
-  code let it go (neither saved by the stage nor referenced outside the chain).
+  code let it go (neither saved by the stage nor referenced outside the chain; one the
+  model's code still references is held outside the chain, ``output_held_through``).
 * selective backward (``selective_bwd_transient_bytes``): the stage's backward under a
   selective option (its replay included), measured in a step with the option on, as the
   backward transient the simulator would need while it charges keep's saved bytes there:
@@ -93,7 +94,8 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
     rise = m.spans.stage_forward[i].entry_bytes - m.spans.stage_forward[i - 1].exit_bytes
     if after.gets_previous_output:
         return max(0, rise)
-    let_go = not (m.nosave.kept_outside[i - 1] or before.saves_output)
+    let_go = not (m.nosave.kept_outside[i - 1] or before.saves_output
+                  or m.nosave.output_held_through[i - 1] is not None)
     return max(0, rise - after.boundary_bytes + (before.new_output_bytes if let_go else 0))
 
 
@@ -165,6 +167,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 selective_bwd_transient_bytes=replay,
                 input_held_through=m.nosave.input_held_through[i],
                 output_held_through=m.nosave.output_held_through[i],
+                gets_previous_output=i == 0 or nosave.gets_previous_output,
                 same_as=same_as[i] if same_as[i] != i else None,
                 time_spread={what: (x.low, x.high) for what, x in pooled.items()
                              if x.samples > 1},

@@ -168,6 +168,9 @@ class Model:
         after = self.sg[0] + problem.pre_chain_grads_bytes
         self.after = _ceil(max(0, a[0] + after,
                                after + problem.optimizer_step_bytes - problem.pre_chain_bytes), q)
+        # What the model's code holds during the top-level forward (an upper bound of the
+        # simulator's exact holding: Problem.held_in_forward).
+        self.held = problem.held_in_forward
         self.opts = [problem.options(k) for k in range(n)]
         self.kinds = [[KEEP if o == "keep" else OFF if o == "offload" else SEL for o in os]
                       for os in self.opts]
@@ -211,7 +214,7 @@ class Model:
             self.t_open.append(to)
         self.ovh_s = problem.region_overhead_s
         self.ob = _ceil(problem.region_overhead_bytes, q)
-        self.post = _ceil(a[n] + problem.post_chain_bytes, q)
+        self.post = _ceil(a[n] + problem.post_chain_bytes + problem.held_at_chain_end, q)
 
     # The pair tables are O(n^2): built when a nested solver first asks, so the one-level
     # solver (remat.solve.flat) can take chains of ten thousand stages.
@@ -232,6 +235,25 @@ class Model:
             # cumsum adds left to right, as a running sum from k does
             reb_t[k][k + 1 :] = (self.ovh_s + np.cumsum(rebuild[k:])).tolist()
         return ns, reb_t
+
+    @functools.cached_property
+    def ns_top(self) -> list[list[int]]:
+        """``ns`` for a region at the top level, whose forward also has the model's code
+        holding boundaries (``held``)."""
+        if not any(self.held):
+            return self.ns
+        n = self.n
+        a = np.array(self.a, dtype=np.int64)
+        st = self.problem.stages
+        inside = a[:n] + np.array([BREAK_BYTES * (s.break_before is not None) for s in st])
+        nt = np.array([s.nosave_peak_extra_bytes for s in st], dtype=np.int64)
+        nt += np.array(self.held, dtype=np.int64)
+        ns = [[0] * (n + 1) for _ in range(n + 1)]
+        for k in range(n):
+            own = a[k + 1 : n + 1] + nt[k:]
+            own[1:] += inside[k + 1 : n]
+            ns[k][k + 1 :] = np.maximum.accumulate(own).tolist()
+        return ns
 
     @property
     def ns(self) -> list[list[int]]:
@@ -299,12 +321,16 @@ class Model:
         return 0 if e is None else self.a[e] + self.sg[e]
 
     def fwd(self, k: int, j: int, h: int, e: int | None) -> int:
-        """Forward with grad; ``e`` is the level's end (None at the top: no gradient yet)."""
+        """Forward with grad; ``e`` is the level's end (None at the top: no gradient yet,
+        and the model's code may hold boundaries, ``held``)."""
         local = self.inp(k, h) + self.a[k + 1] + self.tf[k][j]
+        if e is None:
+            local += self.held[k]
         return _ceil(local + self.grads_during(e), self.q)
 
     def region_fwd(self, k: int, stop: int, h: int, e: int | None) -> int:
-        return _ceil(self.inp(k, h) + self.ns[k][stop] + self.grads_during(e), self.q)
+        ns = self.ns_top if e is None else self.ns
+        return _ceil(self.inp(k, h) + ns[k][stop] + self.grads_during(e), self.q)
 
 
 class Tables:
@@ -568,7 +594,7 @@ def fill_top(t: Tables) -> None:
     model = t.model
     n, M = model.n, t.M
     ms = np.arange(M + 1)
-    ns = np.array(model.ns, dtype=np.int64)
+    ns = np.array(model.ns_top, dtype=np.int64)
     t.top[n] = np.where(ms >= model.post, 0.0, INF)
     for k in range(n - 1, -1, -1):
         best = np.full(M + 1, INF)

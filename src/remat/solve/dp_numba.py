@@ -173,7 +173,7 @@ def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
             t_top[k, j] = model.t_top[k][j]
     _kernel().fill_top(t.top, t.seg1, t.kbase, first[1], n, M, model.post, model.after, model.gs,
                        model.q, nopt, t_top, need_top, hold[:, :, 0], hold_open[:, 0], inp[:, 0],
-                       ns, model.ovh_s, model.ob)
+                       np.array(model.ns_top, dtype=np.int64), model.ovh_s, model.ob)
     return t
 
 

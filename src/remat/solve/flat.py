@@ -84,7 +84,9 @@ class FlatInputs:
             after=model.after,
             a=np.array(model.a, dtype=i64),
             g=np.array([model.grads_during(e) for e in range(n + 1)], dtype=i64),
-            nt=np.array([s.nosave_peak_extra_bytes for s in model.problem.stages], dtype=i64),
+            # flat regions are all at the top level: with what the model's code holds
+            nt=np.array([s.nosave_peak_extra_bytes for s in model.problem.stages], dtype=i64)
+            + np.array(model.held, dtype=i64),
             hold_b=np.array([model.hold(k, keep[k], 0) for k in range(n)], dtype=i64),
             need_b=np.array(
                 [
@@ -128,6 +130,7 @@ class FlatInputs:
         t_top = np.fromiter((s.extra_bwd_s.get("keep", 0.0) for s in st), dtype=float, count=n)
         t_run = np.fromiter((s.rebuild_s for s in st), dtype=float, count=n) + t_top
         bwd_tr = ints(s.bwd_transient_bytes for s in st)
+        top_held = ints(iter(problem.held_in_forward))  # as dp.Model.held
         gs = (spare_bytes + problem.unattributed_grads_bytes) // q
         after = int(sg[0]) + problem.pre_chain_grads_bytes
         inp = np.stack([a[:n], np.zeros(n, dtype=i64)])  # [h, p]: h = 1, the region holds it
@@ -139,14 +142,14 @@ class FlatInputs:
             gs=gs,
             ob=int(ceil(problem.region_overhead_bytes)),
             ovh_s=problem.region_overhead_s,
-            post=int(ceil(a[n] + problem.post_chain_bytes)),
+            post=int(ceil(a[n] + problem.post_chain_bytes + problem.held_at_chain_end)),
             after=int(ceil(max(0, int(a[0]) + after,
                                after + problem.optimizer_step_bytes - problem.pre_chain_bytes))),
             a=a,
             g=a + sg,
-            nt=ints(s.nosave_peak_extra_bytes for s in st),
+            nt=ints(s.nosave_peak_extra_bytes for s in st) + top_held,
             hold_b=ceil(held[0] + save),
-            need_b=np.maximum(bwd_in[0], ceil(a[:n] + a[1:] + tf) - gs),
+            need_b=np.maximum(bwd_in[0], ceil(a[:n] + a[1:] + tf + top_held) - gs),
             t_b=t_top,
             rh=ceil(a[:n]),
             hold_in=ceil(held + save),

@@ -40,9 +40,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     """The chain problem a profile describes (one StageCost per profiled stage)."""
     stages = profile.stages
     links = _links(profile)
-    held, after_chain = held_outside(profile)
+    held_through, output_held = held_outside(profile)
     costs = []
-    for i, s in enumerate(stages):
+    for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
         by_option = {
             o: b
             for o, b in s.selective_bwd_transient_bytes.items()
@@ -61,15 +61,18 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                 bwd_s=s.bwd_s,
                 rebuild_s=s.rebuild_s,
                 extra_bwd_s={o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
-                fwd_transient_bytes=s.fwd_transient_bytes + held[i],
+                fwd_transient_bytes=s.fwd_transient_bytes,
                 bwd_transient_bytes=s.bwd_transient_bytes,
                 bwd_transient_by_option=by_option,
-                nosave_transient_bytes=s.nosave_transient_bytes + held[i],
+                nosave_transient_bytes=s.nosave_transient_bytes,
                 grad_bytes=s.grad_bytes,
                 saves_input=s.saves_input,
                 break_before=s.break_before,
                 reads=s.reads,
                 pending_grad_bytes=s.pending_grad_bytes,
+                held_through=held_through[i],
+                output_held_through=out_held[0] if out_held else None,
+                output_held_bytes=out_held[1] if out_held else 0,
             )
         )
     fixed = profile.fixed
@@ -89,7 +92,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         # The loss (and what autograd keeps with it), alive through the chain's backward to the
         # pre-chain's, ride with what the pre-chain keeps: a few bytes over in forward.
         pre_chain_bytes=fixed.pre_chain_bytes + fixed.backward_residue_bytes,
-        post_chain_bytes=fixed.post_chain_bytes + after_chain,
+        post_chain_bytes=fixed.post_chain_bytes,
         input_bytes=fixed.inputs_bytes,
         region_overhead_bytes=profile.region_overhead_bytes,
         region_overhead_s=profile.region_overhead_s,
@@ -105,40 +108,38 @@ def _links(profile: Profile) -> list[int]:
     return [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(profile.stages)]
 
 
-def held_outside(profile: Profile) -> tuple[list[int], int]:
-    """Bytes the model's own code holds outside the chain during each stage's forward, and
-    during the post-chain's (docs/cost-model.md, "Held outside the chain").
+def held_outside(
+    profile: Profile,
+) -> tuple[list[int | None], list[tuple[int, int] | None]]:
+    """What the model's own code holds outside the chain (docs/cost-model.md, "Held
+    outside the chain"): per stage, the last stage whose forward still finds its input
+    ``x_b`` referenced (None: not beyond the chain's own hold), and (through, bytes) for
+    its output where that is a tensor apart from the next stage's input.
 
-    Boundary ``x_b`` referenced through stage ``k``'s forward is charged to the forward
-    figures of stages ``b + 1 .. k`` (through the post-chain when the model returns it),
-    unless every plan holds it there anyway: stage ``b`` keeps its input under every
-    option and no region can start before ``b`` and contain it (``b`` is 0 or a break).
-    An upper bound: the charge also lands where a plan holds ``x_b`` already, and on the
-    stage's runs inside rebuilds, where the model's frames are gone.
+    Where the next stage's input is this stage's output itself, the two are one boundary,
+    ``x_{b + 1}``: the later of their two figures counts for it. The problem holds them in
+    the top-level forward (the simulator exactly, the DP as an upper bound,
+    ``Problem.held_in_forward``), through the post-chain's events when still held at the
+    chain's end.
     """
     stages = profile.stages
     n = len(stages)
-    links = _links(profile)
-    sizes = [stages[0].boundary_bytes, *links]
-    # boundary -> the last stage whose forward it outlives (as stage b's input, or as
-    # stage b - 1's output: one tensor, charged once)
     last: dict[int, int] = {}
-    for b, through in [(i, s.input_held_through) for i, s in enumerate(stages)] + [
-        (i + 1, s.output_held_through) for i, s in enumerate(stages) if i + 1 < n
-    ]:
+    output: list[tuple[int, int] | None] = [None] * n
+
+    def note(b: int, through: int | None) -> None:
         if through is not None and through > b:
             last[b] = max(last.get(b, through), through)
-    held = [0] * n
-    after_chain = 0
-    for b, through in sorted(last.items()):
-        always = stages[b].saves_input and (b == 0 or stages[b].break_before is not None)
-        if always:
+
+    for i, s in enumerate(stages):
+        note(i, s.input_held_through)
+        if i + 1 >= n or s.output_held_through is None:
             continue
-        for p in range(b + 1, min(through, n - 1) + 1):
-            held[p] += sizes[b]
-        if through >= n:
-            after_chain += sizes[b]
-    return held, after_chain
+        if stages[i + 1].gets_previous_output:
+            note(i + 1, s.output_held_through)
+        elif s.output_held_through > i:
+            output[i] = (s.output_held_through, s.output_bytes)
+    return [last.get(i) for i in range(n)], output
 
 
 def no_checkpoint_plan(profile: Profile) -> Plan:

@@ -113,6 +113,17 @@ class StageCost:
     # the chain's own: ones the model's code made for tensors passed on to later stages,
     # waiting for backward to pass the stage that made them (plan-independent).
     pending_grad_bytes: int = 0
+    # The last stage (by index) whose forward still finds this stage's input referenced by
+    # the model's own code beyond what the chain holds (a skip list, a caller's frame);
+    # n or more: through the chain's end. None: nothing. Only the top-level forward: the
+    # simulator holds the input there exactly, the DP charges it (Problem.held_in_forward).
+    held_through: int | None = None
+    # This stage's output where it is a tensor apart from the next stage's input (the
+    # model's code made that one from it: a concatenation, an upsampling) and the model's
+    # code still references it (a caller's frame): held from the next stage's top-level
+    # forward through this one's (n - 1 or more: through the chain's end), of these bytes.
+    output_held_through: int | None = None
+    output_held_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -165,6 +176,15 @@ class StageCost:
         object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
         object.__setattr__(self, "bwd_transient_by_option", MappingProxyType(by_option))
         object.__setattr__(self, "reads", reads_from(self.reads, where))
+        for name in ("held_through", "output_held_through"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise UsageError(f"{where} {name}={value!r} is not a stage index; "
+                                 "give an int >= 0 or null")
+        object.__setattr__(self, "output_held_bytes",
+                           _bytes(self.output_held_bytes, f"{where} output_held_bytes"))
 
     def bwd_transient(self, option: str) -> int:
         """The backward transient under ``option`` (keep's unless measured apart)."""
@@ -216,6 +236,10 @@ class StageCost:
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
+            **({"held_through": self.held_through} if self.held_through is not None else {}),
+            **({"output_held_through": self.output_held_through,
+                "output_held_bytes": self.output_held_bytes}
+               if self.output_held_through is not None else {}),
         }
 
     @classmethod
@@ -249,7 +273,7 @@ _STAGE_KEYS_V1 = (
 )
 _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
-    "reads", "pending_grad_bytes",
+    "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",
@@ -379,6 +403,45 @@ class Problem(JsonArtifact):
     @property
     def n(self) -> int:
         return len(self.stages)
+
+    @property
+    def held_in_forward(self) -> tuple[int, ...]:
+        """Per stage, what the model's code holds during its top-level forward
+        (``held_through``, ``output_held_through``), summed: the DP's charge, an upper bound
+        of the simulator's exact holding (it also lands where the plan holds a boundary
+        already)."""
+        n = self.n
+        held = [0] * n
+        for first, last, nbytes in self.model_holds():
+            for p in range(first, last + 1):
+                held[p] += nbytes
+        return tuple(held)
+
+    @property
+    def held_at_chain_end(self) -> int:
+        """What the model's code still holds when the chain's forward ends, summed as in
+        ``held_in_forward``: the simulator keeps it through the post-chain's events, whose
+        figures are measured from the chain's end with it alive."""
+        return sum(nbytes for _, last, nbytes in self.model_holds() if last == self.n - 1)
+
+    def model_holds(self) -> list[tuple[int, int, int]]:
+        """(first, last, bytes): what the model's code holds beyond the chain from stage
+        ``first``'s top-level forward through stage ``last``'s (``last`` at most n - 1:
+        held at the chain's end). Boundary ``x_b`` from stage ``b + 1`` (skipped where every
+        plan holds it anyway: stage ``b`` keeps its input under every option and no region
+        can contain it without starting at it, ``b`` being 0 or a break); an output apart
+        from the next input from stage ``b + 1`` as well."""
+        n = self.n
+        out = []
+        for b, s in enumerate(self.stages[: n - 1]):
+            if s.held_through is not None and s.held_through > b:
+                always = all(s.keeps_input(o) for o in self.options(b)) and (
+                    b == 0 or s.break_before is not None)
+                if not always:
+                    out.append((b + 1, min(s.held_through, n - 1), s.boundary_bytes))
+            if s.output_held_through is not None and s.output_held_through > b:
+                out.append((b + 1, min(s.output_held_through, n - 1), s.output_held_bytes))
+        return out
 
     @property
     def breaks(self) -> tuple[int, ...]:

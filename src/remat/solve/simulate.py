@@ -46,6 +46,13 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
 * gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
   model's code made for tensors it passed on, waiting for backward to reach their
   maker), from the rebuilds before a stage's backward through that backward.
+* boundaries the model's own code holds in the forward (``StageCost.held_through``: a
+  skip list, a caller's frame), during the top-level forward only (those still held at
+  the chain's end through the post-chain's events, whose figures are measured from the
+  chain's end with them alive), counted once with their other holders; and likewise a
+  stage's output the model's code still references where it is a tensor apart from the
+  next stage's input (``StageCost.output_held_through``: the caller's ``h`` while the
+  block it called concatenates or upsamples it).
 * tensors a region reads from before it (``StageCost.reads``: a skip connection the code
   between its stages concatenates, a position bias a stage is passed) are held by the
   region from its forward (or its opening in the parent's rebuild) to the end of its
@@ -169,6 +176,9 @@ class _Walker:
         self.current = [False] * (n + 1)
         self.by_stage = [False] * (n + 1)
         self.blocks: dict[Hashable, int] = {}
+        # boundaries the model's code holds at the chain's end: through the post-chain's
+        # events (their figures are measured from the chain's end with these alive)
+        self.held_to_post: list[tuple[bool, int]] = []
         self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
         self.read_holds: dict[int, int] = {}  # tensors regions read from before them: holders
         # what each open region reads from before it (read once, at its opening)
@@ -275,6 +285,13 @@ class _Walker:
                 del self.read_holds[r.tensor]
                 self.live -= r.nbytes
 
+    def let_go(self, is_output: bool, b: int) -> None:
+        """The model's code lets go of stage ``b``'s output or of boundary ``x_b``."""
+        if is_output:
+            self.drop(("model holds", b))
+        else:
+            self.release(b)
+
     def add(self, key: Hashable, nbytes: int) -> None:
         assert key not in self.blocks, key
         self.blocks[key] = nbytes
@@ -352,17 +369,48 @@ class _Walker:
     # -- levels ------------------------------------------------------------------------------
 
     def forward_level(self, items: Sequence[Item]) -> None:
+        """The top-level forward; the model's code holds boundaries as their
+        ``held_through`` says (each counted once with its other holders) and outputs apart
+        from the next stage's input as their ``output_held_through`` says."""
         stages, labels = self.p.stages, self.forward_labels
+        n = self.p.n
+        starts: dict[int, list[tuple[bool, int]]] = {}  # stage -> (is an output, b)
+        ends: dict[int, list[tuple[bool, int]]] = {}
+        for b, s in enumerate(stages[: n - 1]):
+            for is_output, through in ((False, s.held_through), (True, s.output_held_through)):
+                if through is None or through <= b:
+                    continue
+                starts.setdefault(b + 1, []).append((is_output, b))
+                if through >= n - 1:  # still held at the chain's end
+                    self.held_to_post.append((is_output, b))
+                else:
+                    ends.setdefault(through, []).append((is_output, b))
+
+        def model_holds(i: int) -> None:
+            for is_output, b in starts.get(i, ()):
+                if is_output:
+                    self.add(("model holds", b), stages[b].output_held_bytes)
+                else:
+                    self.hold(b)
+
+        def model_lets_go(i: int) -> None:
+            for is_output, b in ends.get(i, ()):
+                self.let_go(is_output, b)
+
         for item in items:
             if item.region is None:
                 self.fwd_s += stages[item.start].fwd_s
+                model_holds(item.start)
                 self.taped(item.start, labels[item.start])
+                model_lets_go(item.start)
                 continue
             self.open_region(item.region)
             where = f"(in {item.region}, not saved)"
             for i in range(item.start, item.stop):
                 self.fwd_s += stages[i].fwd_s
+                model_holds(i)
                 self.not_saved(i, f"{labels[i]} {where}")
+                model_lets_go(i)
 
     def rebuild(self, region: Region, items: Sequence[Item]) -> None:
         """Region's rebuild: its items run again, with early stop as in the module note."""
@@ -459,6 +507,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.add(("param grads", "unattributed"), p.unattributed_grads_bytes)
     # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
     w.event("backward post-chain", p.post_chain_bytes)
+    for is_output, b in w.held_to_post:
+        w.let_go(is_output, b)
     w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
     w.release_current(n)
     w.grad[n] = w.a[n]
