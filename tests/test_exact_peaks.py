@@ -23,6 +23,7 @@ from remat.profiler import notes
 from remat.profiling.passes import forward_pass
 from remat.solve import Problem, simulate, solvers
 from remat.solve.from_profile import held_outside, problem_from_profile
+from remat.solve.problem import StageCost
 
 D = 8
 
@@ -268,3 +269,19 @@ def test_the_minimum_budget_holds_to_the_byte_where_the_measured_residue_is_not_
     measured = measure_step(applied, batch, loss_fn).peak_bytes
     handle.remove()
     assert measured <= least
+
+
+def test_what_the_model_held_at_the_chains_end_is_gone_by_the_post_chains_backward() -> None:
+    stages = tuple(StageCost(f"s{i}", 100, 100, {"keep": 10}) for i in range(3))
+    # x_1 held by the model's code to the chain's end (a loop variable)
+    stages = (stages[0], dataclasses.replace(stages[1], held_through=2), stages[2])
+    old = Problem(stages, post_chain_bytes=50)
+    new = Problem(stages, post_chain_bytes=50, post_chain_backward_bytes=40)
+    assert Problem.from_dict(new.to_dict()) == new
+    plan = Plan(old.stage_names, (Region(0, 3),))  # nothing of the plan holds x_1
+    before, after = dict(simulate(plan, old).events), dict(simulate(plan, new).events)
+    assert after["forward post-chain"] == before["forward post-chain"]
+    # the backward figure, without x_1 (100 B) the model's code let go of
+    assert after["backward post-chain"] == before["backward post-chain"] - 10 - 100
+    # the solvers' bound covers both events with the holds alive
+    assert new.post_chain_peak_bytes == 50 and new.held_at_chain_end == 100

@@ -15,7 +15,7 @@ from torch import nn
 import remat
 from remat.measure import measure_step
 from remat.models.unet import unet
-from remat.plan import Plan
+from remat.plan import Plan, Region
 from remat.profile_format import Profile
 from remat.solve import simulate, solvers
 from remat.solve.from_profile import problem_from_profile
@@ -72,19 +72,21 @@ def test_the_optimal_plan_runs_within_its_budget_on_a_unet(
     assert predicted - 0.05 * predicted <= measured <= predicted, (measured, predicted)
 
 
-@pytest.mark.parametrize("which", ["none", "per-stage", "75%", "minimum"])
+@pytest.mark.parametrize("which", ["none", "per-stage", "down path", "minimum"])
 def test_what_the_models_code_holds_in_forward_is_predicted_within_one_percent(
     profiled: tuple[nn.Module, Any, Any, Profile], which: str,
 ) -> None:
-    # The down path's skips wait in a list and each up block's caller holds the ``h`` it
-    # passed (upsampled apart from the next stage's input): held only in the top-level
-    # forward, counted once with the plan's own holds (3% over before, without a plan).
+    # The down path's skips wait in a list (the last one in the loop's variable to the
+    # forward's return) and each up block's caller holds the ``h`` it passed (upsampled
+    # apart from the next stage's input): held only in the top-level forward, counted once
+    # with the plan's own holds, and gone by the post-chain's backward (3% over without a
+    # plan, 5% with the down path in one region, before).
     model, batch, loss_fn, prof = profiled
     problem = problem_from_profile(prof)
     plan = {
         "none": lambda: solvers.none(problem),
         "per-stage": lambda: solvers.per_stage(problem),
-        "75%": lambda: solvers.optimal(problem, int(0.75 * prof.measured_peak_bytes)),
+        "down path": lambda: Plan(problem.stage_names, (Region(0, 6),)),
         "minimum": lambda: solvers.optimal(problem, solvers.minimum_budget(problem)),
     }[which]()
     measured = _measured(model, batch, loss_fn, plan)

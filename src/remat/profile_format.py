@@ -414,16 +414,23 @@ class FixedBytes:
     # cross entropy).
     # Written only when set.
     backward_residue_bytes: int = 0
+    # The post-chain's forward and backward peaks apart, beyond the chain's end
+    # (``post_chain_bytes`` is the larger); None in profiles from before they were kept.
+    post_chain_forward_bytes: int | None = None
+    post_chain_backward_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
-            object.__setattr__(self, name, _int(getattr(self, name), f"fixed_bytes {name}"))
+            value = getattr(self, name)
+            if value is not None or name not in _NULLABLE_FIXED_FIELDS:
+                object.__setattr__(self, name, _int(value, f"fixed_bytes {name}"))
 
     def to_dict(self) -> dict[str, int]:
         return {
             **{key: getattr(self, name) for name, key in _FIXED_FIELDS},
             **{key: getattr(self, name) for name, key in _OPTIONAL_FIXED_FIELDS
-               if getattr(self, name)},
+               if getattr(self, name) or (name in _NULLABLE_FIXED_FIELDS
+                                          and getattr(self, name) is not None)},
         }
 
     @classmethod
@@ -450,7 +457,12 @@ _FIXED_FIELDS = (
     ("post_chain_grads_bytes", "post_chain_grads"),
     ("optimizer_step_bytes", "optimizer_step"),
 )
-_OPTIONAL_FIXED_FIELDS = (("backward_residue_bytes", "backward_residue"),)
+_OPTIONAL_FIXED_FIELDS = (
+    ("backward_residue_bytes", "backward_residue"),
+    ("post_chain_forward_bytes", "post_chain_forward"),
+    ("post_chain_backward_bytes", "post_chain_backward"),
+)
+_NULLABLE_FIXED_FIELDS = frozenset({"post_chain_forward_bytes", "post_chain_backward_bytes"})
 
 
 @dataclass(frozen=True)

@@ -205,4 +205,6 @@ def fixed_bytes(
         post_chain_grads_bytes=post_grads,
         optimizer_step_bytes=spans.optimizer.rise_bytes,
         backward_residue_bytes=max(loss_bytes, residue),
+        post_chain_forward_bytes=max(0, spans.post_forward.peak_bytes - chain_end),
+        post_chain_backward_bytes=max(0, spans.post_backward.peak_bytes - chain_end),
     )

@@ -214,7 +214,7 @@ class Model:
             self.t_open.append(to)
         self.ovh_s = problem.region_overhead_s
         self.ob = _ceil(problem.region_overhead_bytes, q)
-        self.post = _ceil(a[n] + problem.post_chain_bytes + problem.held_at_chain_end, q)
+        self.post = _ceil(a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end, q)
 
     # The pair tables are O(n^2): built when a nested solver first asks, so the one-level
     # solver (remat.solve.flat) can take chains of ten thousand stages.

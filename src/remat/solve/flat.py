@@ -142,7 +142,7 @@ class FlatInputs:
             gs=gs,
             ob=int(ceil(problem.region_overhead_bytes)),
             ovh_s=problem.region_overhead_s,
-            post=int(ceil(a[n] + problem.post_chain_bytes + problem.held_at_chain_end)),
+            post=int(ceil(a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end)),
             after=int(ceil(max(0, int(a[0]) + after,
                                after + problem.optimizer_step_bytes - problem.pre_chain_bytes))),
             a=a,

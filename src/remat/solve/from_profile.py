@@ -76,6 +76,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
             )
         )
     fixed = profile.fixed
+    backward = fixed.post_chain_backward_bytes
+    if backward is not None:
+        backward += let_go_at_return(profile, held_through, output_held)
     parts = (
         sum(s.grad_bytes for s in stages)
         + fixed.pre_chain_grads_bytes
@@ -92,7 +95,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         # The loss (and what autograd keeps with it), alive through the chain's backward to the
         # pre-chain's, ride with what the pre-chain keeps: a few bytes over in forward.
         pre_chain_bytes=fixed.pre_chain_bytes + fixed.backward_residue_bytes,
-        post_chain_bytes=fixed.post_chain_bytes,
+        post_chain_bytes=(fixed.post_chain_bytes if backward is None
+                          else fixed.post_chain_forward_bytes or 0),
+        post_chain_backward_bytes=backward,
         input_bytes=fixed.inputs_bytes,
         region_overhead_bytes=profile.region_overhead_bytes,
         region_overhead_s=profile.region_overhead_s,
@@ -140,6 +145,22 @@ def held_outside(
         elif s.output_held_through > i:
             output[i] = (s.output_held_through, s.output_bytes)
     return [last.get(i) for i in range(n)], output
+
+
+def let_go_at_return(profile: Profile, held_through: list[int | None],
+                     output_held: list[tuple[int, int] | None]) -> int:
+    """What the model's code still held at the chain's end and let go of by the post-chain's
+    backward, in the profiled step (no plan: a boundary whose stage saved it stayed): the
+    measured backward figure, taken from the chain's end, already has it gone."""
+    stages = profile.stages
+    last = len(stages) - 1
+    boundaries = sum(
+        stages[b].boundary_bytes
+        for b, through in enumerate(held_through[:last])
+        if through is not None and through >= last and not stages[b].saves_input
+    )
+    outputs = sum(held[1] for held in output_held[:last] if held and held[0] >= last)
+    return boundaries + outputs
 
 
 def no_checkpoint_plan(profile: Profile) -> Plan:

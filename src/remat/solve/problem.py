@@ -302,7 +302,8 @@ _PROBLEM_KEYS_V1 = (
     "early_stop",
     "slots",
 )
-_PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):])
+_PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
+                 "post_chain_backward_bytes")
 
 
 def _check_keys(data: Mapping[str, Any], required: tuple[str, ...], known: tuple[str, ...],
@@ -347,6 +348,10 @@ class Problem(JsonArtifact):
     pre_chain_grads_bytes: int = 0
     post_chain_grads_bytes: int = 0
     optimizer_step_bytes: int = 0
+    # The post-chain's backward peak beyond the chain's end once the model's code has let
+    # go of what it held there (its forward has returned); post_chain_bytes is then the
+    # forward's alone. None: post_chain_bytes is both, with those holds alive.
+    post_chain_backward_bytes: int | None = None
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -369,6 +374,9 @@ class Problem(JsonArtifact):
                 )
         for name in _FIXED_BYTES:
             object.__setattr__(self, name, _bytes(getattr(self, name), name))
+        if self.post_chain_backward_bytes is not None:
+            backward = _bytes(self.post_chain_backward_bytes, "post_chain_backward_bytes")
+            object.__setattr__(self, "post_chain_backward_bytes", backward)
         parts = (sum(s.grad_bytes for s in stages) + self.pre_chain_grads_bytes
                  + self.post_chain_grads_bytes)
         if parts > self.grads_bytes:
@@ -403,6 +411,12 @@ class Problem(JsonArtifact):
     @property
     def n(self) -> int:
         return len(self.stages)
+
+    @property
+    def post_chain_peak_bytes(self) -> int:
+        """The larger of the post-chain's two figures (an upper bound of both its events
+        for the solvers, which hold what the model's code held at the chain's end)."""
+        return max(self.post_chain_bytes, self.post_chain_backward_bytes or 0)
 
     @property
     def held_in_forward(self) -> tuple[int, ...]:
@@ -513,6 +527,8 @@ class Problem(JsonArtifact):
                      "offload_bandwidth_bytes_per_s", "measured_no_checkpoint_peak_bytes",
                      "early_stop", "slots", *_FIXED_BYTES[len(_FIXED_BYTES_V1):]):
             data[name] = getattr(self, name)
+        if self.post_chain_backward_bytes is not None:
+            data["post_chain_backward_bytes"] = self.post_chain_backward_bytes
         return data
 
     @classmethod

@@ -506,9 +506,16 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     # Gradients nobody claims, from the first backward event on (an upper bound).
     w.add(("param grads", "unattributed"), p.unattributed_grads_bytes)
     # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
-    w.event("backward post-chain", p.post_chain_bytes)
-    for is_output, b in w.held_to_post:
-        w.let_go(is_output, b)
+    if p.post_chain_backward_bytes is not None:
+        # the model's forward has returned: what its code held is gone (the figure is
+        # measured so, from the chain's end less what that let go of without a plan)
+        for is_output, b in w.held_to_post:
+            w.let_go(is_output, b)
+        w.event("backward post-chain", p.post_chain_backward_bytes)
+    else:
+        w.event("backward post-chain", p.post_chain_bytes)
+        for is_output, b in w.held_to_post:
+            w.let_go(is_output, b)
     w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
     w.release_current(n)
     w.grad[n] = w.a[n]
