@@ -32,6 +32,7 @@ from remat.profiling.calibrate import calibrated
 from remat.profiling.noise import timing_noise
 from remat.profiling.optimes import region_overhead_rounds, region_overhead_s
 from remat.profiling.run import measure_all, part_names
+from remat.profiling.twins import merge_twin_options
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
 from remat.runtime.identity import model_stages, stage_identity
 from remat.solve.from_profile import predict_no_checkpoint_peak
@@ -193,7 +194,7 @@ def profile(
         batch_shapes=batch_shapes,
         timing_noise=noise,
     )
-    result = calibrated(result, m)
+    result = merge_twin_options(calibrated(result, m), m)
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
     transformers_model = type(model).__module__.startswith("transformers.")
     for note in notes(result, transformers_model=transformers_model):

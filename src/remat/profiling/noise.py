@@ -20,6 +20,7 @@ __all__ = [
     "MAX_EXTRA_ROUNDS",
     "NOISY",
     "extra_rounds",
+    "option_diffs",
     "option_extras",
     "samples",
     "stage_times",
@@ -49,19 +50,26 @@ def stage_times(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
     }
 
 
+def option_diffs(plain: Sequence[StepTimes], with_option: Sequence[StepTimes]
+                 ) -> list[list[float]]:
+    """Per stage, what its forward and backward took under an option beyond the plain step
+    of the same round, round by round."""
+    if not plain or len(plain) != len(with_option):
+        raise ValueError(f"need paired rounds, got {len(plain)} plain and {len(with_option)}")
+    n = len(plain[0].fwd_s)
+    return [
+        [(o.fwd_s[i] + o.bwd_s[i]) - (p.fwd_s[i] + p.bwd_s[i])
+         for p, o in zip(plain, with_option, strict=True)]
+        for i in range(n)
+    ]
+
+
 def option_extras(plain: Sequence[StepTimes], with_option: Sequence[StepTimes],
                   group_of: Sequence[int], floor_s: float = 0.0) -> list[Pooled]:
     """Per stage: what its forward and backward took under an option beyond the plain step
     of the same round, pooled over identical stages; never below ``floor_s`` (one
     checkpoint frame, see :func:`remat.profiling.optimes.option_extra_s`)."""
-    if not plain or len(plain) != len(with_option):
-        raise ValueError(f"need paired rounds, got {len(plain)} plain and {len(with_option)}")
-    n = len(plain[0].fwd_s)
-    diffs = [
-        [(o.fwd_s[i] + o.bwd_s[i]) - (p.fwd_s[i] + p.bwd_s[i])
-         for p, o in zip(plain, with_option, strict=True)]
-        for i in range(n)
-    ]
+    diffs = option_diffs(plain, with_option)
     return [
         Pooled(max(floor_s, x.median), max(floor_s, x.low), max(floor_s, x.high), x.samples)
         for x in pool(diffs, group_of)

@@ -160,9 +160,12 @@ def _same(a: Plan, b: Plan) -> bool:
     return a.regions == b.regions and a.options == b.options
 
 
-def _simplest(plan: Plan) -> tuple[Any, ...]:
-    """The order among tied plans: fewer regions, fewer stages off keep, then by name."""
-    return (len(plan.regions), sum(o != "keep" for o in plan.options), plan.options,
+def _simplest(plan: Plan, problem: Problem) -> tuple[Any, ...]:
+    """The order among tied plans: fewer regions, fewer stages off keep, then options
+    earlier in each stage's list (a stage's twin options: remat.profiling.twins), then
+    by name."""
+    first = tuple(problem.options(i).index(o) for i, o in enumerate(plan.options))
+    return (len(plan.regions), sum(o != "keep" for o in plan.options), first, plan.options,
             tuple((r.start, r.stop) for r in plan.regions))
 
 
@@ -222,7 +225,8 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
               seed: int = 0, resolved: Resolved | None = None) -> Plan:
     """Among the plans the optimal solver picks on ``profile``'s medians and on the draws
     of :func:`plan_uncertainty`, the simplest (fewest regions, then fewest stages off keep,
-    then by name) of those within :data:`TIE` of the fastest on the medians.
+    then earlier options, then by name) of those within :data:`TIE` of the fastest on the
+    medians.
 
     Each of those plans' near neighbours (one stage's option changed, or all of one
     option's stages moved to another) competes too, where it fits the budget. Plans that
@@ -253,7 +257,7 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     fastest = min(sim.step_time_s for sim, _ in timed)
     near = [(sim, p) for sim, p in timed
             if base <= 0 or (sim.step_time_s - fastest) / base <= TIE]
-    sim, choice = min(near, key=lambda sp: _simplest(sp[1]))
+    sim, choice = min(near, key=lambda sp: _simplest(sp[1], problem))
     if choice is plan:
         return plan
     return replace(plan, regions=choice.regions, options=choice.options,
