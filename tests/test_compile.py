@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from conftest import mean_square
 from remat.plan import Plan, Region
 
 D, N_BLOCKS = 32, 4
@@ -69,10 +70,6 @@ class Chain(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-def chain_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).mean()
 
 
 def make_chain() -> tuple[Chain, torch.Tensor]:
@@ -167,8 +164,8 @@ def test_compiled_stages_with_plan_train_like_eager_with_plan(optimizer: str) ->
     opts = [make(m.parameters()) for m in (model, eager)]
     with fallback_random():
         for step in range(2):
-            loss, grads = seeded_step(model, lambda: chain_loss(model, x), seed=step)
-            loss_e, grads_e = seeded_step(eager, lambda: chain_loss(eager, x), seed=step)
+            loss, grads = seeded_step(model, lambda: mean_square(model, x), seed=step)
+            loss_e, grads_e = seeded_step(eager, lambda: mean_square(eager, x), seed=step)
             if step == 0:
                 # Two graphs (block 0's input needs no grad, the others' do); 4 block
                 # calls in forward and 3 again in the rebuilds of the two regions: the
@@ -196,11 +193,11 @@ def test_plan_under_compile_changes_nothing_even_with_inductors_own_rng() -> Non
         compile_blocks(model, backend)
         compile_blocks(plain, backend)
         remat.apply(model, PLAN)
-        loss, grads = seeded_step(model, lambda: chain_loss(model, x))
-        loss_p, grads_p = seeded_step(plain, lambda: chain_loss(plain, x))
+        loss, grads = seeded_step(model, lambda: mean_square(model, x))
+        loss_p, grads_p = seeded_step(plain, lambda: mean_square(plain, x))
     assert torch.equal(loss, loss_p)
     assert_grads_close(grads, grads_p, rtol=0.0, atol=0.0)
-    _, grads_e = seeded_step(eager, lambda: chain_loss(eager, x))
+    _, grads_e = seeded_step(eager, lambda: mean_square(eager, x))
     with pytest.raises(AssertionError):  # other masks than eager's
         assert_grads_close(grads, grads_e)
 
@@ -214,10 +211,10 @@ def test_compiling_the_loss_runs_planned_stages_eagerly() -> None:
     remat.apply(model, PLAN)
     remat.apply(eager, PLAN)
     backend = CountingInductor()
-    compiled = torch.compile(lambda x: chain_loss(model, x), backend=backend)
+    compiled = torch.compile(lambda x: mean_square(model, x), backend=backend)
     with fallback_random():
         loss, grads = seeded_step(model, lambda: compiled(x))
-    loss_e, grads_e = seeded_step(eager, lambda: chain_loss(eager, x))
+    loss_e, grads_e = seeded_step(eager, lambda: mean_square(eager, x))
     torch.testing.assert_close(loss, loss_e, **TOL)
     assert_grads_close(grads, grads_e)
     ops = {node.target for gm in backend.graphs for node in gm.graph.nodes}
@@ -228,7 +225,7 @@ def _profiler_peak(model: nn.Module, x: torch.Tensor) -> int:
     from remat.bench.measure import by_profiler
     from remat.bench.runners import Runner
 
-    return by_profiler(Runner(model, x, chain_loss, "adamw")).peak_bytes
+    return by_profiler(Runner(model, x, mean_square, "adamw")).peak_bytes
 
 
 def test_compiled_peak_with_plan_is_below_compiled_peak_without() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from remat import demo, theory
 from remat.cli import main
+from remat.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,15 @@ def test_chain_fails_when_rebuilt_from_the_wrong_boundary() -> None:
     assert not check.passed
     assert not check.details["matches_stored"]
     assert not check.details["matches_finite_difference"]
+
+
+def test_a_negative_rebuild_offset_and_a_double_hold_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="rebuild_offset=-1 must be 0 or more"):
+        demo.check_checkpointed_chain(rebuild_offset=-1)
+    ledger = demo.Ledger()
+    ledger.hold("x0")
+    with pytest.raises(UsageError, match="x0 is already held"):
+        ledger.hold("x0")
 
 
 # --------------------------------------------------------------------------- dropout

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,37 +11,19 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import TanhBlock, mean_square
 from remat.plan import Plan, Region
 from remat.verify import Hazard, VerifyReport, verify
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: threads only add contention on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-D = 8
-
-
-class Block(nn.Module):
-    """x + tanh(fc(x)): the clean stage every hazard model starts from."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
+D = 8  # TanhBlock's default width
 
 
 class Chain(nn.Module):
     def __init__(self, middle: nn.Module) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), middle, Block()])
+        self.blocks = nn.ModuleList([TanhBlock(), middle, TanhBlock()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -51,10 +33,6 @@ class Chain(nn.Module):
 
 STAGES = ("blocks.0", "blocks.1", "blocks.2")
 ONE_REGION = Plan(stages=STAGES, regions=(Region(0, 3),))
-
-
-def mean_square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).square().mean()
 
 
 def run(
@@ -76,17 +54,17 @@ def of_kind(report: VerifyReport, kind: str) -> list[Hazard]:
 # Randomness torch does not restore
 
 
-class PythonRandom(Block):
+class PythonRandom(TanhBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.fc(x)) * random.random()
 
 
-class NumpyRandom(Block):
+class NumpyRandom(TanhBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.fc(x)) * float(np.random.rand())
 
 
-class OwnGenerator(Block):
+class OwnGenerator(TanhBlock):
     def __init__(self) -> None:
         super().__init__()
         self.gen = torch.Generator().manual_seed(1)
@@ -95,7 +73,7 @@ class OwnGenerator(Block):
         return x + torch.tanh(self.fc(x)) + 0.1 * torch.randn(x.shape, generator=self.gen)
 
 
-class TorchDropout(Block):
+class TorchDropout(TanhBlock):
     """Randomness from torch's default generator, which the rebuild restores: clean."""
 
     def __init__(self) -> None:
@@ -114,7 +92,7 @@ class TorchDropout(Block):
         (OwnGenerator, "an explicit torch.Generator (aten.randn.generator)"),
     ],
 )
-def test_randomness_torch_does_not_restore_is_found(middle: type[Block], source: str) -> None:
+def test_randomness_torch_does_not_restore_is_found(middle: type[TanhBlock], source: str) -> None:
     report = run(middle())
     (hazard,) = of_kind(report, "randomness")
     assert (hazard.stage, hazard.region, hazard.details) == ("blocks.1", "[0, 3)", (source,))
@@ -135,7 +113,7 @@ def test_dropout_from_torchs_generator_is_not_a_randomness_hazard() -> None:
 # Buffers mutated inside a region
 
 
-class Norm(Block):
+class Norm(TanhBlock):
     def __init__(self, kind: type[nn.Module]) -> None:
         super().__init__()
         self.norm = kind(D)
@@ -144,7 +122,7 @@ class Norm(Block):
         return x + torch.tanh(self.norm(self.fc(x)))
 
 
-class HiddenCounter(Block):
+class HiddenCounter(TanhBlock):
     """Counts calls in a buffer through ``.data``: no version bump, so the runtime misses it."""
 
     def __init__(self) -> None:
@@ -189,7 +167,7 @@ def test_layernorm_has_no_buffers_to_mutate() -> None:
 # In-place modification between forward and rebuild
 
 
-class Shifted(Block):
+class Shifted(TanhBlock):
     def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.fc(x + shift))
 
@@ -232,7 +210,7 @@ class EditsRegionInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Linear(D, D)
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([TanhBlock() for _ in range(3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x)
@@ -266,7 +244,7 @@ class StepsDuringBackward(Chain):
 
 def test_a_parameter_edited_during_backward_before_its_rebuild() -> None:
     plan = Plan(stages=STAGES, regions=(Region(0, 1), Region(1, 3)))
-    report = run(nn.Identity(), plan=plan, model=StepsDuringBackward(Block()))
+    report = run(nn.Identity(), plan=plan, model=StepsDuringBackward(TanhBlock()))
     (hazard,) = of_kind(report, "inplace-modification")
     assert hazard.details == ("blocks.0.fc.weight",) and hazard.stage == "blocks.0"
     assert of_kind(report, "parameter-changed") == []  # unchanged when backward began
@@ -276,7 +254,7 @@ def test_a_parameter_edited_during_backward_before_its_rebuild() -> None:
 # Data-dependent control flow
 
 
-class BranchOnStepCount(Block):
+class BranchOnStepCount(TanhBlock):
     """Branches on a step counter it updates: the rebuild sees the updated count."""
 
     def __init__(self) -> None:
@@ -290,7 +268,7 @@ class BranchOnStepCount(Block):
         return x + (torch.relu(y) if odd else torch.tanh(y))
 
 
-class BranchOnInput(Block):
+class BranchOnInput(TanhBlock):
     """Branches on its input, which the rebuild sees unchanged: clean."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +296,7 @@ def test_a_branch_on_the_input_takes_the_same_path() -> None:
 LOG: list[int] = []
 
 
-class SideEffects(Block):
+class SideEffects(TanhBlock):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
@@ -330,7 +308,7 @@ class SideEffects(Block):
         return super().forward(x)
 
 
-class LocalBookkeeping(Block):
+class LocalBookkeeping(TanhBlock):
     """Appends only to lists it creates: nothing outlives the call, clean."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -368,7 +346,7 @@ def edits_weight_before_backward(model: nn.Module, x: torch.Tensor) -> torch.Ten
 
 
 def test_parameters_changed_between_forward_and_backward() -> None:
-    report = run(Block(), loss_fn=edits_weight_before_backward)
+    report = run(TanhBlock(), loss_fn=edits_weight_before_backward)
     (hazard,) = of_kind(report, "parameter-changed")
     assert hazard.details == ("blocks.1.fc.weight",) and hazard.count == 1
     assert "the rebuilds of 'blocks.1' read the new values" in hazard.message
@@ -376,5 +354,5 @@ def test_parameters_changed_between_forward_and_backward() -> None:
 
 
 def test_an_unchanged_model_has_no_hazards() -> None:
-    report = run(Block())
+    report = run(TanhBlock())
     assert report.ok and report.hazards == ()

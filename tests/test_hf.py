@@ -114,6 +114,18 @@ def test_verify_sees_dropout_in_the_rebuilds() -> None:
     model, batch, loss_fn = load_model("hf:llama", **TINY)
     report = remat.verify(model, batch, _plan("llama"), loss_fn, steps=1, preserve_rng_state=False)
     assert not report.ok
+    # Not for any reason: the forward agrees, the gradients do not, ...
+    assert report.check("loss").status == "pass"
+    assert report.check("parameter-gradients").status == "fail"
+    # ... the first rebuilt value that differs is a dropout mask, ...
+    d = report.first_divergence
+    assert d is not None and (d.stage, d.quantity) == ("model.layers.0", "rebuilt-value")
+    assert d.op is not None and "bernoulli" in d.op
+    # ... and every rebuilt layer is named for drawing from torch's generator unreplayed.
+    assert [(h.kind, h.stage) for h in report.blocking_hazards] == [
+        ("randomness", f"model.layers.{i}") for i in range(4)
+    ]
+    assert all("RNG preservation is off" in h.details[0] for h in report.blocking_hazards)
 
 
 @pytest.mark.parametrize("family", ("gpt2", "llama"))

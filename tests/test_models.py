@@ -221,6 +221,8 @@ def test_mlp_hetero_pattern_option() -> None:
     assert [b.kind for b in model.blocks] == ["n", "w", "n", "w", "n"]
     with pytest.raises(UsageError, match="'wx'"):
         load_model("mlp-hetero", pattern="wx")
+    with pytest.raises(UsageError, match="unknown block kind 'x'; use one of 'w', 'n'"):
+        HeteroBlock("x", 8, expansion=2, depth=1)
 
 
 # --- convnet-bn -----------------------------------------------------------------------

@@ -23,7 +23,7 @@ from remat.profiling.pooling import identical_groups, pool, spread_among
 from remat.profiling.timing import StepTimes
 from remat.solve.uncertainty import noise_lines, plan_uncertainty, steadiest, with_times
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 D = 8
 
 

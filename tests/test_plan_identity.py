@@ -42,16 +42,13 @@ OLD_PLAN = FIXTURES / "plan_gpt4_before_made_for.json"
 OLD_PLAN_GPT = {"n_layer": 4, "n_embd": 32, "block_size": 16, "vocab_size": 64, "batch_size": 2}
 
 TINY_GPT = {"n_embd": 32, "n_head": 4, "block_size": 16, "vocab_size": 64, "batch_size": 2}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY_MLP = {"d_model": 32, "expansion": 4, "depth": 2, "batch_size": 2}
 
 
 def gpt(n_layer: int) -> tuple[nn.Module, Any, Any]:
     return load_model("gpt", n_layer=n_layer, **TINY_GPT)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

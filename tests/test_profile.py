@@ -149,7 +149,7 @@ def test_an_options_extra_time_is_the_median_over_rounds_of_each_stages_excess()
     with_option = [_steps([1.5, 2], [2, 3]), _steps([2, 2], [2.5, 3]), _steps([2, 2], [2, 3])]
     assert option_extra_s(plain, with_option) == (0.5, 0.0)
     assert option_extra_s(plain, with_option, 0.25) == (0.5, 0.25)  # at least one frame
-    with pytest.raises(ValueError, match="paired rounds"):
+    with pytest.raises(UsageError, match="paired rounds"):
         option_extra_s(plain, with_option[:2])
 
 

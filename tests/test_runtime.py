@@ -15,6 +15,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import Block, mean_square
 from remat.errors import RematError, UsageError
 from remat.measure import LiveMemoryTracker
 from remat.plan import Plan, Region
@@ -24,18 +25,6 @@ from remat.runtime.apply import Handle, applied
 
 # ---------------------------------------------------------------------------------------
 # Test models
-
-
-class Block(nn.Module):
-    """x + dropout(tanh(fc(x))): saves little beyond its input (one tensor per stage)."""
-
-    def __init__(self, d: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(torch.tanh(self.fc(x)))
 
 
 class Chain(nn.Module):
@@ -190,12 +179,8 @@ def make_plan(
     return Plan(stage_names(n, prefix), tuple(Region(*r) for r in regions), opts)
 
 
-def chain_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).mean()
-
-
 def train_step(
-    model: nn.Module, x: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] = chain_loss,
+    model: nn.Module, x: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mean_square,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """One forward and backward from a fixed RNG seed; returns and clears the grads."""
@@ -215,7 +200,7 @@ def assert_same_grads(
         torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def grads_with_plan(model: nn.Module, plan: Plan, x: Any, loss_fn: Any = chain_loss) -> Any:
+def grads_with_plan(model: nn.Module, plan: Plan, x: Any, loss_fn: Any = mean_square) -> Any:
     handle = apply(model, plan)
     try:
         return train_step(model, x, loss_fn)
@@ -398,7 +383,7 @@ def test_rng_state_after_backward_equals_state_after_forward() -> None:
     model = Chain(8, dropout=0.5)
     handle = apply(model, make_plan(8, NESTED_3, ["keep", "selective:save-matmuls"] * 4))
     torch.manual_seed(3)
-    loss = chain_loss(model, X8)
+    loss = mean_square(model, X8)
     after_forward = torch.get_rng_state()
     loss.backward()
     assert torch.equal(torch.get_rng_state(), after_forward)
@@ -496,7 +481,7 @@ def backward_matmuls(model: nn.Module, plan: Plan, early_stop: bool = True) -> i
     """How many addmm/mm ops backward runs (rebuilds included)."""
     handle = apply(model, plan)
     with tuc.set_checkpoint_early_stop(early_stop):
-        loss = chain_loss(model, X8)
+        loss = mean_square(model, X8)
     with OpCounter({"mm", "addmm"}) as counter:
         loss.backward()
     handle.remove()
@@ -658,7 +643,7 @@ def test_exception_during_a_rebuild_leaves_no_stale_state() -> None:
             raise Boom("rebuild failed")
 
     hook = model.blocks[3].register_forward_pre_hook(maybe_fail)
-    loss = chain_loss(model, X8)
+    loss = mean_square(model, X8)
     armed[0] = True
     with pytest.raises(Boom):
         loss.backward()
@@ -673,7 +658,7 @@ def test_exception_during_a_rebuild_leaves_no_stale_state() -> None:
 def test_second_backward_without_retain_graph_raises_torchs_error() -> None:
     model = Chain(8)
     handle = apply(model, make_plan(8, NESTED_3))
-    loss = chain_loss(model, X8)
+    loss = mean_square(model, X8)
     loss.backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
@@ -884,7 +869,7 @@ def test_apply_rejects_non_models_and_non_plans() -> None:
 def step_peak(model: nn.Module, x: torch.Tensor, regions: Sequence[tuple[int, int]] | None) -> Any:
     handle = None if regions is None else apply(model, make_plan(len(model.blocks), regions))
     with LiveMemoryTracker() as tracker:
-        chain_loss(model, x).backward()
+        mean_square(model, x).backward()
     if handle is not None:
         handle.remove()
     model.zero_grad(set_to_none=True)

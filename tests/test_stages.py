@@ -9,18 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import TanhBlock
 from remat.errors import UsageError
 from remat.models import load_model
 from remat.stages import Chain, discover_chain, discover_stages, resolve_stages
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
 
 
 class TwoStacks(nn.Module):
@@ -28,8 +20,8 @@ class TwoStacks(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.unused = nn.ModuleList(Block(4) for _ in range(6))
-        self.layers = nn.ModuleList(Block(4) for _ in range(3))
+        self.unused = nn.ModuleList(TanhBlock(4) for _ in range(6))
+        self.layers = nn.ModuleList(TanhBlock(4) for _ in range(3))
         self.head = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # mixed classes: not a chain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +47,7 @@ def test_loss_fn_runs_the_forward_and_training_mode_is_kept() -> None:
 
 
 def test_sequential_root_and_no_container() -> None:
-    seq = nn.Sequential(*(Block(3) for _ in range(4)))
+    seq = nn.Sequential(*(TanhBlock(3) for _ in range(4)))
     assert discover_stages(seq) == ["0", "1", "2", "3"]
     with pytest.raises(UsageError, match="no repeated-block container"):
         discover_stages(nn.Linear(2, 2))
@@ -199,7 +191,7 @@ class SplitMe(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.outer = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(8), nn.Sequential(*(Block(8) for _ in range(3))))
+            nn.Sequential(nn.LayerNorm(8), nn.Sequential(*(TanhBlock(8) for _ in range(3))))
             for _ in range(2)
         )
 
@@ -222,8 +214,8 @@ class Shared(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.twice = nn.ModuleList(Block(4) for _ in range(4))
-        self.once = nn.ModuleList(Block(4) for _ in range(2))
+        self.twice = nn.ModuleList(TanhBlock(4) for _ in range(4))
+        self.once = nn.ModuleList(TanhBlock(4) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(2):
@@ -240,7 +232,7 @@ def test_containers_whose_blocks_run_twice_are_not_stages() -> None:
 
 def test_no_blocks_called_once_is_a_usage_error() -> None:
     model = Shared()
-    model.once = nn.ModuleList([Block(4)])
+    model.once = nn.ModuleList([TanhBlock(4)])
     with pytest.raises(UsageError, match=r"found no repeated blocks in Shared.*stages="):
         discover_stages(model, torch.randn(2, 4))
 
@@ -317,7 +309,7 @@ class Overlapping(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.callers = nn.ModuleList(Caller(4) for _ in range(2))
-        self.helpers = nn.ModuleList(Block(4) for _ in range(2))
+        self.helpers = nn.ModuleList(TanhBlock(4) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for caller, helper in zip(self.callers, self.helpers, strict=True):

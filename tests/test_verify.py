@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 import remat
+from conftest import Block, mean_square
 from remat import plans
 from remat.cli import main
 from remat.errors import UsageError
@@ -24,15 +24,7 @@ from remat.verify import CHECK_NAMES, Tolerance, ValueCheck, parse_tolerance, ve
 from remat.verify.compare import diff
 from remat.verify.fingerprint import Fingerprint, checksum, compare_call
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: threads only add contention on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY_GPT = {
     "n_layer": 3, "n_embd": 16, "n_head": 2, "block_size": 8, "vocab_size": 32, "batch_size": 2,
@@ -44,16 +36,6 @@ def gpt(**options: Any) -> tuple[nn.Module, Any, Any]:
     return load_model("gpt", **{**TINY_GPT, **options})
 
 
-class Block(nn.Module):
-    def __init__(self, d: int = 8, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(torch.tanh(self.fc(x)))
-
-
 class Chain(nn.Module):
     def __init__(self, n: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
@@ -63,10 +45,6 @@ class Chain(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
-
-
-def mean_square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).square().mean()
 
 
 # ---------------------------------------------------------------------------------------

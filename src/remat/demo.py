@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from remat import theory
+from remat.errors import UsageError
 from remat.units import format_bytes, parse_size
 
 __all__ = [
@@ -58,7 +59,7 @@ class Ledger:
 
     def hold(self, name: str) -> None:
         if name in self.live:
-            raise ValueError(f"{name} is already held")
+            raise UsageError(f"{name} is already held; drop it before holding it again")
         self.live.add(name)
         self.peak = max(self.peak, len(self.live))
 
@@ -307,7 +308,7 @@ def check_checkpointed_chain(*, rebuild_offset: int = 0, seed: int = 0) -> DemoC
     ``r - rebuild_offset`` (clamped at 0), the wrong boundary.
     """
     if rebuild_offset < 0:
-        raise ValueError("rebuild_offset must be 0 or more")
+        raise UsageError(f"rebuild_offset={rebuild_offset} must be 0 or more")
     gen = torch.Generator().manual_seed(seed)
     weights = 0.5 + torch.rand(CHAIN_LAYERS, CHAIN_WIDTH, generator=gen, dtype=torch.float64)
     biases = torch.randn(CHAIN_LAYERS, CHAIN_WIDTH, generator=gen, dtype=torch.float64) * 0.3

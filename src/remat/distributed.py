@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from remat.errors import UsageError
+from remat.measure.allocator_events import AllocatorEvents, running_peak
 from remat.measure.tracker import iter_tensors
 from remat.plan import Plan
 
@@ -275,46 +276,6 @@ def time_all_gather(nbytes: int, *, repeats: int = 5, group: Any = None) -> floa
     return times[len(times) // 2]
 
 
-@contextlib.contextmanager
-def _profiling(cuda: bool) -> Iterator[Any]:
-    """torch.profiler recording allocator events, its start and stop lines silenced."""
-    import sys
-
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=activities, profile_memory=True)
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)  # Kineto prints to the C-level stderr when it starts and stops
-    try:
-        prof.__enter__()
-    finally:
-        os.dup2(saved, 2)
-    try:
-        yield prof
-    finally:
-        os.dup2(null, 2)
-        try:
-            prof.__exit__(None, None, None)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            os.close(null)
-
-
-def _memory_events(prof: Any, cuda: bool) -> list[tuple[int, int]]:
-    from torch.autograd import DeviceType
-
-    wanted = DeviceType.CUDA if cuda else DeviceType.CPU
-    results: Any = prof.profiler.kineto_results
-    return sorted(
-        (e.start_ns(), e.nbytes())
-        for e in results.events()
-        if e.name() == "[memory]" and e.device_type() == wanted
-    )
-
-
 def allocated_bytes(fn: Callable[[], Any], *, cuda: bool = False) -> tuple[Any, int]:
     """``fn()`` and the bytes it allocated that are still alive when it returns.
 
@@ -323,9 +284,9 @@ def allocated_bytes(fn: Callable[[], Any], *, cuda: bool = False) -> tuple[Any, 
     gradient buckets when it wraps and again in its second step), then subtract the
     optimizer state those steps created; ``tests/test_distributed.py`` does this.
     """
-    with _profiling(cuda) as prof:
+    with AllocatorEvents("cuda" if cuda else "cpu") as recording:
         result = fn()
-    return result, sum(n for _, n in _memory_events(prof, cuda))
+    return result, recording.allocated_bytes()
 
 
 def warm_ddp(ddp: nn.Module, batch: Any, loss_fn: Callable[..., Any], optimizer: Any,
@@ -429,11 +390,7 @@ def rank_step_peak(
     start = resident_bytes + local_bytes(
         list(model.parameters()), list(model.buffers()), state, batch
     )
-    cuda = next(model.parameters()).device.type == "cuda"
-    with _profiling(cuda) as prof:
+    device_type = next(model.parameters()).device.type
+    with AllocatorEvents("cuda" if device_type == "cuda" else "cpu") as recording:
         step()
-    live = peak = start
-    for _, nbytes in _memory_events(prof, cuda):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return running_peak(start, recording.events)

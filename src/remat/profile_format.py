@@ -679,7 +679,7 @@ class Profile(JsonArtifact):
         """
         if self.scaling is None:
             raise UsageError(
-                "this profile has no batch scaling; profile it with remat.profile_scaling "
+                "this profile has no batch scaling; profile it with remat.profiler.profile_scaling "
                 "at two batch sizes first"
             )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

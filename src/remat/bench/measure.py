@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from remat.measure import measure_step
+from remat.measure.allocator_events import AllocatorEvents
 from remat.measure.tracker import iter_tensors
 
 from .runners import Runner
@@ -131,25 +129,8 @@ def _alive_bytes(device: torch.device, *objects: Any) -> int:
     return sum(seen.values())
 
 
-@contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """Kineto prints a line to the C-level stderr when a profiler starts and stops."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
 def by_profiler(runner: Runner, *, warmup: bool = True) -> MemoryMeasure:
     """The row's step measured by torch.profiler's allocator events (any row)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     device = _device(runner)
     if warmup:  # so optimizer state exists, as in measure_step
         runner.step()
@@ -160,33 +141,22 @@ def by_profiler(runner: Runner, *, warmup: bool = True) -> MemoryMeasure:
         device, list(runner.model.parameters()), list(runner.model.buffers()), state, runner.batch
     )
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    prof = profile(activities=activities, profile_memory=True)
-    with _stderr_silenced():
-        prof.__enter__()
+    recording = AllocatorEvents(torch.device("cuda", device.index or 0) if cuda else device)
     try:
-        with runner.context():
-            loss = runner.loss()
-            loss.backward()
-            del loss
-            runner.optimizer.step()
-        if cuda:
-            torch.cuda.synchronize(device)
+        with recording:
+            with runner.context():
+                loss = runner.loss()
+                loss.backward()
+                del loss
+                runner.optimizer.step()
+            if cuda:
+                torch.cuda.synchronize(device)
     finally:
-        with _stderr_silenced():
-            prof.__exit__(None, None, None)
         runner.optimizer.zero_grad(set_to_none=True)
-    wanted = DeviceType.CUDA if cuda else DeviceType.CPU
-    results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in results.events()
-        if e.name() == "[memory]" and e.device_type() == wanted
-        and (not cuda or e.device_index() == (device.index or 0))
-    )
+    events = recording.events
     live, peak, points = start, start, [(0.0, start)]
     t0 = events[0][0] if events else 0
     span = max(1, events[-1][0] - t0) if events else 1

@@ -1,4 +1,8 @@
-"""The measuring instrument: exact live-storage memory of a training step, by category."""
+"""The measuring instruments: exact live-storage memory of a training step, by category.
+
+Where the live-storage tracker cannot look (compiled steps, FSDP2 ranks), the allocator's
+events are read instead (:mod:`remat.measure.allocator_events`).
+"""
 
 from __future__ import annotations
 

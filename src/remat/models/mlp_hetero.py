@@ -30,7 +30,9 @@ class HeteroBlock(nn.Module):
     def __init__(self, kind: str, d_model: int, *, expansion: int, depth: int) -> None:
         super().__init__()
         if kind not in KINDS:
-            raise ValueError(f"unknown block kind {kind!r}")
+            raise UsageError(
+                f"unknown block kind {kind!r}; use one of {', '.join(map(repr, KINDS))}"
+            )
         self.kind = kind
         self.depth = depth
         if kind == "w":

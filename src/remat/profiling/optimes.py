@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from remat.errors import UsageError
 from remat.profiling.timing import StepTimes
 
 __all__ = ["option_extra_s", "policy_op_names", "region_overhead_rounds", "region_overhead_s"]
@@ -37,7 +38,10 @@ def policy_op_names(option: str, stage: str) -> frozenset[str]:
 
 def _rounds(plain: Sequence[StepTimes], other: Sequence[StepTimes]) -> None:
     if not plain or len(plain) != len(other):
-        raise ValueError(f"need paired rounds, got {len(plain)} plain and {len(other)} other")
+        raise UsageError(
+            f"need paired rounds, got {len(plain)} plain and {len(other)} other; "
+            "pass one plain round for each round with the option"
+        )
 
 
 def option_extra_s(plain: Sequence[StepTimes], with_option: Sequence[StepTimes],

@@ -341,7 +341,7 @@ class Tables:
     ``seg1[k1(k, e)]``, so one ``k``'s rows over every stop are adjacent; ``seg0`` and
     ``segp`` (the rest of a level ending at ``e``) are stored by ``e``: ``seg0[k0(k, e)]``,
     so one ``e``'s rows over every start are adjacent. That is the order the recursion
-    reads them in (Note [Table layout] in :mod:`remat.solve.dp_numba`). ``SegP(1, .)``
+    reads them in (Note [Table layout] in :mod:`remat.solve._dp_kernel`). ``SegP(1, .)``
     is not stored: nothing reads it but the reconstruction, which re-decides it at one
     slot (:func:`segp_value`); without early stop ``segp`` is ``seg0`` itself. ``inf``
     marks no plan. Every path fills the same arrays with bitwise equal values.

@@ -1,0 +1,54 @@
+"""Fixtures and toy models shared by several test files.
+
+Test files import the toy models with ``from conftest import ...`` (pytest puts this
+folder on ``sys.path``) and use the fixtures by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for the module's tests, then the count it had before.
+
+    Tiny tensors: threads only add contention on a shared machine. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Block(nn.Module):
+    """x + dropout(tanh(fc(x))): saves little beyond its input (one tensor per stage)."""
+
+    def __init__(self, d: int = 8, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class TanhBlock(nn.Module):
+    """x + tanh(fc(x)): a clean stage with no dropout module at all."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+def mean_square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The toy loss: the mean of the model's output squared."""
+    return model(x).square().mean()
