@@ -82,18 +82,24 @@ def _median_of_largest(times: Sequence[Sequence[Pooled]]) -> float:
     return float(statistics.median(largest)) if largest else 0.0
 
 
-def _stage_spread(plain: Sequence[StepTimes], group_of: Sequence[int]) -> float:
-    return _median_of_largest([pool(samples(plain, what), group_of) for what in _TIMES])
+def _stage_spread(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                  group_of: Sequence[int]) -> float:
+    """``TimingNoise.stage_spread``: rebuild times (from ``per_stage``) included."""
+    if not per_stage:
+        return _median_of_largest([pool(samples(plain, what), group_of) for what in _TIMES])
+    return _median_of_largest(list(stage_times(plain, per_stage, group_of).values()))
 
 
 def extra_rounds(plain: Sequence[StepTimes], group_of: Sequence[int], repeats: int,
-                 others: Sequence[Sequence[StepTimes]] = ()) -> int:
+                 others: Sequence[Sequence[StepTimes]] = (),
+                 per_stage: Sequence[StepTimes] = ()) -> int:
     """Rounds to add after the first ``repeats``: as many again (at most
-    :data:`MAX_EXTRA_ROUNDS`) when the plain steps, the stages' pooled times or the
-    ``others`` steps (with regions, with an option: what a checkpoint's cost is read
-    from) spread more than :data:`NOISY`, else none."""
+    :data:`MAX_EXTRA_ROUNDS`) when the plain steps, the stages' pooled times (their
+    rebuilds from ``per_stage``, the steps with one region per stage, included: the
+    spread the profile records) or the ``others`` steps (with regions, with an option:
+    what a checkpoint's cost is read from) spread more than :data:`NOISY`, else none."""
     step = max(relative_spread([s.step_s for s in steps]) for steps in (plain, *others))
-    if max(step, _stage_spread(plain, group_of)) <= NOISY:
+    if max(step, _stage_spread(plain, per_stage, group_of)) <= NOISY:
         return 0
     return min(repeats, MAX_EXTRA_ROUNDS)
 

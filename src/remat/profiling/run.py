@@ -238,7 +238,8 @@ def measure_all(
     same_as = tuple(identical_groups(signatures))
     # A noisy first set gets one more (bounded): more samples move the medians less.
     extra = extra_rounds(plain[1:], same_as, repeats,
-                         others=[rebuilt[1:], *(steps[1:] for steps in with_option.values())])
+                         others=[rebuilt[1:], *(steps[1:] for steps in with_option.values())],
+                         per_stage=rebuilt[1:])
     for _ in range(extra):
         one_round()
     rebuilt, plain = rebuilt[1:], plain[1:]
