@@ -73,6 +73,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                 held_through=held_through[i],
                 output_held_through=out_held[0] if out_held else None,
                 output_held_bytes=out_held[1] if out_held else 0,
+                link_saved_bytes=s.link_saved_bytes,
             )
         )
     fixed = profile.fixed

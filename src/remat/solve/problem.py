@@ -124,6 +124,11 @@ class StageCost:
     # forward through this one's (n - 1 or more: through the chain's end), of these bytes.
     output_held_through: int | None = None
     output_held_bytes: int = 0
+    # Of saved_bytes (under every option), what the model's code between the previous
+    # stage and this one keeps for backward (a block the chain does not list: diffusers'
+    # mid-block attention). A region starting here does not drop it: that code runs
+    # before the region, so the region holds it from its forward to its backward.
+    link_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -185,6 +190,11 @@ class StageCost:
                                  "give an int >= 0 or null")
         object.__setattr__(self, "output_held_bytes",
                            _bytes(self.output_held_bytes, f"{where} output_held_bytes"))
+        link = _bytes(self.link_saved_bytes, f"{where} link_saved_bytes")
+        if any(link > nbytes for nbytes in self.saved_bytes.values()):
+            raise UsageError(f"{where} link_saved_bytes={link} is more than one of its "
+                             "saved_bytes, which include it; give at most the smallest")
+        object.__setattr__(self, "link_saved_bytes", link)
 
     def bwd_transient(self, option: str) -> int:
         """The backward transient under ``option`` (keep's unless measured apart)."""
@@ -240,6 +250,7 @@ class StageCost:
             **({"output_held_through": self.output_held_through,
                 "output_held_bytes": self.output_held_bytes}
                if self.output_held_through is not None else {}),
+            **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
         }
 
     @classmethod
@@ -274,6 +285,7 @@ _STAGE_KEYS_V1 = (
 _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
+    "link_saved_bytes",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",

@@ -41,6 +41,10 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
   before running); offloaded stages hand R nothing. So R's rebuild runs its items up to
   the last one that hands it something; that item runs only if it is a keep stage; a
   selective stage that did not run is rebuilt in full at its backward instead.
+* what the model's code between stages keeps for backward (``StageCost.link_saved_bytes``,
+  inside the next stage's saved bytes) is dropped inside a region, except before a
+  region's first stage: that code runs before the region, so the region holds it from
+  its forward to its backward (once however many regions start there).
 * a region's fixed cost: ``region_overhead_s`` once per step, and
   ``region_overhead_bytes`` from its rebuild to the end of its backward.
 * gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
@@ -184,6 +188,8 @@ class _Walker:
         # what each open region reads from before it (read once, at its opening)
         self.any_reads = any(s.reads for s in stages)
         self.open_reads: dict[Region, list[HeldRead]] = {}
+        # regions open per start whose stage's link (StageCost.link_saved_bytes) they hold
+        self.link_open: dict[int, int] = {}
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -261,8 +267,15 @@ class _Walker:
         ]
 
     def open_region(self, region: Region) -> None:
-        """The region holds its input and what it reads from before it."""
+        """The region holds its input, what the code before its first stage keeps for
+        backward (that code ran before the region) and what it reads from before it."""
         self.hold(region.start)
+        start = region.start
+        if self.p.stages[start].link_saved_bytes:
+            count = self.link_open.get(start, 0)
+            if not count:
+                self.add(("link", start), self.p.stages[start].link_saved_bytes)
+            self.link_open[start] = count + 1
         reads = self.region_reads(region) if self.any_reads else []
         self.open_reads[region] = reads
         for r in reads:
@@ -276,6 +289,12 @@ class _Walker:
 
     def close_region(self, region: Region) -> None:
         self.release(region.start)
+        start = region.start
+        if self.p.stages[start].link_saved_bytes:
+            self.link_open[start] -= 1
+            if not self.link_open[start]:
+                del self.link_open[start]
+                self.drop(("link", start))
         for r in self.open_reads.pop(region):
             if r.boundary:
                 self.release(r.made_after)
@@ -313,14 +332,22 @@ class _Walker:
 
     # -- one stage ---------------------------------------------------------------------------
 
+    def held_link(self, i: int) -> int:
+        """Stage i's link bytes when a region starting at i holds them (they are in its
+        saved figures, and the code that made them ran before the region)."""
+        if i in self.link_open and self.options[i] != "offload":
+            return self.p.stages[i].link_saved_bytes
+        return 0
+
     def taped(self, i: int, label: str) -> None:
         """Stage i runs with grad under its option; its input is the current activation."""
         self.runs[i] += 1
         self.hold_current(i + 1)
-        self.event(label, self.taped_extra[i])
+        link = self.held_link(i)
+        self.event(label, self.taped_extra[i] - link)
         if self.keeps[i]:
             self.hold_by_stage(i)
-        self.keep_saved(i, self.save[i])
+        self.keep_saved(i, self.save[i] - link)
         self.release_current(i)
 
     def not_saved(self, i: int, label: str) -> None:
@@ -345,7 +372,7 @@ class _Walker:
         self.saved[i] = None
         self.grad[i] = self.a[i]
         self.live += self.a[i] - saved
-        self.event(f"backward {stage.name}", self.backward_extra[i])
+        self.event(f"backward {stage.name}", self.backward_extra[i] - self.held_link(i))
         assert not self.grads_made[i], i
         self.grads_made[i] = True  # after its peak, alive to the optimizer step
         self.live += stage.grad_bytes
@@ -532,7 +559,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
     assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
-    assert not w.read_holds and not w.open_reads, w.read_holds
+    assert not w.read_holds and not w.open_reads and not w.link_open, w.read_holds
     assert set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)

@@ -155,7 +155,7 @@ def minimum_budget(problem: Problem) -> int:
 
 def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[str]]:
     least, regions, options = min_peak_plan(problem)
-    if any(s.reads for s in problem.stages):
+    if any(s.reads or s.link_saved_bytes for s in problem.stages):
         least = max(least, simulate(_as_plan(problem, (regions, options)), problem).peak_bytes)
     return least, regions, options
 
