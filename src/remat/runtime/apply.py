@@ -1,8 +1,9 @@
 """``remat.apply(model, plan)`` and ``remat.remove(model)``: install a plan in place, reversibly.
 
 Applying replaces each stage module's ``forward`` with an instance attribute (module
-objects, parameters and ``state_dict`` keys stay the same) and adds a forward pre-hook
-and an ``always_call`` forward hook to the root model. Everything is checked before the
+objects, parameters and ``state_dict`` keys stay the same), adds a forward pre-hook
+and an ``always_call`` forward hook to the root model, and a forward pre-hook and a
+forward hook to each stage inside a multi-stage region. Everything is checked before the
 first change, so an error never leaves the model half-wrapped; ``remove`` deletes
 exactly what ``apply`` added.
 
@@ -228,6 +229,7 @@ def apply(
     hooks = (  # opaque: see Note [torch.compile sees the engine ...] in engine.py
         model.register_forward_pre_hook(opaque(engine.begin_pass)),
         model.register_forward_hook(opaque(engine.end_pass), always_call=True),
+        *engine.install_stage_hooks(),  # Note [Stages with hooks of their own] in engine.py
     )
     installation = _Installation(engine, stages, previous, hooks)
     _APPLIED[model] = installation
