@@ -44,7 +44,7 @@ from remat.runtime.identity import check_made_for
 from remat.runtime.policies import resolve
 from remat.stages import unknown_path_message
 
-__all__ = ["Handle", "applied", "apply", "observe", "remove"]
+__all__ = ["Handle", "applied", "apply", "installed_hook_ids", "observe", "remove"]
 
 _MISSING = object()
 
@@ -297,6 +297,13 @@ def observe(model: nn.Module, observer: StageObserver) -> Iterator[None]:
         yield
     finally:
         engine.observer = None
+
+
+def installed_hook_ids(model: nn.Module) -> frozenset[int]:
+    """Ids of the hooks ``apply`` put on ``model`` and its stages (``remat.verify`` counts
+    only the model's own)."""
+    installation = _APPLIED.get(model)
+    return frozenset(h.id for h in installation.hooks) if installation is not None else frozenset()
 
 
 def applied(model: nn.Module) -> bool:
