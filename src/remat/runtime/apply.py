@@ -40,6 +40,7 @@ from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
+from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.identity import check_made_for
 from remat.runtime.policies import resolve
 from remat.stages import unknown_path_message
@@ -203,6 +204,7 @@ def apply(
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
     stages = _resolve_stages(model, plan)
+    check_fsdp_units(model, plan.stages, stages, plan.regions)  # again at the first pass
     notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
     if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one

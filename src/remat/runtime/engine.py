@@ -162,6 +162,7 @@ from torch.utils.hooks import RemovableHandle
 from remat.errors import RematError, UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import CheckpointFrame
+from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.glue import (
     GlueRecorder,
     GlueStep,
@@ -390,6 +391,7 @@ class Engine:
         self.hook_ids: list[tuple[nn.Module, int, int]] = []
         self.entered: tuple[int, tuple[Any, ...], dict[str, Any]] | None = None
         self.gap_due: CallRecord | None = None  # the call whose forward hook opens the GAP
+        self.units_checked = False  # FSDP units made after apply: checked at the first pass
 
         self.phase = Phase.IDLE
         self.next_stage = 0
@@ -485,6 +487,9 @@ class Engine:
             self._unwind(0)
         self._reset()
         if module.training and torch.is_grad_enabled():
+            if not self.units_checked:
+                check_fsdp_units(module, self.names, self.modules, self.regions)
+                self.units_checked = True
             self.phase = Phase.FORWARD
             if self.hook_ids:
                 self._keep_hooks_outermost()
