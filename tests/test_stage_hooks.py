@@ -22,6 +22,8 @@ from remat.models import load_model
 from remat.plan import Plan, Region
 
 GPT = dict(n_layer=4, n_embd=16, n_head=2, block_size=8, vocab_size=32, batch_size=4, dropout=0.1)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STAGES = tuple(f"blocks.{i}" for i in range(4))
 NESTED = Plan(stages=STAGES, regions=(Region(0, 4), Region(0, 2), Region(2, 4)))
 
