@@ -19,6 +19,7 @@ import torch
 
 import remat
 from remat import distributed as rd
+from remat.errors import UsageError
 from remat.measure.step import make_optimizer
 from remat.models import load_model
 from remat.plan import Plan, Region
@@ -41,6 +42,18 @@ NONE = Plan(stages=STAGES)
 MEMORY_GPT = dict(GPT, n_embd=64, block_size=32, vocab_size=128)
 #: Losses and parameters after 3 AdamW steps: float32 sums in another order only.
 RTOL, ATOL = 1e-5, 1e-6
+#: Standard wrapping against one process on the full batch: no dropout, so the ranks' step
+#: is the full batch's step (test_reference_is_the_full_batch_without_dropout).
+PLAIN_GPT = dict(GPT, dropout=0.0)
+STANDARD_STEPS = 2
+#: How each standard-wrapping case wraps: remat.apply after or before fully_shard, and
+#: fully_shard's options for the blocks (the root keeps FSDP's default).
+STANDARD = {
+    "after": ("after", {}),
+    "before": ("before", {}),
+    "after_kept": ("after", {"reshard_after_forward": False}),
+    "before_kept": ("before", {"reshard_after_forward": False}),
+}
 
 
 def _seed(step: int, rank: int) -> None:
@@ -123,6 +136,136 @@ def _rank(rank: int, path: str, out: str) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
+def _fully_shard_blocks(model: torch.nn.Module, mp_policy: Any = None, **options: Any) -> None:
+    """The common FSDP2 set-up (torchtitan, accelerate): each block a unit, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for name in STAGES:
+        fully_shard(model.get_submodule(name), **options, **mp)
+    fully_shard(model, **mp)
+
+
+def _mixed_precision(rank: int) -> dict[str, Any]:
+    """bfloat16 parameters in forward and backward (gradients reduced in float32), the
+    standard wrapping without and with the nested plan."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    seen: dict[str, Any] = {}
+    for name, plan in (("plain", None), ("nested", NESTED)):
+        model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
+        batch = rd.shard_batch(batch, rank, WORLD)
+        _fully_shard_blocks(model, policy)
+        if plan is not None:
+            remat.apply(model, plan)
+        opt = make_optimizer(model, "adamw")
+        losses = []
+        for _ in range(STANDARD_STEPS):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        seen[name] = (losses, _full_params(model))
+    return seen
+
+
+class _Outer(torch.nn.Module):
+    """A stage, then a module holding two more: ``fully_shard(inner)`` is a unit over two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(8, 8)
+        self.inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.first(x))
+
+
+#: A region over ``first`` and the two stages of the unit ``inner``: it crosses the unit.
+CROSSING = Plan(stages=("first", "inner.0", "inner.1"), regions=(Region(0, 3),))
+
+
+def _hooks_and_forwards(model: torch.nn.Module) -> list[tuple[str, bool, int, int]]:
+    return [
+        (name, "forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks))
+        for name, m in model.named_modules()
+    ]
+
+
+def _crossing_unit() -> dict[str, Any]:
+    """The refused wrapping, both orders: the messages, and the model after remat.remove."""
+    from torch.distributed.fsdp import fully_shard
+
+    seen: dict[str, Any] = {}
+    x = torch.randn(4, 8)
+    model = _Outer()
+    fully_shard(model.inner)
+    fully_shard(model)
+    before = _hooks_and_forwards(model)
+    try:
+        remat.apply(model, CROSSING)
+    except UsageError as e:
+        seen["after"] = str(e)
+    seen["after_untouched"] = not remat.applied(model) and _hooks_and_forwards(model) == before
+    model = _Outer()
+    remat.apply(model, CROSSING)
+    fully_shard(model.inner)
+    fully_shard(model)
+    try:
+        model(x).sum().backward()
+    except UsageError as e:
+        seen["before"] = str(e)
+    remat.remove(model)
+    seen["before_removed"] = _hooks_and_forwards(model) == before
+    model.reset_iter_state()  # FSDP's recovery after a forward that raised
+    model(x).sum().backward()  # trains as FSDP alone
+    seen["trains_after_remove"] = all(p.grad is not None for p in model.parameters())
+    return seen
+
+
+def _standard_rank(rank: int, path: str, out: str) -> None:
+    """Standard wrapping with the nested plan, both orders: losses, parameters, collectives."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
+    result: dict[str, Any] = {}
+    try:
+        for name, (order, options) in STANDARD.items():
+            model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
+            batch = rd.shard_batch(batch, rank, WORLD)
+            if order == "before":
+                handle = remat.apply(model, NESTED)
+            _fully_shard_blocks(model, **options)
+            if order == "after":
+                handle = remat.apply(model, NESTED)
+            opt = make_optimizer(model, "adamw")
+            losses = []
+            for _ in range(STANDARD_STEPS):  # the collectives of the last step are kept
+                with rd.count_all_gathers() as forward:
+                    loss = loss_fn(model, batch)
+                with rd.count_all_gathers() as backward, rd.count_reduce_scatters() as scatters:
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            result[name] = {
+                "losses": losses,
+                "params": _full_params(model),
+                "collectives": (forward.calls, backward.calls, scatters.calls),
+                "rebuilds": handle.rebuilds,
+            }
+        result["crossing"] = _crossing_unit()
+        result["mixed"] = _mixed_precision(rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
 def _peak_rank(rank: int, path: str, out: str, wrap: str, name: str) -> None:
     """One per-rank peak, in a process that measures nothing else."""
     import torch.distributed as dist
@@ -165,6 +308,91 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as rendezvous:
         mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), str(out)), nprocs=WORLD)
     return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def standard(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(_standard_rank, tmp=tmp_path_factory.mktemp("standard"))
+
+
+def _full_batch(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the plain model, the whole global batch each step."""
+    model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
+    opt = make_optimizer(model, "adamw")
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", list(STANDARD))
+def test_standard_wrapping_with_nested_regions_trains_like_one_process(
+    standard: list[dict[str, Any]], case: str
+) -> None:
+    """Each block its own FSDP2 unit inside regions [0,4) > [0,2), [2,4), the plan applied
+    after fully_shard or before it, blocks resharded after forward or kept gathered: two
+    AdamW steps equal one process on the full batch. Tolerance as for DDP above: the ranks'
+    gradients are the full batch's summed in another order (each rank's half of the batch,
+    then gloo's sum of the two), about one float32 rounding apart, and AdamW's first steps
+    move every parameter by about lr whatever the gradient's size."""
+    losses, params = _full_batch(STANDARD_STEPS)
+    got = [standard[r][case] for r in range(WORLD)]
+    # every rank's loss is the mean over its half of the tokens: their mean is the batch's
+    mean = [sum(g["losses"][s] for g in got) / WORLD for s in range(STANDARD_STEPS)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=RTOL, atol=ATOL)
+    for r in range(WORLD):
+        assert got[r]["rebuilds"] == STANDARD_STEPS * len(NESTED.regions)  # the regions ran
+        assert got[r]["params"].keys() == params.keys()
+        for name, value in params.items():
+            torch.testing.assert_close(
+                got[r]["params"][name], value, rtol=RTOL, atol=ATOL,
+                msg=lambda m, n=name, k=r: f"{case} rank {k} {n}: {m}",
+            )
+
+
+def test_standard_wrapping_gathers_and_reduces_as_without_a_plan(
+    standard: list[dict[str, Any]]
+) -> None:
+    """Per step: forward gathers the 4 block units and the root; backward gathers each
+    block once (the rebuild of [0, 4) gathers blocks 0 to 2 and they stay gathered for
+    their own backward; block 3 by its pre-backward hook), or never when blocks stay
+    gathered after forward; every unit's gradients are reduce-scattered exactly once,
+    though the rebuilds ran the blocks again (3 region rebuilds per step)."""
+    for r in range(WORLD):
+        for case in ("after", "before"):
+            assert standard[r][case]["collectives"] == (5, 4, 5), case
+        for case in ("after_kept", "before_kept"):
+            assert standard[r][case]["collectives"] == (5, 0, 5), case
+
+
+def test_mixed_precision_with_nested_regions_changes_nothing(
+    standard: list[dict[str, Any]]
+) -> None:
+    """Under a bfloat16 policy FSDP casts each block's inputs in its pre-hook; the rebuild
+    calls the block through that hook again, so it computes what forward computed: the
+    same losses and parameters as the same wrapping without a plan, bit for bit."""
+    for r in range(WORLD):
+        (plain_losses, plain), (losses, got) = standard[r]["mixed"].values()
+        assert losses == plain_losses
+        assert all(torch.equal(got[k], v) for k, v in plain.items())
+
+
+def test_a_region_crossing_a_unit_of_several_stages_is_refused(
+    standard: list[dict[str, Any]]
+) -> None:
+    """fully_shard(model.inner) over two stages, a region over those and one before: at
+    apply when the unit exists, else at the first forward; remove leaves FSDP alone."""
+    for r in range(WORLD):
+        seen = standard[r]["crossing"]
+        for order in ("after", "before"):
+            assert seen[order].startswith("region [0, 3) crosses the FSDP unit 'inner'")
+            assert "'inner.0', 'inner.1'" in seen[order]
+        assert seen["after_untouched"] and seen["before_removed"]
+        assert seen["trains_after_remove"]
 
 
 def _reference(plan: Plan | None = None, **options: Any) -> tuple[list[list[float]], dict]:
@@ -243,8 +471,9 @@ def test_all_gathers_for_both_wrap_orders(ranks: list[dict[str, Any]]) -> None:
         assert got["children_unit_nested"] == (5, 4)
 
 
-def test_a_stage_unit_cannot_sit_in_a_multi_stage_region() -> None:
-    """Why shard_stages shards the children (Note [FSDP units and regions]): no ranks needed."""
+def test_shard_stages_picks_the_stages_of_multi_stage_regions() -> None:
+    """The stages shard_stages makes units by their children (Note [FSDP units and
+    regions]): those inside a multi-stage region; no ranks needed."""
     assert rd._in_multi_stage_region(NESTED, STAGES) == set(STAGES)
     assert rd._in_multi_stage_region(PER_STAGE, STAGES) == set()
 

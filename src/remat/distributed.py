@@ -10,23 +10,25 @@ Note [FSDP units and regions]
 -----------------------------
 ``fully_shard(module)`` installs a forward pre-hook that all-gathers the unit's
 parameters and passes the unit's inputs through an autograd function (FSDP's
-``RegisterPostBackwardFunction``): the unit receives *new* tensor objects. remat's
-runtime checks, inside a multi-stage region, that each stage receives the previous
-stage's output itself (its rebuild replays the stages as a chain), so a stage that is
-itself an FSDP unit cannot sit inside a multi-stage region (remat raises a UsageError
-naming the two stages). :func:`shard_stages` therefore makes such a stage's *children*
-one FSDP unit (``fully_shard(list(children))``: one all-gather per stage, as before)
-and every other stage a unit of its own.
+``RegisterPostBackwardFunction``): the unit receives *new* tensor objects. remat sees a
+stage's call through hooks of its own that run before and after FSDP's (Note [Stages
+with hooks of their own] in ``remat/runtime/engine.py``), so the common wrapping, each
+block a unit and then the root, takes any plan, multi-stage and nested regions
+included, whichever of ``fully_shard`` and ``remat.apply`` comes first. Refused: a
+multi-stage region crossing a unit that holds several stages
+(``remat/runtime/fsdp_units.py``). :func:`shard_stages` is a one-call set-up that,
+from before that, makes a stage inside a multi-stage region a unit by its *children*
+(``fully_shard(list(children))``) and every other stage a unit of its own; the
+measurements of ``remat bench --distributed fsdp`` and ``plan_rank_peak`` use it.
 
-Counted with torch 2.13 on 2 gloo ranks (``tests/test_distributed.py``), neither order
-makes a rebuild gather again: a single-stage region inside an FSDP unit rebuilds after
-the unit's pre-backward hook has gathered its parameters (FSDP's pre-forward hook does
-nothing in that state), and units inside a multi-stage region are gathered by the
-rebuild's forward and, since FSDP does not reshard after a forward that runs during
-backward, stay gathered for their own backward: each unit is gathered once in forward
-and once in backward with and without the plan. What the second order costs instead is
-memory: every unit of the region stays gathered from the region's rebuild until its own
-backward.
+Counted with torch 2.13 on 2 gloo ranks (``tests/test_distributed.py``), neither wrapping
+makes a rebuild gather again: a unit whose pre-backward hook has gathered it rebuilds
+with it gathered (FSDP's pre-forward hook does nothing in that state), and a unit gathered
+by a region's rebuild stays gathered for its own backward, since FSDP does not reshard
+after a forward that runs during backward: each unit is gathered once in forward and
+once in backward with and without the plan, and its gradients are reduce-scattered once.
+What regions cost instead is memory: every unit of a region stays gathered from the
+region's rebuild until its own backward.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "RankInfo",
     "allocated_bytes",
     "count_all_gathers",
+    "count_reduce_scatters",
     "env_rank",
     "init_from_env",
     "local_bytes",
@@ -70,6 +73,10 @@ STRATEGIES = ("ddp", "fsdp")
 
 #: torch.distributed's all-gather entry points; a call that delegates to another counts once.
 _GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
+#: ... and its reduce-scatter entry points (FSDP2 reduces each unit's gradients with one).
+_SCATTERS = (
+    "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter"
+)
 
 
 @dataclass(frozen=True)
@@ -162,9 +169,10 @@ def shard_stages(
 ) -> list[str]:
     """``fully_shard`` each stage (Note [FSDP units and regions]) and then the root.
 
-    Call it before ``remat.apply`` and before building the optimizer (FSDP replaces the
-    parameters). A stage inside one of ``plan``'s multi-stage regions gets its children
-    sharded as one unit instead of itself. Returns a line per unit, for reports.
+    Call it before building the optimizer (FSDP replaces the parameters). A stage inside
+    one of ``plan``'s multi-stage regions gets its children sharded as one unit instead
+    of itself (not needed any more; kept so that measurements stay comparable). Returns
+    a line per unit, for reports.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -201,7 +209,8 @@ def wrap_ddp(model: nn.Module, **ddp_options: Any) -> nn.Module:
 
 @dataclass
 class GatherCount:
-    """All-gathers seen so far: calls, and bytes of their outputs (the gathered size)."""
+    """Collectives seen so far: calls, and bytes of their outputs (an all-gather's output
+    is the gathered size; a reduce-scatter's is this rank's shard)."""
 
     calls: int = 0
     bytes: int = 0
@@ -215,6 +224,20 @@ def count_all_gathers() -> Iterator[GatherCount]:
     and ``torch.distributed.distributed_c10d``); a call that delegates to another (in
     torch 2.13 ``all_gather_into_tensor`` calls ``all_gather_single``) counts once.
     """
+    with _counting(_GATHERS, "output_tensor", "tensor_list") as count:
+        yield count
+
+
+@contextlib.contextmanager
+def count_reduce_scatters() -> Iterator[GatherCount]:
+    """Count every torch.distributed reduce-scatter called in the block, as
+    :func:`count_all_gathers` counts all-gathers (FSDP2 makes one per unit in backward)."""
+    with _counting(_SCATTERS, "output", "output") as count:
+        yield count
+
+
+@contextlib.contextmanager
+def _counting(names: Sequence[str], out_kw: str, list_kw: str) -> Iterator[GatherCount]:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -225,7 +248,7 @@ def count_all_gathers() -> Iterator[GatherCount]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
                 count.calls += 1
-                out = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list"))
+                out = args[0] if args else kwargs.get(out_kw, kwargs.get(list_kw))
                 count.bytes += sum(t.numel() * t.element_size() for t in iter_tensors(out))
             depth[0] += 1
             try:
@@ -237,7 +260,7 @@ def count_all_gathers() -> Iterator[GatherCount]:
 
     saved: list[tuple[Any, str, Any]] = []
     for namespace in (dist, c10d):
-        for name in _GATHERS:
+        for name in names:
             fn = getattr(namespace, name, None)
             if fn is not None:
                 saved.append((namespace, name, fn))

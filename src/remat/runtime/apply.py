@@ -1,8 +1,9 @@
 """``remat.apply(model, plan)`` and ``remat.remove(model)``: install a plan in place, reversibly.
 
 Applying replaces each stage module's ``forward`` with an instance attribute (module
-objects, parameters and ``state_dict`` keys stay the same) and adds a forward pre-hook
-and an ``always_call`` forward hook to the root model. Everything is checked before the
+objects, parameters and ``state_dict`` keys stay the same), adds a forward pre-hook
+and an ``always_call`` forward hook to the root model, and a forward pre-hook and a
+forward hook to each stage inside a multi-stage region. Everything is checked before the
 first change, so an error never leaves the model half-wrapped; ``remove`` deletes
 exactly what ``apply`` added.
 
@@ -39,11 +40,12 @@ from remat.plan import Plan
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
+from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.identity import check_made_for
 from remat.runtime.policies import resolve
 from remat.stages import unknown_path_message
 
-__all__ = ["Handle", "applied", "apply", "observe", "remove"]
+__all__ = ["Handle", "applied", "apply", "installed_hook_ids", "observe", "remove"]
 
 _MISSING = object()
 
@@ -202,6 +204,7 @@ def apply(
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
     stages = _resolve_stages(model, plan)
+    check_fsdp_units(model, plan.stages, stages, plan.regions)  # again at the first pass
     notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
     if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
@@ -228,6 +231,7 @@ def apply(
     hooks = (  # opaque: see Note [torch.compile sees the engine ...] in engine.py
         model.register_forward_pre_hook(opaque(engine.begin_pass)),
         model.register_forward_hook(opaque(engine.end_pass), always_call=True),
+        *engine.install_stage_hooks(),  # Note [Stages with hooks of their own] in engine.py
     )
     installation = _Installation(engine, stages, previous, hooks)
     _APPLIED[model] = installation
@@ -295,6 +299,13 @@ def observe(model: nn.Module, observer: StageObserver) -> Iterator[None]:
         yield
     finally:
         engine.observer = None
+
+
+def installed_hook_ids(model: nn.Module) -> frozenset[int]:
+    """Ids of the hooks ``apply`` put on ``model`` and its stages (``remat.verify`` counts
+    only the model's own)."""
+    installation = _APPLIED.get(model)
+    return frozenset(h.id for h in installation.hooks) if installation is not None else frozenset()
 
 
 def applied(model: nn.Module) -> bool:

@@ -99,6 +99,26 @@ call runs: only the forward of a pass runs in phase FORWARD; region rebuilds run
 REBUILD, and a selective frame's replay runs from backward, after the pass ended (IDLE).
 Without an observer the only cost is one attribute test per stage call.
 
+Note [Stages with hooks of their own]
+-------------------------------------
+A stage module can carry forward hooks of its own that change what its ``forward``
+receives and returns. FSDP2's ``fully_shard(block)`` is the common case: its pre-hook
+all-gathers the unit's parameters and hands the block *new* input tensors (its
+``RegisterPostBackwardFunction``), and its forward hook reshards (and casts the output
+under a mixed-precision policy). Inside a multi-stage region the engine must see the
+stage call as the model's code makes it: the input the model passed (made inside the
+region, so the rebuild can feed it again) and the output the model gets back, with the
+hooks' own work (gathers, reshards) outside the recorded glue, since the rebuild calls
+the stage module again and its hooks run again there. So every stage inside a
+multi-stage region gets a forward pre-hook that runs first (:meth:`Engine.enter_stage`:
+it ends the glue recording and notes the model's arguments) and a forward hook that runs
+last (:meth:`Engine.leave_stage`: it notes the output the model receives and starts the
+glue recording). Hooks registered after ``apply`` (``fully_shard`` after the plan) would
+run outside ours, so each training pass moves ours back to first and last
+(``_keep_hooks_outermost``; torch's own ``prepend=True`` does the same move). The stage's
+code still runs on what the other hooks handed it; a stage module called as
+``module.forward(...)`` runs no hooks and is recorded as before.
+
 Note [torch.compile sees the engine as one opaque call]
 -------------------------------------------------------
 Under ``torch.compile`` Dynamo would trace into the engine. It cannot trace torch's
@@ -130,16 +150,19 @@ import contextlib
 import enum
 import functools
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from remat.errors import RematError, UsageError
 from remat.plan import Plan
 from remat.runtime._torch_checkpoint import CheckpointFrame
+from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.glue import (
     GlueRecorder,
     GlueStep,
@@ -359,6 +382,16 @@ class Engine:
         )
         # Stages whose forward outside regions needs nothing from us (the fast path).
         self.plain = tuple(not opens[i] and self.policies[i].is_keep for i in range(n))
+        # Stages inside multi-stage regions see their calls through hooks of ours that run
+        # first and last (Note [Stages with hooks of their own]).
+        self.hooked = tuple(
+            i for i in range(n)
+            if any(r.start <= i < r.stop and r.stop - r.start > 1 for r in self.regions)
+        )
+        self.hook_ids: list[tuple[nn.Module, int, int]] = []
+        self.entered: tuple[int, tuple[Any, ...], dict[str, Any]] | None = None
+        self.gap_due: CallRecord | None = None  # the call whose forward hook opens the GAP
+        self.units_checked = False  # FSDP units made after apply: checked at the first pass
 
         self.phase = Phase.IDLE
         self.next_stage = 0
@@ -395,13 +428,71 @@ class Engine:
 
         return forward
 
+    def install_stage_hooks(self) -> list[RemovableHandle]:
+        """Hooks on the stages inside multi-stage regions (Note [Stages with hooks ...])."""
+        handles = []
+        for i in self.hooked:
+            module = self.modules[i]
+            pre = module.register_forward_pre_hook(
+                opaque(self._enter_hook(i)), prepend=True, with_kwargs=True
+            )
+            post = module.register_forward_hook(opaque(self._leave_hook(i)))
+            self.hook_ids.append((module, pre.id, post.id))
+            handles += [pre, post]
+        return handles
+
+    def _enter_hook(self, i: int) -> Callable[..., None]:
+        def enter(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.enter_stage(i, args, kwargs)
+
+        return enter
+
+    def _leave_hook(self, i: int) -> Callable[..., None]:
+        def leave(_module: nn.Module, _args: Any, output: Any) -> None:
+            self.leave_stage(i, output)
+
+        return leave
+
+    def enter_stage(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Stage ``i``'s call begins, before any other hook of it: end the glue recording
+        and note what the model passes (Note [Stages with hooks of their own])."""
+        if self.phase is Phase.IDLE:
+            return
+        if self.phase is Phase.FORWARD and self.stack and self.stack[-1].kind is Kind.GAP:
+            self._unwind(len(self.stack) - 1)
+        self.entered = (i, args, dict(kwargs))
+
+    def leave_stage(self, i: int, output: Any) -> None:
+        """Stage ``i``'s call ends, after every other hook of it: its output is what the
+        model receives; the code after it is recorded from here."""
+        record, self.gap_due = self.gap_due, None
+        if record is None or record.stage != i or self.phase is not Phase.FORWARD:
+            return
+        record.outputs = self.tape.outputs(output, i + 1)
+        self._open_gap(i + 1)
+
+    def _keep_hooks_outermost(self) -> None:
+        """Our stage hooks first and last again, whoever hooked the stages after ``apply``."""
+        for module, pre, post in self.hook_ids:
+            pres = cast(OrderedDict, module._forward_pre_hooks)
+            posts = cast(OrderedDict, module._forward_hooks)
+            if pre in pres and next(iter(pres)) != pre:
+                pres.move_to_end(pre, last=False)
+            if post in posts and next(reversed(posts)) != post:
+                posts.move_to_end(post)
+
     def begin_pass(self, module: nn.Module, _args: Any) -> None:
         """Root forward pre-hook: a new pass starts (training with grad: checkpointing)."""
         if self.phase is not Phase.IDLE or self.stack:  # stale after a KeyboardInterrupt
             self._unwind(0)
         self._reset()
         if module.training and torch.is_grad_enabled():
+            if not self.units_checked:
+                check_fsdp_units(module, self.names, self.modules, self.regions)
+                self.units_checked = True
             self.phase = Phase.FORWARD
+            if self.hook_ids:
+                self._keep_hooks_outermost()
 
     def end_pass(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         """Root forward hook (``always_call``): check the pass closed every region, reset."""
@@ -423,6 +514,8 @@ class Engine:
         self.phase = Phase.IDLE
         self.next_stage = 0
         self.current = None
+        self.entered = None
+        self.gap_due = None
         self.tape.reset()
 
     def _unwind(self, depth: int) -> None:
@@ -437,21 +530,33 @@ class Engine:
     # -- stage calls --------------------------------------------------------------------
 
     def call(self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+        # What the model passed, if our pre-hook saw this call (Note [Stages with hooks ...])
+        entered, self.entered = self.entered, None
+        given = (entered[1], entered[2]) if entered is not None and entered[0] == i else None
         if self.observer is not None:
             orig = functools.partial(self._observed, i, orig)
         if self.phase is Phase.REBUILD:
-            return self._call_in_rebuild(i, orig, args, kwargs)
+            return self._call_in_rebuild(i, orig, args, kwargs, given)
         if i != self.next_stage:
             raise self._order_error(i)
         self.next_stage = i + 1
         if not self.stack and self.plain[i]:
             return orig(*args, **kwargs)
-        return self._call_in_forward(i, orig, args, kwargs)
+        return self._call_in_forward(i, orig, args, kwargs, given)
 
     def _call_in_forward(
-        self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        i: int,
+        orig: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        given: tuple[tuple[Any, ...], dict[str, Any]] | None,
     ) -> Any:
-        boundary = main_input(args, kwargs)
+        """Run stage ``i`` in forward; ``args``/``kwargs`` are what its code gets, ``given``
+        what the model passed, when hooks of the stage stand between (the engine records
+        and links by the latter)."""
+        model_args, model_kwargs = given if given is not None else (args, kwargs)
+        boundary = main_input(model_args, model_kwargs)
         if self.stack and self.stack[-1].kind is Kind.GAP:
             self._unwind(len(self.stack) - 1)
         if not torch.is_grad_enabled():
@@ -472,7 +577,7 @@ class Engine:
             parent.children_at.setdefault(len(parent.calls), []).append(child)
         if not self.stack:  # a selective or offload stage outside regions
             return self._run_recording(i, orig, args, kwargs, CallRecord(i), _Where.TOP)
-        template = self.tape.encode((args, kwargs))
+        template = self.tape.encode((model_args, model_kwargs))
         if self.reads is not None:
             self._note_reads(i, template, by_call=True, main=self.tape.slot_of(boundary))
         record = CallRecord(i, template)
@@ -487,10 +592,17 @@ class Engine:
         if not self.stack:
             self.tape.reset()
             return out
-        recorder = GlueRecorder(self.tape, i + 1, self._glue_step, self._glue_hazard)
+        if given is not None:  # our forward hook runs after the stage's others: it opens
+            self.gap_due = record
+        else:
+            self._open_gap(i + 1)
+        return out
+
+    def _open_gap(self, stages_called: int) -> None:
+        """Record the model's code from here to the next stage (Note [Code between ...])."""
+        recorder = GlueRecorder(self.tape, stages_called, self._glue_step, self._glue_hazard)
         recorder.__enter__()
         self.stack.append(_Entry(-1, Kind.GAP, None, hooks=recorder))
-        return out
 
     def _check_link(self, i: int, boundary: torch.Tensor | None) -> None:
         """Stage ``i``'s input must be made inside its innermost open region (or be its input).
@@ -578,7 +690,12 @@ class Engine:
         return out
 
     def _call_in_rebuild(
-        self, i: int, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        i: int,
+        orig: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        given: tuple[tuple[Any, ...], dict[str, Any]] | None,
     ) -> Any:
         record = self.current
         if record is None or record.stage != i:
@@ -592,7 +709,8 @@ class Engine:
         else:  # REPLAYING: open the child starting here, or run as the innermost region
             child = next((k for k in self.opens_at[i] if self.parent[k] == top.region), -1)
             if child >= 0:
-                self._open(child, main_input(args, kwargs), Kind.SHADOW)
+                model_args, model_kwargs = given if given is not None else (args, kwargs)
+                self._open(child, main_input(model_args, model_kwargs), Kind.SHADOW)
                 out = orig(*args, **kwargs)
             else:
                 out = self._run(i, orig, args, kwargs, record, _Where.REBUILD)

@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 import remat.runtime
 from remat.plan import Plan, Region
+from remat.runtime.apply import installed_hook_ids
 from remat.verify.fingerprint import (
     Checksum,
     Fingerprint,
@@ -184,9 +185,12 @@ class HazardProbe:
         )
         self._found: list[Hazard] = []
         self._hooks: list[RemovableHandle] = []
+        ours = installed_hook_ids(model)  # the plan's own stage hooks are not the model's
         for i, named in self._modules.items():
             for path, module in named:
-                count = len(module._forward_pre_hooks) + len(module._forward_hooks)
+                count = sum(
+                    k not in ours for k in (*module._forward_pre_hooks, *module._forward_hooks)
+                )
                 if count:
                     self._hooks.append(
                         module.register_forward_pre_hook(self._hook_counter(i, path, count))

@@ -1,0 +1,52 @@
+"""FSDP2 units and multi-stage regions: which wrappings a plan's regions can work with.
+
+A stage that is itself an FSDP2 unit (``fully_shard(block)``), a unit inside a stage, or
+the root unit all work with any plan (Note [Stages with hooks of their own] in
+``engine.py``). What cannot work is a multi-stage region that crosses the boundary of a
+unit holding several stages (``fully_shard(model.encoder)`` over blocks 2 to 5 and a
+region ``[0, 4)``): the unit's hooks (gather its parameters, hand its stages new inputs)
+run between two stages of the region in forward, but the region's rebuild replays stage
+calls and the code between them, never the unit's own call, so its hooks would not run
+again there. That is refused with one sentence, before anything is changed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from torch import nn
+
+from remat.errors import UsageError
+from remat.plan import Region
+
+__all__ = ["check_fsdp_units"]
+
+
+def check_fsdp_units(
+    model: nn.Module,
+    names: Sequence[str],
+    stages: Sequence[nn.Module],
+    regions: Sequence[Region],
+) -> None:
+    """UsageError if a multi-stage region crosses an FSDP2 unit that holds several stages."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is a unit
+    unit_type = getattr(fsdp, "FSDPModule", None)
+    multi = [r for r in regions if r.stop - r.start > 1]
+    if unit_type is None or not multi:
+        return
+    index = {id(m): i for i, m in enumerate(stages)}
+    for path, module in model.named_modules():
+        if module is model or id(module) in index or not isinstance(module, unit_type):
+            continue
+        inside = {index[id(m)] for m in module.modules() if id(m) in index}
+        for r in multi:
+            span = set(range(r.start, r.stop))
+            if span & inside and not span <= inside:
+                held = ", ".join(repr(names[i]) for i in sorted(inside))
+                raise UsageError(
+                    f"region {r} crosses the FSDP unit {path!r} (it holds stages {held}), "
+                    "whose hooks a rebuild of the region cannot run again; fully_shard each "
+                    "stage instead of the module around them, or keep the region within "
+                    "that unit's stages"
+                )
