@@ -45,6 +45,9 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
   inside the next stage's saved bytes) is dropped inside a region, except before a
   region's first stage: that code runs before the region, so the region holds it from
   its forward to its backward (once however many regions start there).
+* a tensor a top-level region's stages made that stages after the region read (a
+  position bias passed on) outlives the region's forward: held from there to the
+  backward of its first reader (``StageCost.reads`` of the readers).
 * a region's fixed cost: ``region_overhead_s`` once per step, and
   ``region_overhead_bytes`` from its rebuild to the end of its backward.
 * gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
@@ -188,6 +191,8 @@ class _Walker:
         # what each open region reads from before it (read once, at its opening)
         self.any_reads = any(s.reads for s in stages)
         self.open_reads: dict[Region, list[HeldRead]] = {}
+        # stage -> tensors made inside a region before it that it reads, held to its backward
+        self.escapes: dict[int, list[tuple[int, int]]] = {}
         # regions open per start whose stage's link (StageCost.link_saved_bytes) they hold
         self.link_open: dict[int, int] = {}
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
@@ -311,6 +316,31 @@ class _Walker:
         else:
             self.release(b)
 
+    def hold_escapes(self, region: Region) -> None:
+        """Tensors the region's stages made that stages after it read (T5's position bias,
+        made by the first block and passed to the rest): the region's forward drops its
+        stages' saved bytes, which count them, but the readers keep them, to the backward
+        of the first reader (the last of them to run backward)."""
+        start, stop, stages = region.start, region.stop, self.p.stages
+        found: dict[int, tuple[int, int]] = {}  # tensor -> (bytes, first reader)
+        for j in range(stop, self.p.n):
+            for r in stages[j].reads:
+                if not r.boundary and start < r.made_after < stop and r.tensor not in found:
+                    found[r.tensor] = (r.nbytes, j)
+        for tensor, (nbytes, reader) in found.items():
+            count = self.read_holds.get(tensor, 0)
+            if not count:
+                self.live += nbytes
+            self.read_holds[tensor] = count + 1
+            self.escapes.setdefault(reader, []).append((tensor, nbytes))
+
+    def let_escapes_go(self, i: int) -> None:
+        for tensor, nbytes in self.escapes.pop(i, ()):
+            self.read_holds[tensor] -= 1
+            if not self.read_holds[tensor]:
+                del self.read_holds[tensor]
+                self.live -= nbytes
+
     def add(self, key: Hashable, nbytes: int) -> None:
         assert key not in self.blocks, key
         self.blocks[key] = nbytes
@@ -392,6 +422,8 @@ class _Walker:
         assert grad is not None, i
         self.grad[i + 1] = None
         self.live -= grad
+        if i in self.escapes:
+            self.let_escapes_go(i)
 
     # -- levels ------------------------------------------------------------------------------
 
@@ -438,6 +470,7 @@ class _Walker:
                 model_holds(i)
                 self.not_saved(i, f"{labels[i]} {where}")
                 model_lets_go(i)
+            self.hold_escapes(item.region)
 
     def rebuild(self, region: Region, items: Sequence[Item]) -> None:
         """Region's rebuild: its items run again, with early stop as in the module note."""
@@ -559,7 +592,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
     assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
-    assert not w.read_holds and not w.open_reads and not w.link_open, w.read_holds
+    assert not w.read_holds and not w.open_reads and not w.link_open and not w.escapes, (
+        w.read_holds)
     assert set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)
