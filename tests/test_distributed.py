@@ -109,6 +109,7 @@ def _rank(rank: int, path: str, out: str) -> None:
             _train(ddp, batch, loss_fn, make_optimizer(model, "adamw"), rank),
             _full_params(model),
         )
+        result["ddp_buckets"] = rd.ddp_bucket_bytes(ddp), rd.local_bytes(list(model.parameters()))
         # FSDP2: shard first (the stages of the multi-stage regions by their children).
         model, batch, loss_fn = load_model("gpt", **GPT)
         batch = rd.shard_batch(batch, rank, WORLD)
@@ -469,6 +470,15 @@ def test_all_gathers_for_both_wrap_orders(ranks: list[dict[str, Any]]) -> None:
         assert got["children_unit_none"] == (5, 4)
         assert got["children_unit_one_region"] == (5, 4)  # (b)
         assert got["children_unit_nested"] == (5, 4)
+
+
+def test_ddp_buckets_read_from_the_reducer_are_one_copy_of_the_gradients(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """What rank_step_memory counts for DDP between steps (gradient_as_bucket_view off)."""
+    for r in range(WORLD):
+        buckets, params = ranks[r]["ddp_buckets"]
+        assert buckets == params > 0
 
 
 def test_shard_stages_picks_the_stages_of_multi_stage_regions() -> None:
