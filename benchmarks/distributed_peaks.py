@@ -99,10 +99,11 @@ def main() -> None:
             print(lines[-1], flush=True)
     lines += [
         "",
-        "The spread between runs of the same code is the allocator events of gloo's own "
-        "threads and of FSDP2's prefetched all-gathers, which land inside or outside the "
-        "measured step depending on timing; the unit tests assert only the robust "
-        "inequalities (sharding and regions lower the peak) and training equality.",
+        "Each run is read by `rd.plan_rank_memory` (Note [Steady per-rank peaks] in "
+        "`src/remat/distributed.py`): the same code measures the same bytes in every run "
+        "(`benchmarks/distributed_steadiness.md`), so a gap to the prediction is the "
+        "model's; the unit tests assert the robust inequalities (sharding and regions "
+        "lower the peak), training equality and the instrument's accounting.",
         "",
     ]
     Path(args.out).write_text("\n".join(lines))

@@ -130,16 +130,9 @@ class _Ranks:
                   else EagerRunner(model, batch, loss_fn, optimizer, plan))
         runner.resident_bytes = 0  # type: ignore[attr-defined]
         if self.strategy == "ddp":
-            opt = runner.optimizer
-
-            def wrap_and_warm() -> Any:
-                ddp = rd.wrap_ddp(model)
-                rd.warm_ddp(ddp, batch, loss_fn, opt)
-                return ddp
-
-            runner.model, allocated = rd.allocated_bytes(wrap_and_warm)
-            runner.resident_bytes = (  # type: ignore[attr-defined]
-                allocated - rd.local_bytes([*opt.state.values()]))
+            runner.model = rd.wrap_ddp(model)
+            rd.warm_ddp(runner.model, batch, loss_fn, runner.optimizer)
+            runner.resident_bytes = rd.ddp_bucket_bytes(runner.model)  # type: ignore[attr-defined]
         return runner
 
     @staticmethod

@@ -42,11 +42,14 @@ class AllocatorEvents:
     On a normal exit, :attr:`events` holds ``(start_ns, bytes)`` pairs sorted by time:
     positive for an allocation, negative for a free. A CUDA device with an index keeps
     only that device's events; ``torch.device("cuda")`` keeps every CUDA device's.
+    :attr:`profile` keeps the finished ``torch.profiler.profile`` for readers that need
+    more of each event (its address and thread: ``remat.distributed``).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.events: list[tuple[int, int]] = []
+        self.profile: Any = None
         self._prof: Any = None
 
     @property
@@ -73,6 +76,7 @@ class AllocatorEvents:
             prof.__exit__(None, None, None)
         if exc_type is None:
             self.events = self._read(prof)
+            self.profile = prof
 
     def _read(self, prof: Any) -> list[tuple[int, int]]:
         from torch.autograd import DeviceType
