@@ -172,6 +172,20 @@ def test_a_profile_pools_identical_stages_and_records_its_noise(mixed_profile: P
     assert "3 identical stages in 1 group(s)" in noise_lines(mixed_profile)[0]
 
 
+def test_the_noisy_timing_warning_suggests_one_thread_only_where_more_ran(
+    mixed_profile: Profile,
+) -> None:
+    import dataclasses
+
+    assert mixed_profile.timing_noise is not None
+    noisy = dataclasses.replace(mixed_profile, timing_noise=dataclasses.replace(
+        mixed_profile.timing_noise, step_spread=0.5))
+    many, one = noise_lines(noisy)[-1], noise_lines(noisy, one_thread=True)[-1]
+    assert many.startswith("warning: the timings are noisy") and "--threads 1" in many
+    assert one.startswith("warning: the timings are noisy") and "--threads 1" not in one
+    assert "torch ran on one thread already" in one
+
+
 def test_a_profile_without_the_noise_fields_still_loads(mixed_profile: Profile) -> None:
     data = json.loads(mixed_profile.to_json())
     del data["timing_noise"]

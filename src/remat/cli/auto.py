@@ -12,7 +12,13 @@ from rich import box
 from rich.table import Table
 
 from remat.cli.bench import progress_bar
-from remat.cli.common import add_model_options, check_threads, model_options, stage_list
+from remat.cli.common import (
+    add_model_options,
+    check_threads,
+    model_options,
+    runs_one_thread,
+    stage_list,
+)
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
 
@@ -72,7 +78,7 @@ def _categories(report: AutoReport) -> Table:
     return table
 
 
-def _step_lines(report: AutoReport) -> list[str]:
+def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
     """The step time and the overhead, each saying which statistic it is."""
     from remat.solve.uncertainty import noise_lines
 
@@ -107,13 +113,14 @@ def _step_lines(report: AutoReport) -> list[str]:
                 f"{report.profile.step_s * 1e3:.1f} ms): the prediction and the measurement "
                 "saw differently loaded machines, so they may disagree by more than the model"
             )
-        lines += noise_lines(report.profile)[1:]  # the warning, when there is one
+        # the warning, when there is one
+        lines += noise_lines(report.profile, one_thread=one_thread)[1:]
     if report.uncertainty is not None and report.uncertainty.uncertain:
         lines.append(report.uncertainty.sentence())
     return lines
 
 
-def render(report: AutoReport, console: Console) -> None:
+def render(report: AutoReport, console: Console, *, one_thread: bool = False) -> None:
     from remat.bench.report import options_summary
     from remat.coverage import coverage_lines
     from remat.units import format_bytes
@@ -133,7 +140,7 @@ def render(report: AutoReport, console: Console) -> None:
         f"without checkpointing {format_bytes(report.baseline_peak_bytes)} "
         f"({report.measured_peak_bytes / report.baseline_peak_bytes - 1:+.0%})"
     )
-    for line in _step_lines(report):
+    for line in _step_lines(report, one_thread):
         console.print(line)
     grads = "equal" if report.grads_match else "[bold red]DIFFERENT[/]"
     console.print(f"gradients: {grads}; verify {'passed' if report.verify_ok else 'FAILED'}: "
@@ -215,10 +222,11 @@ def _report(args: argparse.Namespace, report: AutoReport) -> None:
     from rich.console import Console
 
     console = console_for(args.json)
-    render(report, console)
+    one_thread = runs_one_thread(args.threads)
+    render(report, console, one_thread=one_thread)
     if args.out:
         recorder = Console(record=True, width=110, file=io.StringIO())
-        render(report, recorder)
+        render(report, recorder, one_thread=one_thread)
         paths = _write_folder(report, args.out, recorder.export_text())
         console.print(f"wrote {', '.join(str(p) for p in paths)}")
     write_json(report.to_dict(), args.json)

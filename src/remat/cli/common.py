@@ -83,6 +83,13 @@ def describe(spec: str, options: dict[str, Any]) -> str:
 MAX_THREADS = 1024
 
 
+def runs_one_thread(threads: int | None = None) -> bool:
+    """Whether torch runs (or the run ran, under ``--threads``) on one intra-op thread."""
+    import torch
+
+    return threads == 1 or (threads is None and torch.get_num_threads() == 1)
+
+
 def check_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} is below 1; give 1 or more")

@@ -8,7 +8,13 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from remat.cli.common import add_model_options, load, profile_with_progress, stage_list
+from remat.cli.common import (
+    add_model_options,
+    load,
+    profile_with_progress,
+    runs_one_thread,
+    stage_list,
+)
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.coverage import coverage_lines
 from remat.errors import UsageError
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             "remat.apply cannot check this plan against the model; profile again to add them"
         )
     if isinstance(source, Profile):  # the plan JSON stays a plan (verify --plan reads it)
-        for text in noise_lines(source):
+        for text in noise_lines(source, one_thread=runs_one_thread()):
             console.print(text)
         if found is not None:
             console.print(found.sentence())

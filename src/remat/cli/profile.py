@@ -9,7 +9,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from remat.cli.common import add_model_options, load, profile_with_progress
+from remat.cli.common import add_model_options, load, profile_with_progress, runs_one_thread
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.coverage import coverage_lines
 from remat.solve.uncertainty import noise_lines
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     _summary(console, data)
     for line in coverage_lines(result, given=stages is not None):
         console.print(line)
-    for line in noise_lines(result):
+    for line in noise_lines(result, one_thread=runs_one_thread()):
         console.print(line)
     write_json(data, args.json)
     return 0

@@ -310,9 +310,10 @@ def _relative(stage: StageProfile) -> float:
     return max(found, default=0.0)
 
 
-def noise_lines(profile: Profile) -> list[str]:
+def noise_lines(profile: Profile, *, one_thread: bool = False) -> list[str]:
     """What ``remat profile`` (and ``plan``, ``auto``) print about the profile's timing
-    noise: one line of figures, and a warning when it is above :data:`NOISY`."""
+    noise: one line of figures, and a warning when it is above :data:`NOISY` (which
+    suggests one torch thread unless ``one_thread``: torch ran on one already)."""
     noise = profile.timing_noise
     if noise is None:
         return []
@@ -339,7 +340,9 @@ def noise_lines(profile: Profile) -> list[str]:
     if noise.largest > NOISY:
         lines.append(
             f"warning: the timings are noisy (spread up to {noise.largest:.0%}, above "
-            f"{NOISY:.0%}): plans chosen from them may differ from run to run; a quieter "
-            "machine or one torch thread (--threads 1, or OMP_NUM_THREADS=1) steadies them"
+            f"{NOISY:.0%}): plans chosen from them may differ from run to run; "
+            + ("a quieter machine steadies them (torch ran on one thread already)" if one_thread
+               else "a quieter machine or one torch thread (--threads 1, or "
+               "OMP_NUM_THREADS=1) steadies them")
         )
     return lines
