@@ -108,7 +108,6 @@ def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
                  group_of: Sequence[int], *, extra: int,
                  region_overhead_range_s: tuple[float, float]) -> TimingNoise:
     """What the profile records of its noise (:class:`~remat.profile_format.TimingNoise`)."""
-    times = stage_times(plain, per_stage, group_of)
     among = max(
         spread_among(samples(steps, what), group_of)
         for steps, what in ((plain, "fwd_s"), (plain, "bwd_s"), (per_stage, "rebuild_s"))
@@ -117,7 +116,7 @@ def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
         rounds=len(plain),
         extra_rounds=extra,
         step_spread=relative_spread([s.step_s for s in plain]),
-        stage_spread=_median_of_largest(list(times.values())),
+        stage_spread=_stage_spread(plain, per_stage, group_of),
         identical_spread=among,
         region_overhead_range_s=region_overhead_range_s,
     )

@@ -69,6 +69,7 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -187,14 +188,26 @@ class _Walker:
         # events (their figures are measured from the chain's end with these alive)
         self.held_to_post: list[tuple[bool, int]] = []
         self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
-        self.read_holds: dict[int, int] = {}  # tensors regions read from before them: holders
+        # tensors held by whoever needs them, counted once: a read tensor (by its id: regions
+        # reading it from before them, readers of one a region made), a link (("link", start):
+        # the regions starting there) -> how many hold it
+        self.shared: dict[Hashable, int] = {}
         # what each open region reads from before it (read once, at its opening)
         self.any_reads = any(s.reads for s in stages)
         self.open_reads: dict[Region, list[HeldRead]] = {}
         # stage -> tensors made inside a region before it that it reads, held to its backward
         self.escapes: dict[int, list[tuple[int, int]]] = {}
-        # regions open per start whose stage's link (StageCost.link_saved_bytes) they hold
-        self.link_open: dict[int, int] = {}
+        # made_after -> (tensor, bytes, its readers in order): tensors a region may make
+        # for stages after it (Walker.hold_escapes)
+        self.made: dict[int, list[tuple[int, int, list[int]]]] = {}
+        if self.any_reads:
+            readers: dict[int, tuple[int, int, list[int]]] = {}
+            for j, st in enumerate(stages):
+                for r in st.reads:
+                    if not r.boundary:
+                        readers.setdefault(r.tensor, (r.made_after, r.nbytes, []))[2].append(j)
+            for tensor, (made_after, nbytes, js) in readers.items():
+                self.made.setdefault(made_after, []).append((tensor, nbytes, sorted(set(js))))
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -277,37 +290,37 @@ class _Walker:
         self.hold(region.start)
         start = region.start
         if self.p.stages[start].link_saved_bytes:
-            count = self.link_open.get(start, 0)
-            if not count:
-                self.add(("link", start), self.p.stages[start].link_saved_bytes)
-            self.link_open[start] = count + 1
+            self.hold_shared(("link", start), self.p.stages[start].link_saved_bytes)
         reads = self.region_reads(region) if self.any_reads else []
         self.open_reads[region] = reads
         for r in reads:
             if r.boundary:
                 self.hold(r.made_after)
-                continue
-            count = self.read_holds.get(r.tensor, 0)
-            if not count:
-                self.live += r.nbytes
-            self.read_holds[r.tensor] = count + 1
+            else:
+                self.hold_shared(r.tensor, r.nbytes)
 
     def close_region(self, region: Region) -> None:
         self.release(region.start)
         start = region.start
         if self.p.stages[start].link_saved_bytes:
-            self.link_open[start] -= 1
-            if not self.link_open[start]:
-                del self.link_open[start]
-                self.drop(("link", start))
+            self.release_shared(("link", start), self.p.stages[start].link_saved_bytes)
         for r in self.open_reads.pop(region):
             if r.boundary:
                 self.release(r.made_after)
-                continue
-            self.read_holds[r.tensor] -= 1
-            if not self.read_holds[r.tensor]:
-                del self.read_holds[r.tensor]
-                self.live -= r.nbytes
+            else:
+                self.release_shared(r.tensor, r.nbytes)
+
+    def hold_shared(self, key: Hashable, nbytes: int) -> None:
+        count = self.shared.get(key, 0)
+        if not count:
+            self.live += nbytes
+        self.shared[key] = count + 1
+
+    def release_shared(self, key: Hashable, nbytes: int) -> None:
+        self.shared[key] -= 1
+        if not self.shared[key]:
+            del self.shared[key]
+            self.live -= nbytes
 
     def let_go(self, is_output: bool, b: int) -> None:
         """The model's code lets go of stage ``b``'s output or of boundary ``x_b``."""
@@ -321,25 +334,16 @@ class _Walker:
         made by the first block and passed to the rest): the region's forward drops its
         stages' saved bytes, which count them, but the readers keep them, to the backward
         of the first reader (the last of them to run backward)."""
-        start, stop, stages = region.start, region.stop, self.p.stages
-        found: dict[int, tuple[int, int]] = {}  # tensor -> (bytes, first reader)
-        for j in range(stop, self.p.n):
-            for r in stages[j].reads:
-                if not r.boundary and start < r.made_after < stop and r.tensor not in found:
-                    found[r.tensor] = (r.nbytes, j)
-        for tensor, (nbytes, reader) in found.items():
-            count = self.read_holds.get(tensor, 0)
-            if not count:
-                self.live += nbytes
-            self.read_holds[tensor] = count + 1
-            self.escapes.setdefault(reader, []).append((tensor, nbytes))
+        for made_after in range(region.start + 1, region.stop):
+            for tensor, nbytes, readers in self.made.get(made_after, ()):
+                k = bisect.bisect_left(readers, region.stop)
+                if k < len(readers):  # read after the region, first by readers[k]
+                    self.hold_shared(tensor, nbytes)
+                    self.escapes.setdefault(readers[k], []).append((tensor, nbytes))
 
     def let_escapes_go(self, i: int) -> None:
         for tensor, nbytes in self.escapes.pop(i, ()):
-            self.read_holds[tensor] -= 1
-            if not self.read_holds[tensor]:
-                del self.read_holds[tensor]
-                self.live -= nbytes
+            self.release_shared(tensor, nbytes)
 
     def add(self, key: Hashable, nbytes: int) -> None:
         assert key not in self.blocks, key
@@ -365,7 +369,7 @@ class _Walker:
     def held_link(self, i: int) -> int:
         """Stage i's link bytes when a region starting at i holds them (they are in its
         saved figures, and the code that made them ran before the region)."""
-        if i in self.link_open and self.options[i] != "offload":
+        if ("link", i) in self.shared and self.options[i] != "offload":
             return self.p.stages[i].link_saved_bytes
         return 0
 
@@ -470,7 +474,8 @@ class _Walker:
                 model_holds(i)
                 self.not_saved(i, f"{labels[i]} {where}")
                 model_lets_go(i)
-            self.hold_escapes(item.region)
+            if self.any_reads:
+                self.hold_escapes(item.region)
 
     def rebuild(self, region: Region, items: Sequence[Item]) -> None:
         """Region's rebuild: its items run again, with early stop as in the module note."""
@@ -592,8 +597,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
     assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
-    assert not w.read_holds and not w.open_reads and not w.link_open and not w.escapes, (
-        w.read_holds)
+    assert not w.shared and not w.open_reads and not w.escapes, w.shared
     assert set(w.blocks) == {
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)
