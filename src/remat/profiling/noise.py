@@ -22,6 +22,7 @@ __all__ = [
     "extra_rounds",
     "option_diffs",
     "option_extras",
+    "pooled_extras",
     "samples",
     "stage_times",
     "timing_noise",
@@ -69,7 +70,13 @@ def option_extras(plain: Sequence[StepTimes], with_option: Sequence[StepTimes],
     """Per stage: what its forward and backward took under an option beyond the plain step
     of the same round, pooled over identical stages; never below ``floor_s`` (one
     checkpoint frame, see :func:`remat.profiling.optimes.option_extra_s`)."""
-    diffs = option_diffs(plain, with_option)
+    return pooled_extras(option_diffs(plain, with_option), group_of, floor_s)
+
+
+def pooled_extras(diffs: Sequence[Sequence[float]], group_of: Sequence[int],
+                  floor_s: float = 0.0) -> list[Pooled]:
+    """Per stage: its rounds' extra times ``diffs`` pooled over identical stages, never
+    below ``floor_s``."""
     return [
         Pooled(max(floor_s, x.median), max(floor_s, x.low), max(floor_s, x.high), x.samples)
         for x in pool(diffs, group_of)

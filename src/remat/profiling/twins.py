@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from remat.profile_format import Profile, StageProfile
-from remat.profiling.noise import option_diffs
+from remat.profiling.noise import option_diffs, pooled_extras
 from remat.profiling.optimes import policy_op_names
-from remat.profiling.pooling import pool
 from remat.profiling.run import Measurements
 
 __all__ = ["merge_twin_options", "twin_groups"]
@@ -41,7 +40,8 @@ def twin_groups(stage_ops: frozenset[str], stage: str, options: tuple[str, ...]
 
 
 def merge_twin_options(profile: Profile, m: Measurements) -> Profile:
-    """``profile`` with each stage's twin options offered once (module docstring)."""
+    """``profile`` with each stage's twin options given one set of figures, the first twin
+    listed first (module docstring)."""
     options = m.selective_options
     if len(options) < 2:
         return profile
@@ -58,11 +58,10 @@ def merge_twin_options(profile: Profile, m: Measurements) -> Profile:
             or diffs[option][i]
             for i, stage_groups in enumerate(groups)
         ]
-        pooled[option] = pool(merged, group_of)
+        pooled[option] = pooled_extras(merged, group_of, floor)
     stages: list[StageProfile] = []
     for i, s in enumerate(profile.stages):
-        twinned = [g for g in groups[i] if len(g) > 1]
-        if not twinned:
+        if all(len(g) == 1 for g in groups[i]):
             stages.append(s)
             continue
         lead = {twin: g[0] for g in groups[i] for twin in g}  # option -> its first twin
@@ -73,13 +72,13 @@ def merge_twin_options(profile: Profile, m: Measurements) -> Profile:
             s,
             saved_bytes={"keep": s.saved_bytes["keep"],
                          **{o: s.saved_bytes[lead[o]] for o in order}},
-            extra_bwd_s={o: max(floor, times[o].median) for o in order},
+            extra_bwd_s={o: times[o].median for o in order},
             selective_bwd_transient_bytes={
                 o: replay[lead[o]] for o in order if lead[o] in replay},
             time_spread={
                 **{k: v for k, v in s.time_spread.items()
                    if not k.startswith("extra_bwd_s.")},
-                **{f"extra_bwd_s.{o}": (max(floor, times[o].low), max(floor, times[o].high))
+                **{f"extra_bwd_s.{o}": (times[o].low, times[o].high)
                    for o in order if times[o].samples > 1},
             },
         ))
