@@ -436,12 +436,11 @@ class Problem(JsonArtifact):
         (``held_through``, ``output_held_through``), summed: the DP's charge, an upper bound
         of the simulator's exact holding (it also lands where the plan holds a boundary
         already)."""
-        n = self.n
-        held = [0] * n
+        change = [0] * (self.n + 1)  # each hold's start and end, summed in one pass
         for first, last, nbytes in self.model_holds():
-            for p in range(first, last + 1):
-                held[p] += nbytes
-        return tuple(held)
+            change[first] += nbytes
+            change[last + 1] -= nbytes
+        return tuple(itertools.accumulate(change[:-1]))
 
     @property
     def held_at_chain_end(self) -> int:
