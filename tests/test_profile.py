@@ -19,9 +19,16 @@ from remat.errors import UsageError
 from remat.measure import LiveMemoryTracker, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.models import load_model
+from remat.plan import Plan, Region
 from remat.profile_format import OPTIONS, Profile
 from remat.profiler import profile, profile_scaling
-from remat.profiling.optimes import option_extra_s, region_overhead_s
+from remat.profiling.optimes import (
+    option_extra_s,
+    region_link_rounds,
+    region_link_s,
+    region_overhead_s,
+    spanning_regions,
+)
 from remat.profiling.passes import forward_pass
 from remat.profiling.timing import StepTimes
 from remat.solve import simulate, solvers
@@ -174,7 +181,59 @@ def test_the_toy_profile_prices_options_and_regions_from_its_timed_steps(
     assert sum(s.extra_bwd_s["selective:save-nothing"] for s in toy_profile.stages) > 0
     problem = problem_from_profile(toy_profile)
     assert problem.stages[0].extra_bwd_s == toy_profile.stages[0].extra_bwd_s
-    assert problem.region_overhead_s == toy_profile.region_overhead_s
+    # Note [Links inside a region]: charged per stage rebuilt, less one per region
+    link = toy_profile.region_link_s
+    assert link is not None and 0 <= link <= toy_profile.region_overhead_s
+    assert problem.region_overhead_s == pytest.approx(toy_profile.region_overhead_s - link)
+    for cost, measured in zip(problem.stages, toy_profile.stages, strict=True):
+        assert cost.rebuild_s == pytest.approx(measured.rebuild_s + link)
+
+
+def test_spanning_regions_are_the_longest_runs_no_break_divides() -> None:
+    assert spanning_regions([None] * 4) == ((0, 4),)
+    assert spanning_regions([None, None, "reads a value", None, None, None]) == ((0, 2), (2, 6))
+    # a run of one stage has no link inside: no region for it
+    assert spanning_regions([None, "x", None, "y"]) == ((1, 3),)
+    assert spanning_regions([None, "x", "y"]) == ()
+
+
+def test_a_links_cost_is_the_spanning_steps_residual_per_link() -> None:
+    plain = [_steps([1, 1, 1], [1, 1, 1], step=10.0), _steps([1, 1, 1], [1, 1, 1], step=12.0)]
+    # one region per stage: (16 - 10 - 3) / 3 = 1.0 and (18.6 - 12 - 3) / 3 = 1.2 per region
+    per_stage = [_steps([1] * 3, [2] * 3, step=16.0, rebuild=[1.0] * 3),
+                 _steps([1] * 3, [2] * 3, step=18.6, rebuild=[1.0] * 3)]
+    # one region over all three (two links): (15 - 10 - 3 - 1.0) / 2 = 0.5 and
+    # (16.6 - 12 - 3 - 1.2) / 2 = 0.2 -> median 0.35
+    spanning = [_steps([1] * 3, [2] * 3, step=15.0), _steps([1] * 3, [2] * 3, step=16.6)]
+    assert region_link_rounds(plain, per_stage, spanning, [(0, 3)]) == pytest.approx([0.5, 0.2])
+    assert region_link_s(plain, per_stage, spanning, [(0, 3)], 1.0) == pytest.approx(0.35)
+    # never above a region's cost less the frame's, never below nothing
+    assert region_link_s(plain, per_stage, spanning, [(0, 3)], 0.3) == 0.3
+    cheaper = [_steps([1] * 3, [2] * 3, step=13.0)] * 2
+    assert region_link_s(plain, per_stage, cheaper, [(0, 3)], 1.0) == 0.0
+    with pytest.raises(UsageError, match="no link inside"):
+        region_link_rounds(plain, per_stage, spanning, [(0, 1)])
+
+
+def test_a_link_inside_a_region_is_priced_and_a_single_stage_region_is_not(
+    toy_profile: Profile,
+) -> None:
+    from dataclasses import replace
+
+    priced = replace(toy_profile, region_link_s=0.25, region_overhead_s=1.0)
+    free = replace(toy_profile, region_link_s=None, region_overhead_s=1.0)
+    names = toy_profile.stage_names
+
+    def step_s(profile: Profile, *regions: tuple[int, int]) -> float:
+        plan = Plan(names, tuple(Region(*r) for r in regions))
+        return simulate(plan, problem_from_profile(profile)).step_time_s
+
+    single = [(i, i + 1) for i in range(len(names))]
+    assert step_s(priced, *single) == pytest.approx(step_s(free, *single))
+    # one region over three stages: two links inside
+    assert step_s(priced, (0, 3)) == pytest.approx(step_s(free, (0, 3)) + 2 * 0.25)
+    assert Profile.from_dict(priced.to_dict()).region_link_s == 0.25
+    assert "region_link_s" not in free.to_dict()  # written only when set
 
 
 # -- outside the chain -------------------------------------------------------------------

@@ -618,6 +618,10 @@ class Profile(JsonArtifact):
     model_stages: int | None = None
     batch_shapes: tuple[tuple[int, ...], ...] | None = None
     timing_noise: TimingNoise | None = None  # written only when set
+    # what each link inside a region costs beyond its stages' single-stage figures (Note
+    # [Links inside a region] in remat/profiling/optimes.py); None where no region can
+    # span two stages, or from a remat before it. Written only when set.
+    region_link_s: float | None = None
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -635,6 +639,8 @@ class Profile(JsonArtifact):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _int(value, name))
+        if self.region_link_s is not None:
+            object.__setattr__(self, "region_link_s", _float(self.region_link_s, "region_link_s"))
         if self.model_stages is not None:
             object.__setattr__(self, "model_stages", _int(self.model_stages, "model_stages"))
         if self.model_stages is not None and self.model_stages < len(stages):
@@ -717,6 +723,7 @@ class Profile(JsonArtifact):
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "profile_s": self.profile_s,
             "scaling": None if self.scaling is None else self.scaling.to_dict(),
+            **({"region_link_s": self.region_link_s} if self.region_link_s is not None else {}),
             **({"model_stages": self.model_stages} if self.model_stages is not None else {}),
             **(
                 {"batch_shapes": [list(shape) for shape in self.batch_shapes]}
@@ -786,7 +793,8 @@ _PROFILE_KEYS = (
     "scaling",
     *_PROFILE_SCALARS,
 )
-_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise")  # written only when set
+# written only when set
+_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s")
 
 
 def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:

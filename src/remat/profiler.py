@@ -30,7 +30,7 @@ from remat.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_p
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.calibrate import calibrated
 from remat.profiling.noise import timing_noise
-from remat.profiling.optimes import region_overhead_rounds, region_overhead_s
+from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
 from remat.profiling.run import measure_all, part_names
 from remat.profiling.twins import merge_twin_options
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
@@ -168,6 +168,7 @@ def profile(
         m.plain_steps, m.per_stage_steps, m.same_as, extra=m.extra_rounds,
         region_overhead_range_s=(max(floor, min(residuals)), max(floor, max(residuals))),
     )
+    overhead_s = region_overhead_s(m.plain_steps, m.per_stage_steps, floor)
     # per round, so that one slow round's step is not set against another's stages
     outside = statistics.median(
         s.step_s - sum(s.fwd_s) - sum(s.bwd_s) for s in m.plain_steps
@@ -180,7 +181,10 @@ def profile(
         # losses) and its gradient, a scalar of the model's dtype or float32 above it
         fixed=fixed_bytes(m, stage_list[0].boundary_bytes, post_grads, pre_grads,
                           loss_bytes=m.nosave.loss_storage_bytes + max(dtype.itemsize, 4)),
-        region_overhead_s=region_overhead_s(m.plain_steps, m.per_stage_steps, floor),
+        region_overhead_s=overhead_s,
+        region_link_s=(region_link_s(m.plain_steps, m.per_stage_steps, m.spanning_steps,
+                                     m.spanning, ceiling_s=overhead_s - floor)
+                       if m.spanning else None),
         region_overhead_bytes=m.overhead.memory_bytes,
         outside_chain_s=max(0.0, outside),
         step_s=m.times.step_s,

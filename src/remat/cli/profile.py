@@ -104,7 +104,10 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
     )
     console.print(
         f"one checkpoint region: {data['region_overhead_s'] * 1e6:.0f} us, "
-        f"{format_bytes(data['region_overhead_bytes'])}; step without checkpointing "
+        f"{format_bytes(data['region_overhead_bytes'])}"
+        + (f", and {data['region_link_s'] * 1e6:.0f} us per link inside it"
+           if data.get("region_link_s") is not None else "")
+        + "; step without checkpointing "
         f"{data['step_s'] * 1e3:.2f} ms; profiling took {data['profile_s']:.1f} s"
     )
     measured, predicted = data["measured_peak_bytes"], data["predicted_peak_bytes"]

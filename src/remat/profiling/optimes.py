@@ -16,6 +16,20 @@ the checkpoint frame but not what grows with the stage (a pack and an unpack hoo
 saved tensor, the rebuilt stage's backward finding its inputs in fresh memory). The
 profile's steps with one region per stage show the whole of it: their time beyond the
 plain step and the stages' timed rebuilds, per region (:func:`region_overhead_s`).
+
+Note [Links inside a region]: a region of several stages costs more than the sum of
+single-stage figures. Its rebuild replays the model's code between its stages; every
+stage but its last is rebuilt in full where a single-stage region's rebuild stopped
+early; and each stage's backward reads tensors that the rebuild made for the whole
+region (memory gone cold) rather than for one stage. On the built-in gpt (one thread, 25
+interleaved rounds), one region over all 8 blocks cost 7.5 ms beyond its rebuilds,
+against 1.8 ms for one single-stage region; its stages' backwards ran 0.8 ms slower each.
+Priced as one single-stage region per region, multi-stage plans came out 2 to 10 points
+under their measured overhead. So each profiling round also times one step with a
+region over each longest run of stages that no break divides, and the cost beyond the
+single-stage figures, per link inside those regions, is the profile's
+``region_link_s`` (:func:`region_link_s`). It is at most a region's own cost less the
+checkpoint frame's (the tiny chain's figure): the frame is paid whatever a region holds.
 """
 
 from __future__ import annotations
@@ -26,7 +40,15 @@ from collections.abc import Sequence
 from remat.errors import UsageError
 from remat.profiling.timing import StepTimes
 
-__all__ = ["option_extra_s", "policy_op_names", "region_overhead_rounds", "region_overhead_s"]
+__all__ = [
+    "option_extra_s",
+    "policy_op_names",
+    "region_link_rounds",
+    "region_link_s",
+    "region_overhead_rounds",
+    "region_overhead_s",
+    "spanning_regions",
+]
 
 
 def policy_op_names(option: str, stage: str) -> frozenset[str]:
@@ -77,3 +99,50 @@ def region_overhead_rounds(plain: Sequence[StepTimes], per_stage: Sequence[StepT
     n = len(plain[0].fwd_s)
     return [(r.step_s - p.step_s - sum(r.rebuild_s)) / n
             for p, r in zip(plain, per_stage, strict=True)]
+
+
+def spanning_regions(breaks: Sequence[str | None]) -> tuple[tuple[int, int], ...]:
+    """The longest runs of two stages or more that no break divides (``breaks[i]``: why no
+    region may span the link into stage ``i``), as ``(start, stop)`` pairs."""
+    runs, start = [], 0
+    for i in range(1, len(breaks) + 1):
+        if i == len(breaks) or breaks[i] is not None:
+            if i - start >= 2:
+                runs.append((start, i))
+            start = i
+    return tuple(runs)
+
+
+def region_link_rounds(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                       spanning: Sequence[StepTimes], regions: Sequence[tuple[int, int]]
+                       ) -> list[float]:
+    """Per round: what each link inside a region costs beyond the stages' rebuilds and the
+    regions' own cost (Note [Links inside a region]).
+
+    ``spanning`` are steps with ``regions`` (several stages each) applied. Per round, their
+    time beyond the plain step, the stages' rebuilds as the steps with one region per stage
+    timed them and one single-stage region's whole cost per region, over the number of links
+    inside the regions."""
+    _rounds(plain, per_stage)
+    _rounds(plain, spanning)
+    n = len(plain[0].fwd_s)
+    inside = [i for start, stop in regions for i in range(start, stop)]
+    links = len(inside) - len(regions)
+    if links < 1:
+        raise UsageError(f"regions {list(regions)} have no link inside; give regions of two "
+                         "stages or more")
+    found = []
+    for p, r, s in zip(plain, per_stage, spanning, strict=True):
+        per_region = (r.step_s - p.step_s - sum(r.rebuild_s)) / n
+        rebuilds = sum(r.rebuild_s[i] for i in inside)
+        found.append((s.step_s - p.step_s - rebuilds - len(regions) * per_region) / links)
+    return found
+
+
+def region_link_s(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                  spanning: Sequence[StepTimes], regions: Sequence[tuple[int, int]],
+                  ceiling_s: float) -> float:
+    """The median of :func:`region_link_rounds`, between 0 and ``ceiling_s`` (a region's own
+    cost less the checkpoint frame's: the frame is paid whatever the region holds)."""
+    return min(max(0.0, statistics.median(region_link_rounds(plain, per_stage, spanning,
+                                                               regions))), max(0.0, ceiling_s))

@@ -1,6 +1,7 @@
 """One profiling run: every measurement a Profile is built from, in a fixed order.
 
-It costs ``(2 + s) * (repeats + 1)`` training steps (``s`` selective options; up to
+It costs ``(3 + s) * (repeats + 1)`` training steps (``s`` selective options; one fewer
+per round where no region can span two stages; up to
 ``repeats`` rounds more when the first ones were noisy, :mod:`.noise`), one step
 measured by the tracker and up to four tracked forwards:
 
@@ -9,7 +10,9 @@ measured by the tracker and up to four tracked forwards:
    with one region over the whole chain that finds the links no region may span
    (:mod:`.links`);
 2. ``repeats + 1`` rounds of training steps, each round one step with one region per
-   stage (timing each stage's rebuild), one plain step (timing each stage's forward and
+   stage (timing each stage's rebuild), one with a region over each longest run of stages
+   no break divides (what a link inside a region costs, Note [Links inside a region] in
+   :mod:`.optimes`), one plain step (timing each stage's forward and
    backward) and one step with each selective option on every stage (what the option
    costs each stage, :mod:`.optimes`); the first round is a warm-up whose times are
    dropped (it creates the optimizer state, right after which the tracker counts
@@ -40,13 +43,13 @@ from torch import nn
 from remat import plans
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
-from remat.plan import Plan
+from remat.plan import Plan, Region
 from remat.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.identical import recording_signatures
 from remat.profiling.links import find_breaks
 from remat.profiling.noise import extra_rounds
-from remat.profiling.optimes import policy_op_names
+from remat.profiling.optimes import policy_op_names, spanning_regions
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.pooling import identical_groups
@@ -81,6 +84,10 @@ class Measurements:
     overhead: RegionOverhead
     same_as: tuple[int, ...] = ()  # per stage: the first stage identical to it (pooling)
     extra_rounds: int = 0  # rounds added because the first ones were noisy
+    # regions over the longest runs no break divides (two stages or more each), and the
+    # steps with them applied, round by round (Note [Links inside a region])
+    spanning: tuple[tuple[int, int], ...] = ()
+    spanning_steps: tuple[StepTimes, ...] = ()
 
     @cached_property
     def times(self) -> StepTimes:
@@ -200,12 +207,16 @@ def measure_all(
         for option in options
         if option != "keep"
     }
+    spanning = spanning_regions(links.breaks)
+    spanning_plan = (Plan(names, tuple(Region(a, b) for a, b in spanning), solver="profile")
+                     if spanning else None)
     rebuilt: list[StepTimes] = []
+    spanned: list[StepTimes] = []
     plain: list[StepTimes] = []
     with_option: dict[str, list[StepTimes]] = {option: [] for option in option_plans}
 
     def one_round(signatures: list[str | None] | None = None) -> None:
-        nonlocal rebuilt, plain
+        nonlocal rebuilt, plain, spanned
         rebuilt += timed_steps(
             model,
             batch,
@@ -217,6 +228,9 @@ def measure_all(
             device=device,
             on_step=count_fixed,
         )
+        if spanning_plan is not None:
+            spanned += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
+                                   plan=spanning_plan, device=device)
         if signatures is None:
             plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
                                  device=device)
@@ -238,11 +252,12 @@ def measure_all(
     same_as = tuple(identical_groups(signatures))
     # A noisy first set gets one more (bounded): more samples move the medians less.
     extra = extra_rounds(plain[1:], same_as, repeats,
-                         others=[rebuilt[1:], *(steps[1:] for steps in with_option.values())],
+                         others=[rebuilt[1:], *([spanned[1:]] if spanned else []),
+                                 *(steps[1:] for steps in with_option.values())],
                          per_stage=rebuilt[1:])
     for _ in range(extra):
         one_round()
-    rebuilt, plain = rebuilt[1:], plain[1:]
+    rebuilt, plain, spanned = rebuilt[1:], plain[1:], spanned[1:]
     with_option = {option: steps[1:] for option, steps in with_option.items()}
 
     part(parts[3])
@@ -289,6 +304,8 @@ def measure_all(
         before_chain_grads=links.before_chain_grad_bytes,
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),
+        spanning=spanning,
+        spanning_steps=tuple(spanned),
         option_steps={option: tuple(steps) for option, steps in with_option.items()},
         step=step,
         spans=spans,
