@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,14 @@ def test_auto_json_names_its_overhead_statistics(report: AutoReport) -> None:
     assert data["timing_noise"]["rounds"] >= 2
     u = data["plan_uncertainty"]
     assert u["overhead_low"] <= data["predicted_overhead"] <= u["overhead_high"]
+    # Note [Paired overhead]: the same statistic as the measured one, from the profile
+    from remat.solve.paired import round_overheads
+
+    assert data["predicted_overhead_statistic"] == "median of the profile's per-round ratios"
+    assert report.profile is not None
+    rounds = round_overheads(report.plan, report.profile)
+    assert len(rounds) == data["timing_noise"]["rounds"]
+    assert data["predicted_overhead"] == pytest.approx(statistics.median(rounds))
 
 
 def _summary(step: float, base: float, pairs: tuple[float, ...],

@@ -53,6 +53,7 @@ __all__ = [
     "Profile",
     "Scaling",
     "StageProfile",
+    "TimedRound",
     "TimingNoise",
 ]
 
@@ -527,6 +528,74 @@ class TimingNoise:
 
 
 @dataclass(frozen=True)
+class TimedRound:
+    """One timed profiling round's figures, in the profile's terms (Note [Paired
+    overhead] in ``remat/solve/paired.py``): each stage's forward and backward (the plain
+    step), its rebuild (the step with one region per stage) and each selective option's
+    extra (its step), each the median of the stage and the stages identical to it within
+    the round; one region's cost and a link's (``None``: not measured) as that round showed
+    them; the time outside the chain; the plain step."""
+
+    step_s: float
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    rebuild_s: tuple[float, ...]
+    extra_bwd_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
+    region_overhead_s: float = 0.0
+    region_link_s: float | None = None
+    outside_chain_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "region_overhead_s", "outside_chain_s"):
+            object.__setattr__(self, name, _float(getattr(self, name), f"timed round {name}"))
+        if self.region_link_s is not None:
+            object.__setattr__(self, "region_link_s",
+                               _float(self.region_link_s, "timed round region_link_s"))
+        n = None
+        for name in ("fwd_s", "bwd_s", "rebuild_s"):
+            values = _seconds_list(getattr(self, name), f"timed round {name}")
+            if n is not None and len(values) != n:
+                raise UsageError(f"timed round {name} has {len(values)} stages, not {n}; "
+                                 "profile the model again")
+            n = len(values)
+            object.__setattr__(self, name, values)
+        if not isinstance(self.extra_bwd_s, Mapping):
+            raise UsageError("timed round extra_bwd_s must map options to per-stage seconds")
+        extras = {}
+        for option, values in self.extra_bwd_s.items():
+            extras[str(option)] = _seconds_list(values, f"timed round extra_bwd_s[{option!r}]")
+            if len(extras[str(option)]) != n:
+                raise UsageError(f"timed round extra_bwd_s[{option!r}] has "
+                                 f"{len(extras[str(option)])} stages, not {n}")
+        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extras))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "fwd_s": list(self.fwd_s),
+            "bwd_s": list(self.bwd_s),
+            "rebuild_s": list(self.rebuild_s),
+            "extra_bwd_s": {o: list(v) for o, v in self.extra_bwd_s.items()},
+            "region_overhead_s": self.region_overhead_s,
+            "region_link_s": self.region_link_s,
+            "outside_chain_s": self.outside_chain_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TimedRound:
+        keys = ("step_s", "fwd_s", "bwd_s", "rebuild_s", "extra_bwd_s", "region_overhead_s",
+                "region_link_s", "outside_chain_s")
+        _check_keys(data, keys, "a profile's timed round")
+        return cls(**{k: data[k] for k in keys})
+
+
+def _seconds_list(values: object, what: str) -> tuple[float, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise UsageError(f"{what} must be a list of seconds, one per stage")
+    return tuple(_float(v, what) for v in values)
+
+
+@dataclass(frozen=True)
 class LinearFit:
     """``a + b * batch_size``: ``a`` what does not grow with the batch, ``b`` per sample."""
 
@@ -622,6 +691,9 @@ class Profile(JsonArtifact):
     # [Links inside a region] in remat/profiling/optimes.py); None where no region can
     # span two stages, or from a remat before it. Written only when set.
     region_link_s: float | None = None
+    # each timed round's figures, for the paired overhead (remat/solve/paired.py); written
+    # only when set, dropped by at_batch_size at another batch size
+    timed_rounds: tuple[TimedRound, ...] | None = None
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -641,6 +713,13 @@ class Profile(JsonArtifact):
                 object.__setattr__(self, name, _int(value, name))
         if self.region_link_s is not None:
             object.__setattr__(self, "region_link_s", _float(self.region_link_s, "region_link_s"))
+        if self.timed_rounds is not None:
+            rounds = tuple(self.timed_rounds)
+            if not all(isinstance(r, TimedRound) and len(r.fwd_s) == len(stages)
+                       for r in rounds):
+                raise UsageError(f"profile timed_rounds must give each of the {len(stages)} "
+                                 "stages its times; profile the model again")
+            object.__setattr__(self, "timed_rounds", rounds)
         if self.model_stages is not None:
             object.__setattr__(self, "model_stages", _int(self.model_stages, "model_stages"))
         if self.model_stages is not None and self.model_stages < len(stages):
@@ -697,6 +776,7 @@ class Profile(JsonArtifact):
         data["batch_size"] = batch_size
         if batch_size != self.batch_size:
             data["measured_peak_bytes"] = None
+            data.pop("timed_rounds", None)  # measured at the profile's own batch size
         scaled = Profile.from_dict(data)
         from remat.solve.from_profile import predict_no_checkpoint_peak
 
@@ -724,6 +804,8 @@ class Profile(JsonArtifact):
             "profile_s": self.profile_s,
             "scaling": None if self.scaling is None else self.scaling.to_dict(),
             **({"region_link_s": self.region_link_s} if self.region_link_s is not None else {}),
+            **({"timed_rounds": [r.to_dict() for r in self.timed_rounds]}
+               if self.timed_rounds is not None else {}),
             **({"model_stages": self.model_stages} if self.model_stages is not None else {}),
             **(
                 {"batch_shapes": [list(shape) for shape in self.batch_shapes]}
@@ -766,8 +848,10 @@ class Profile(JsonArtifact):
             scaling=None if scaling is None else Scaling.from_dict(scaling),
             timing_noise=(TimingNoise.from_dict(data["timing_noise"])
                           if "timing_noise" in data else None),
+            timed_rounds=_timed_rounds(data.get("timed_rounds")),
             **{k: data[k] for k in _PROFILE_SCALARS},
-            **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS if k in data and k != "timing_noise"},
+            **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS
+               if k in data and k not in ("timing_noise", "timed_rounds")},
         )
 
 
@@ -794,7 +878,16 @@ _PROFILE_KEYS = (
     *_PROFILE_SCALARS,
 )
 # written only when set
-_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s")
+_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
+                          "timed_rounds")
+
+
+def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list) or not all(isinstance(r, Mapping) for r in data):
+        raise UsageError("profile timed_rounds must be a list of round objects")
+    return tuple(TimedRound.from_dict(r) for r in data)
 
 
 def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:

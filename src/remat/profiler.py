@@ -31,6 +31,7 @@ from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profile
 from remat.profiling.calibrate import calibrated
 from remat.profiling.noise import timing_noise
 from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
+from remat.profiling.rounds import timed_rounds
 from remat.profiling.run import measure_all, part_names
 from remat.profiling.twins import merge_twin_options
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
@@ -199,6 +200,7 @@ def profile(
         timing_noise=noise,
     )
     result = merge_twin_options(calibrated(result, m), m)
+    result = replace(result, timed_rounds=timed_rounds(m))
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
     transformers_model = type(model).__module__.startswith("transformers.")
     for note in notes(result, transformers_model=transformers_model):

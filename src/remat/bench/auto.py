@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from remat.planner import to_problem, with_made_for
 from remat.profile_format import Profile
 from remat.profiler import profile
 from remat.solve import minimum_budget, simulate
+from remat.solve.paired import paired_overhead
 from remat.solve.uncertainty import PlanUncertainty, steadiest_and_uncertainty
 from remat.units import format_bytes
 
@@ -229,6 +230,7 @@ class AutoReport:
     baseline_step_time_s: float = 0.0
     step_time_s: float = 0.0
     overhead: float = 0.0  # the median of the per-pair ratios, less 1
+    # the median of the profile's per-round ratios (Note [Paired overhead]), less 1
     predicted_overhead: float | None = None
     verify_ok: bool = False
     grads_match: bool = False
@@ -297,6 +299,10 @@ class AutoReport:
             "overhead_range": list(self.overhead_range),
             "overhead_of_medians": self.overhead_of_medians,
             "predicted_overhead": self.predicted_overhead,
+            "predicted_overhead_statistic": (
+                "median of the profile's per-round ratios"
+                if self.profile is not None and self.profile.timed_rounds
+                else "ratio of the profile's medians"),
             "plan_uncertainty": None if self.uncertainty is None else self.uncertainty.to_dict(),
             "timing_noise": (None if self.profile is None or self.profile.timing_noise is None
                              else self.profile.timing_noise.to_dict()),
@@ -458,8 +464,15 @@ def _auto(
     timings["measure_s"] = time.perf_counter() - t
 
     assert plan.budget_bytes is not None and plan.predicted_peak_bytes is not None
-    predicted_overhead = None
-    if plan.predicted_step_time_s and plan.baseline_step_time_s:
+    # Note [Paired overhead]: the median of per-round ratios where the profile kept its
+    # rounds, the statistic the measured overhead is
+    predicted_overhead = paired_overhead(plan, prof)
+    if predicted_overhead is not None and uncertainty is not None:
+        # the range within the noise covers both statistics
+        uncertainty = replace(
+            uncertainty, overhead_low=min(uncertainty.overhead_low, predicted_overhead),
+            overhead_high=max(uncertainty.overhead_high, predicted_overhead))
+    if predicted_overhead is None and plan.predicted_step_time_s and plan.baseline_step_time_s:
         predicted_overhead = plan.predicted_step_time_s / plan.baseline_step_time_s - 1
     return AutoReport(
         model=description,

@@ -92,7 +92,10 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
     line = (f"overhead: {report.overhead:+.1%} (median of {pairs} interleaved per-pair "
             f"ratios, interquartile {low:+.1%}..{high:+.1%})")
     if report.predicted_overhead is not None:
-        line += f"; predicted {report.predicted_overhead:+.1%}"
+        rounds = report.profile.timed_rounds if report.profile is not None else None
+        line += (f"; predicted {report.predicted_overhead:+.1%}"
+                 + (f" (median of the profile's {len(rounds)} per-round ratios)"
+                    if rounds else ""))
         u = report.uncertainty
         if u is not None:
             line += f" ({u.overhead_low:+.1%}..{u.overhead_high:+.1%} within the timing noise)"

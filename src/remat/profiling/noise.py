@@ -2,8 +2,10 @@
 
 See :mod:`.pooling` for why identical stages are pooled. A profile whose first rounds
 disagree by more than :data:`NOISY` times one more set of rounds (at most
-:data:`MAX_EXTRA_ROUNDS`), once: more samples move the medians less, and the extra
-rounds are recorded (``timing_noise.extra_rounds``).
+:data:`MAX_EXTRA_ROUNDS`), once: more samples move the medians less; then rounds are
+added one at a time while the per-round overhead is uncertain (:func:`paired_se`), up to
+:data:`MAX_ADDED_ROUNDS` in all. The rounds added are recorded
+(``timing_noise.extra_rounds``).
 """
 
 from __future__ import annotations
@@ -17,19 +19,28 @@ from remat.profiling.timing import StepTimes
 from remat.solve.uncertainty import NOISY
 
 __all__ = [
+    "MAX_ADDED_ROUNDS",
     "MAX_EXTRA_ROUNDS",
     "NOISY",
     "extra_rounds",
     "option_diffs",
     "option_extras",
+    "paired_se",
     "pooled_extras",
     "samples",
     "stage_times",
     "timing_noise",
 ]
 
-#: At most this many rounds are added to a noisy profile.
+#: At most this many rounds are added at once to a noisy profile.
 MAX_EXTRA_ROUNDS = 4
+
+#: At most this many rounds are added in all (Note [Rounds for the paired overhead]).
+MAX_ADDED_ROUNDS = 8
+
+#: Rounds are added one at a time while the standard error of the median per-round
+#: overhead of one region per stage is above this (Note [Rounds for the paired overhead]).
+PAIRED_SE = 0.025
 
 _TIMES = ("fwd_s", "bwd_s")
 
@@ -109,6 +120,31 @@ def extra_rounds(plain: Sequence[StepTimes], group_of: Sequence[int], repeats: i
     if max(step, _stage_spread(plain, per_stage, group_of)) <= NOISY:
         return 0
     return min(repeats, MAX_EXTRA_ROUNDS)
+
+
+def paired_se(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]) -> float:
+    """The standard error of the median over rounds of the step with one region per stage
+    over the plain step of the same round (0 below two rounds).
+
+    Note [Rounds for the paired overhead]: the predicted overhead is a median of per-round
+    ratios (``remat/solve/paired.py``), and its error shrinks with the rounds: on the
+    built-in gpt, from a standard deviation of 3.0 points over four rounds to 2.3 over
+    eight and 1.5 over twelve. A profile adds rounds, one at a time, while this error of
+    the ratio that rebuilds most (one region per stage) is above :data:`PAIRED_SE`, up to
+    :data:`MAX_ADDED_ROUNDS` in all. The spread is the interquartile range over 1.349 (a
+    normal's sigma; the standard deviation below four rounds), the standard error of a
+    median 1.2533 sigma over the root of the rounds.
+    """
+    ratios = [r.step_s / p.step_s - 1 for p, r in zip(plain, per_stage, strict=True)
+              if p.step_s > 0]
+    if len(ratios) < 2:
+        return 0.0
+    if len(ratios) >= 4:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        sigma = (q3 - q1) / 1.349
+    else:
+        sigma = statistics.stdev(ratios)
+    return 1.2533 * sigma / len(ratios) ** 0.5
 
 
 def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],

@@ -48,7 +48,7 @@ from remat.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.identical import recording_signatures
 from remat.profiling.links import find_breaks
-from remat.profiling.noise import extra_rounds
+from remat.profiling.noise import MAX_ADDED_ROUNDS, PAIRED_SE, extra_rounds, paired_se
 from remat.profiling.optimes import policy_op_names, spanning_regions
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
@@ -257,6 +257,11 @@ def measure_all(
                          per_stage=rebuilt[1:])
     for _ in range(extra):
         one_round()
+    # Note [Rounds for the paired overhead]: then one at a time while the per-round
+    # overhead's median is uncertain, up to MAX_ADDED_ROUNDS in all
+    while extra < MAX_ADDED_ROUNDS and paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE:
+        one_round()
+        extra += 1
     rebuilt, plain, spanned = rebuilt[1:], plain[1:], spanned[1:]
     with_option = {option: steps[1:] for option, steps in with_option.items()}
 
