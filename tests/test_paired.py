@@ -68,6 +68,8 @@ def test_the_profile_keeps_each_timed_round_pooled_within_it(chain_profile: Prof
     assert chain_profile.stages[lone].fwd_s == pytest.approx(
         statistics.median(r.fwd_s[lone] for r in rounds))
     assert Profile.from_dict(chain_profile.to_dict()).timed_rounds == rounds
+    # the step without checkpointing is the one timed without hooks, round by round
+    assert chain_profile.step_s == pytest.approx(statistics.median(r.step_s for r in rounds))
 
 
 def test_a_rounds_figures_price_the_plan_alone(chain_profile: Profile) -> None:

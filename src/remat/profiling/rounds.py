@@ -5,7 +5,9 @@ one plain step and one step per selective option, run back to back; what a plan 
 the plain step of that round is predicted from that round's figures alone, so a slow
 spell that fell on the round slows both. Within a round each stage's figure is the
 median over it and the stages identical to it (:mod:`.pooling`), and an option's extra is
-the median over its twins (:mod:`.twins`), as the profile's medians are.
+the median over its twins (:mod:`.twins`), as the profile's medians are; the plain step
+is the one timed without hooks, and the time outside the chain what it took beyond the
+stages (:func:`.timing.bare_step_s`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
     links = (region_link_rounds(m.plain_steps, m.per_stage_steps, m.spanning_steps,
                                 m.spanning)
              if m.spanning else None)
+    bare = m.bare_steps or tuple(s.step_s for s in m.plain_steps)
     found = []
     for r, plain in enumerate(m.plain_steps):
         extras = {
@@ -66,13 +69,13 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
         if links is not None:
             link = min(max(0.0, links[r]), max(0.0, region - floor))
         found.append(TimedRound(
-            step_s=plain.step_s,
+            step_s=bare[r],
             fwd_s=_within(fwd, groups, r),
             bwd_s=_within(bwd, groups, r),
             rebuild_s=_within(rebuild, groups, r),
             extra_bwd_s=extras,
             region_overhead_s=region,
             region_link_s=link,
-            outside_chain_s=max(0.0, plain.step_s - sum(plain.fwd_s) - sum(plain.bwd_s)),
+            outside_chain_s=max(0.0, bare[r] - sum(plain.fwd_s) - sum(plain.bwd_s)),
         ))
     return tuple(found)

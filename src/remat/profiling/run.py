@@ -1,6 +1,6 @@
 """One profiling run: every measurement a Profile is built from, in a fixed order.
 
-It costs ``(3 + s) * (repeats + 1)`` training steps (``s`` selective options; one fewer
+It costs ``(4 + s) * (repeats + 1)`` training steps (``s`` selective options; one fewer
 per round where no region can span two stages; up to
 ``repeats`` rounds more when the first ones were noisy, :mod:`.noise`), one step
 measured by the tracker and up to four tracked forwards:
@@ -12,8 +12,10 @@ measured by the tracker and up to four tracked forwards:
 2. ``repeats + 1`` rounds of training steps, each round one step with one region per
    stage (timing each stage's rebuild), one with a region over each longest run of stages
    no break divides (what a link inside a region costs, Note [Links inside a region] in
-   :mod:`.optimes`), one plain step (timing each stage's forward and
-   backward) and one step with each selective option on every stage (what the option
+   :mod:`.optimes`), one plain step (timing each stage's forward and backward), the same
+   without hooks (the step without checkpointing as it runs, :func:`.timing.bare_step_s`;
+   the time outside the chain is what it took beyond the stages) and one step with each
+   selective option on every stage (what the option
    costs each stage, :mod:`.optimes`); the first round is a warm-up whose times are
    dropped (it creates the optimizer state, right after which the tracker counts
    parameters, buffers, gradients, optimizer state and the batch, and it grows the
@@ -54,7 +56,7 @@ from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.pooling import identical_groups
 from remat.profiling.timeline import Span, StepSpans, split_step
-from remat.profiling.timing import StepTimes, median_times, timed_steps
+from remat.profiling.timing import StepTimes, bare_step_s, median_times, timed_steps
 from remat.runtime import apply
 
 __all__ = ["Measurements", "measure_all", "part_names"]
@@ -88,6 +90,8 @@ class Measurements:
     # steps with them applied, round by round (Note [Links inside a region])
     spanning: tuple[tuple[int, int], ...] = ()
     spanning_steps: tuple[StepTimes, ...] = ()
+    # round by round: the plain step timed without hooks (timing.bare_step_s)
+    bare_steps: tuple[float, ...] = ()
 
     @cached_property
     def times(self) -> StepTimes:
@@ -212,6 +216,7 @@ def measure_all(
                      if spanning else None)
     rebuilt: list[StepTimes] = []
     spanned: list[StepTimes] = []
+    bare: list[float] = []
     plain: list[StepTimes] = []
     with_option: dict[str, list[StepTimes]] = {option: [] for option in option_plans}
 
@@ -239,6 +244,7 @@ def measure_all(
                 plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
                                      device=device)
             signatures[:] = found
+        bare.append(bare_step_s(model, batch, loss_fn, optimizer, device=device))
         for option, plan in option_plans.items():
             with_option[option] += timed_steps(
                 model, batch, loss_fn, optimizer, modules, steps=1, plan=plan, device=device
@@ -262,7 +268,7 @@ def measure_all(
     while extra < MAX_ADDED_ROUNDS and paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE:
         one_round()
         extra += 1
-    rebuilt, plain, spanned = rebuilt[1:], plain[1:], spanned[1:]
+    rebuilt, plain, spanned, bare = rebuilt[1:], plain[1:], spanned[1:], bare[1:]
     with_option = {option: steps[1:] for option, steps in with_option.items()}
 
     part(parts[3])
@@ -311,6 +317,7 @@ def measure_all(
         per_stage_steps=tuple(rebuilt),
         spanning=spanning,
         spanning_steps=tuple(spanned),
+        bare_steps=tuple(bare),
         option_steps={option: tuple(steps) for option, steps in with_option.items()},
         step=step,
         spans=spans,
