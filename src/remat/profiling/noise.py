@@ -131,9 +131,10 @@ def paired_se(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]) -> flo
     built-in gpt, from a standard deviation of 3.0 points over four rounds to 2.3 over
     eight and 1.5 over twelve. A profile adds rounds, one at a time, while this error of
     the ratio that rebuilds most (one region per stage) is above :data:`PAIRED_SE`, up to
-    :data:`MAX_ADDED_ROUNDS` in all. The spread is the interquartile range over 1.349 (a
-    normal's sigma; the standard deviation below four rounds), the standard error of a
-    median 1.2533 sigma over the root of the rounds.
+    :data:`MAX_ADDED_ROUNDS` in all and at most as many as it had timed (its timed steps
+    at most double: a large model's rounds take minutes). The spread is the interquartile
+    range over 1.349 (a normal's sigma; the standard deviation below four rounds), the
+    standard error of a median 1.2533 sigma over the root of the rounds.
     """
     ratios = [r.step_s / p.step_s - 1 for p, r in zip(plain, per_stage, strict=True)
               if p.step_s > 0]

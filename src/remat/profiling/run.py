@@ -264,8 +264,12 @@ def measure_all(
     for _ in range(extra):
         one_round()
     # Note [Rounds for the paired overhead]: then one at a time while the per-round
-    # overhead's median is uncertain, up to MAX_ADDED_ROUNDS in all
-    while extra < MAX_ADDED_ROUNDS and paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE:
+    # overhead's median is uncertain, up to MAX_ADDED_ROUNDS in all and at most as many
+    # as there are already (a profile's timed steps at most double: a large model's
+    # rounds take minutes)
+    so_far = repeats + extra
+    while (extra < MAX_ADDED_ROUNDS and extra < so_far + (so_far - repeats)
+           and paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE):
         one_round()
         extra += 1
     rebuilt, plain, spanned, bare = rebuilt[1:], plain[1:], spanned[1:], bare[1:]
