@@ -9,7 +9,10 @@ AdamW step: the full batch, with the same dropout masks the ranks draw.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -564,3 +567,43 @@ def test_per_rank_problem_arithmetic() -> None:
 
 def _step_s(plan: Plan, problem: Any) -> float:
     return simulate(plan, problem).step_time_s
+
+
+# -- remat auto per rank (Note [auto per rank] in remat/bench/auto.py) -----------------------
+
+
+def test_auto_runs_per_rank_under_torchrun_and_every_rank_reports(tmp_path: Path) -> None:
+    out = tmp_path / "auto.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           "-m", "remat", "auto", "--model", "gpt", "--set", "n_layer=2", "--set", "n_embd=32",
+           "--set", "batch_size=8", "--distributed", "fsdp", "--budget", "80%", "--repeats",
+           "2", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    reports = [json.loads((tmp_path / f"auto.rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank, report in enumerate(reports):
+        assert report["environment"]["rank"] == rank, report
+        assert report["environment"]["distributed"] == "fsdp"
+        assert report["verify_ok"] and report["grads_match"], report["verify_detail"]
+        assert report["within_budget"], (report["measured_peak_bytes"], report["budget_bytes"])
+        assert report["predicted_overhead_statistic"] == "ratio of the profile's medians"
+    # one plan and one budget on every rank: their collectives must match
+    plans = [{k: v for k, v in r["plan"].items() if k != "solve_time_s"} for r in reports]
+    assert plans[0] == plans[1] and plans[0]["regions"] is not None
+    assert reports[0]["budget_bytes"] == reports[1]["budget_bytes"]
+    assert done.returncode == (0 if all(r["ok"] for r in reports) else 1), done.stderr[-2000:]
+    assert done.stdout.count("peaks and times are this rank's") == WORLD
+
+
+def test_auto_distributed_without_torchrun_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from remat.cli import main
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        assert main(["auto", "--model", "gpt", "--distributed", "ddp"]) == 2
+    finally:
+        os.environ.update(env)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torchrun" in err[0] and "--distributed ddp" in err[0], err

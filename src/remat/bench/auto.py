@@ -11,6 +11,19 @@ the first training step, profiling, planning, applying, verifying, measuring) an
 why in one sentence: the user's own code failing (factory, forward, loss) is a
 :class:`~remat.errors.UserCodeError` (exit 3); a rebuild torch rejects is described by
 the hazard ``remat verify`` finds.
+
+Note [auto per rank]: under ``torchrun`` with ``distributed`` set, every rank runs the same
+steps on its shard of the batch (the collectives of a wrapped model's step need all of
+them): it profiles its plain model, and all take rank 0's profile so that they choose the
+same plan; the per-rank problem (``remat.solve.sharding``, as ``remat bench
+--distributed``) gives the budget's meaning (a fraction of the largest rank's peak without
+checkpointing) and the plan. Each rank verifies the plan on its plain model (no
+collective: gradients are a property of the plan), wraps the plain and the planned model
+(DDP after ``apply``, FSDP2 one unit per stage before it), reads its per-rank peaks from
+the allocator's events and times the two interleaved; a decision to time more pairs is
+taken by all ranks when one needs it. The predicted overhead is the per-rank problem's
+ratio of medians (the profile's rounds are one process's), and the plan is not checked
+against the timing noise's draws, which re-solve the one-process problem.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from typing import Any
 import torch
 
 from remat.coverage import coverage, coverage_lines
-from remat.errors import CheckFailed, RematError, UserCodeError
+from remat.errors import CheckFailed, RematError, UsageError, UserCodeError
 from remat.measure.malloc import set_malloc
 from remat.plan import Plan
 from remat.planner import plan as make_plan
@@ -152,6 +165,27 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
         raise
 
 
+def _rank_zeros(prof: Profile) -> Profile:
+    """Rank 0's profile on every rank: the ranks must choose the same plan, or their FSDP
+    units, and so their collectives, would differ."""
+    import torch.distributed as dist
+
+    shared: list[Any] = [prof.to_json()]
+    dist.broadcast_object_list(shared, src=0)
+    return Profile.from_json(shared[0])
+
+
+def _agreed(flag: bool, distributed: bool) -> bool:
+    """``flag`` on any rank, on every rank (a decision to run more collective steps)."""
+    if not distributed:
+        return flag
+    import torch.distributed as dist
+
+    found = torch.tensor([int(flag)])
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
 def _article(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
@@ -191,6 +225,10 @@ def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> No
         loss.backward()
     model.zero_grad(set_to_none=True)
 
+
+#: What ``AutoReport.predicted_overhead`` is (Note [Paired overhead]).
+PAIRED = "median of the profile's per-round ratios"
+MEDIANS = "ratio of the profile's medians"
 
 #: Per-pair ratios whose interquartile range is wider than this (a share of the plain
 #: step) are timed again with twice as many pairs, once (Note [Re-timing wide pairs]).
@@ -244,6 +282,8 @@ class AutoReport:
     overhead_pairs: tuple[float, ...] = ()
     # the chosen plan against the profile's timing noise (None: the profile has none)
     uncertainty: PlanUncertainty | None = None
+    # what predicted_overhead is: PAIRED, or the ratio of the medians
+    predicted_overhead_statistic: str = MEDIANS
 
     @property
     def overhead_of_medians(self) -> float:
@@ -299,10 +339,7 @@ class AutoReport:
             "overhead_range": list(self.overhead_range),
             "overhead_of_medians": self.overhead_of_medians,
             "predicted_overhead": self.predicted_overhead,
-            "predicted_overhead_statistic": (
-                "median of the profile's per-round ratios"
-                if self.profile is not None and self.profile.timed_rounds
-                else "ratio of the profile's medians"),
+            "predicted_overhead_statistic": self.predicted_overhead_statistic,
             "plan_uncertainty": None if self.uncertainty is None else self.uncertainty.to_dict(),
             "timing_noise": (None if self.profile is None or self.profile.timing_noise is None
                              else self.profile.timing_noise.to_dict()),
@@ -352,6 +389,7 @@ def auto(
     progress: Callable[[str, int, int], None] | None = None,
     malloc: str = "keep",
     threads: int | None = None,
+    distributed: str | None = None,
 ) -> AutoReport:
     """Profile ``model``, plan it under ``budget``, verify the plan and measure it.
 
@@ -361,6 +399,9 @@ def auto(
     for a budget no plan fits, planning, exit code 1, with ``minimum_budget_bytes``.
     ``malloc`` as in :func:`remat.bench.bench` (``keep`` steadies CPU step times);
     ``threads`` sets torch's intra-op threads for the run (restored after).
+    ``distributed`` (``ddp`` or ``fsdp``, under ``torchrun``): every rank runs the job on
+    its shard of the batch, plans with rank 0's profile under the per-rank problem (the
+    same plan on every rank), and reports its own peak and time (Note [auto per rank]).
     """
     from .run import torch_threads  # run imports this module
 
@@ -369,9 +410,11 @@ def auto(
     whole(verify_steps, "verify_steps", 1)
     if threads is not None:
         whole(threads, "threads", 1)
+    if distributed is not None and distributed not in ("ddp", "fsdp"):
+        raise UsageError(f"distributed={distributed!r} is unknown; use ddp or fsdp")
     with torch_threads(threads):
         return _auto(model, options, stages, budget, optimizer, repeats, warmup, verify_steps,
-                     profile_repeats, progress, malloc)
+                     profile_repeats, progress, malloc, distributed)
 
 
 def _auto(
@@ -386,6 +429,7 @@ def _auto(
     profile_repeats: int,
     progress: Callable[[str, int, int], None] | None,
     malloc: str,
+    distributed: str | None = None,
 ) -> AutoReport:
     began = time.perf_counter()
     allocator = set_malloc(malloc)
@@ -393,6 +437,14 @@ def _auto(
     timings: dict[str, float] = {}
     factory, _ = make_factory(model, options)
     description = describe(model, options or {})
+    ranks = None
+    if distributed is not None:
+        from remat.distributed import init_from_env
+
+        from .run import _Ranks
+
+        ranks = _Ranks(distributed, init_from_env())
+        factory = ranks.shard(factory)
 
     def diagnose(err: BaseException) -> str:
         return hazard_reason(err, lambda: factory(None), stages)
@@ -406,8 +458,12 @@ def _auto(
                        description=description,
                        progress=lambda what, done, total: report(f"profiling: {what}", done,
                                                                  total))
-    environment = describe_environment(net, batch, loss_fn, dtype=prof.dtype, device=prof.device,
-                                       malloc=allocator)
+    if ranks is not None:
+        prof = _rank_zeros(prof)
+    environment = describe_environment(
+        net, batch, loss_fn, dtype=prof.dtype, device=prof.device, malloc=allocator,
+        rank=None if ranks is None else ranks.info.rank,
+        world_size=None if ranks is None else ranks.info.world_size, distributed=distributed)
     del net
     timings["profile_s"] = time.perf_counter() - t
 
@@ -415,10 +471,18 @@ def _auto(
     report("planning", 0, 1)
     with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
+        if ranks is not None:
+            from .run import _rank_problem
+
+            ranks.stages = prof.stage_names
+            problem = _rank_problem(problem, ranks, factory, optimizer)
         try:
-            # the simplest of the plans tied within the timing noise, and its uncertainty
-            chosen, uncertainty = steadiest_and_uncertainty(
-                prof, make_plan(problem, budget, "optimal"), slots=problem.slots)
+            if ranks is None:
+                # the simplest of the plans tied within the timing noise, and its uncertainty
+                chosen, uncertainty = steadiest_and_uncertainty(
+                    prof, make_plan(problem, budget, "optimal"), slots=problem.slots)
+            else:  # the draws re-solve the one-process problem: the per-rank plan as solved
+                chosen, uncertainty = make_plan(problem, budget, "optimal"), None
             plan = with_made_for(chosen, prof)
         except CheckFailed as err:  # no plan fits: say the least budget that does
             # and, when the stages cover little of the memory, that more stages would help
@@ -430,8 +494,14 @@ def _auto(
 
     report("applying", 0, 1)
     with step("applying"):
-        plain = Runner(*factory(None), optimizer)
-        planned = EagerRunner(*factory(None), optimizer, plan)
+        plain: Runner
+        planned: Runner
+        if ranks is None:
+            plain = Runner(*factory(None), optimizer)
+            planned = EagerRunner(*factory(None), optimizer, plan)
+        else:
+            plain = ranks.runner(*factory(None), optimizer, None)
+            planned = ranks.runner(*factory(None), optimizer, plan)
     try:
         t = time.perf_counter()
         report("verifying", 0, 1)
@@ -442,7 +512,10 @@ def _auto(
         t = time.perf_counter()
         report("measuring", 0, 1)
         with step("measuring", diagnose=diagnose):
-            base_memory, memory = by_tracker(plain), by_tracker(planned)
+            if ranks is None:
+                base_memory, memory = by_tracker(plain), by_tracker(planned)
+            else:
+                base_memory, memory = ranks.measure(plain), ranks.measure(planned)
             steps = {"plain": plain.step, "planned": planned.step}
             times = interleaved(
                 steps, repeats=repeats, warmup=warmup,
@@ -450,7 +523,7 @@ def _auto(
             )
             # Note [Re-timing wide pairs]: per-pair ratios spread over more than
             # PAIRS_SPREAD between quartiles get twice as many pairs again, once.
-            if _spread(times) > PAIRS_SPREAD:
+            if _agreed(_spread(times) > PAIRS_SPREAD, ranks is not None):
                 more = interleaved(
                     steps, repeats=2 * repeats, warmup=0,
                     progress=lambda done, total: report("timing (more pairs)", done, total),
@@ -460,13 +533,19 @@ def _auto(
     finally:
         planned.close()
         plain.close()
+        if ranks is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank done before any tears its group down
     ratio, _ = paired(times["planned"], times["plain"])
     timings["measure_s"] = time.perf_counter() - t
 
     assert plan.budget_bytes is not None and plan.predicted_peak_bytes is not None
     # Note [Paired overhead]: the median of per-round ratios where the profile kept its
     # rounds, the statistic the measured overhead is
-    predicted_overhead = paired_overhead(plan, prof)
+    # per rank, the profile's rounds are one process's: the per-rank problem's medians
+    predicted_overhead = paired_overhead(plan, prof) if ranks is None else None
+    statistic = MEDIANS if predicted_overhead is None else PAIRED
     if predicted_overhead is not None and uncertainty is not None:
         # the range within the noise covers both statistics
         uncertainty = replace(
@@ -494,6 +573,7 @@ def _auto(
                                                         strict=True) if b > 0),
         uncertainty=uncertainty,
         predicted_overhead=predicted_overhead,
+        predicted_overhead_statistic=statistic,
         verify_ok=bool(check.verify_ok),
         grads_match=check.grads_match,
         verify_detail=check.detail,

@@ -55,6 +55,9 @@ def add_parser(sub: Any, name: str) -> None:
                    help="torch intra-op threads for the run (default: torch's own)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write auto.json, plan.json, profile.json and auto.md here")
+    p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,
+                   help="under torchrun: each rank runs the job on its shard of the batch "
+                   "under DDP or FSDP2 and reports its own peaks (docs/distributed.md)")
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -92,10 +95,8 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
     line = (f"overhead: {report.overhead:+.1%} (median of {pairs} interleaved per-pair "
             f"ratios, interquartile {low:+.1%}..{high:+.1%})")
     if report.predicted_overhead is not None:
-        rounds = report.profile.timed_rounds if report.profile is not None else None
-        line += (f"; predicted {report.predicted_overhead:+.1%}"
-                 + (f" (median of the profile's {len(rounds)} per-round ratios)"
-                    if rounds else ""))
+        line += (f"; predicted {report.predicted_overhead:+.1%} "
+                 f"({report.predicted_overhead_statistic})")
         u = report.uncertainty
         if u is not None:
             line += f" ({u.overhead_low:+.1%}..{u.overhead_high:+.1%} within the timing noise)"
@@ -150,8 +151,11 @@ def render(report: AutoReport, console: Console, *, one_thread: bool = False) ->
                   f"{report.verify_detail}")
     console.print(_categories(report))
     where = f" in {report.peak_module}" if report.peak_module else ""
-    console.print(f"the measured peak is in the {report.peak_phase or '?'} phase{where}; the "
-                  f"cost model puts it at '{report.predicted_peak_event}'")
+    if report.peak_phase is None:  # per rank: the allocator's events name no phase
+        console.print(f"the cost model puts the peak at '{report.predicted_peak_event}'")
+    else:
+        console.print(f"the measured peak is in the {report.peak_phase} phase{where}; the "
+                      f"cost model puts it at '{report.predicted_peak_event}'")
     for problem in report.problems:
         console.print(f"[bold red]problem[/]: {problem}")
     t = report.timings_s
@@ -200,11 +204,12 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar("auto") as progress:
             check_threads(args.threads)
             parse_budgets([args.budget])
+            _check_torchrun(args)
             report = auto(
                 args.model, options=model_options(args), stages=stage_list(args.stages),
                 budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
                 verify_steps=args.verify_steps, progress=progress, malloc=args.malloc,
-                threads=args.threads,
+                threads=args.threads, distributed=args.distributed,
             )
     except Stopped as err:
         write_json(_stopped(args, err.to_dict()), args.json)
@@ -221,15 +226,35 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _check_torchrun(args: argparse.Namespace) -> None:
+    if args.distributed is None:
+        return
+    from remat.distributed import env_rank
+
+    if env_rank() is None:
+        raise UsageError(
+            "--distributed needs the RANK and WORLD_SIZE torchrun sets; run torchrun "
+            "--nproc-per-node 2 -m remat auto ... --distributed " + args.distributed
+        )
+
+
 def _report(args: argparse.Namespace, report: AutoReport) -> None:
     from rich.console import Console
 
-    console = console_for(args.json)
+    from remat.cli.bench import rank_path
+
+    env = report.environment
+    rank = env.rank if env is not None and args.distributed else None
+    json_path, out = rank_path(args.json, rank), rank_path(args.out, rank)
+    console = console_for(json_path)
+    if rank is not None and env is not None:
+        console.print(f"rank {rank} of {env.world_size} ({args.distributed}): peaks and "
+                      "times are this rank's")
     one_thread = runs_one_thread(args.threads)
     render(report, console, one_thread=one_thread)
-    if args.out:
+    if out:
         recorder = Console(record=True, width=110, file=io.StringIO())
         render(report, recorder, one_thread=one_thread)
-        paths = _write_folder(report, args.out, recorder.export_text())
+        paths = _write_folder(report, out, recorder.export_text())
         console.print(f"wrote {', '.join(str(p) for p in paths)}")
-    write_json(report.to_dict(), args.json)
+    write_json(report.to_dict(), json_path)
