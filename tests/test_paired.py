@@ -133,3 +133,27 @@ def test_the_paired_error_shrinks_with_rounds_and_needs_two() -> None:
     assert eight == pytest.approx(1.2533 * 0.125 / 1.349 / 8 ** 0.5)
     steady = [_steps(1.5)] * 8
     assert paired_se(plain, steady) == 0.0 < PAIRED_SE
+
+
+def test_bench_rows_predict_their_overhead_as_the_median_of_per_round_ratios(
+    chain_profile: Profile,
+) -> None:
+    from remat.bench.results import Row
+    from remat.bench.run import _paired_predictions
+    from remat.bench.strategies import RowSpec
+
+    names = chain_profile.stage_names
+    per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(N)))
+    rounds = (_round(0.001, 0.002, 0.001, 0.012), _round(0.002, 0.004, 0.002, 0.024),
+              _round(0.001, 0.002, 0.003, 0.012))
+    rows = {"per-stage": Row("per-stage", predicted_overhead=0.5),
+            "none": Row("none", predicted_overhead=0.0), "compile": Row("compile")}
+    specs = [RowSpec("per-stage", plan=per_stage), RowSpec("none", plan=Plan(names)),
+             RowSpec("compile")]
+    _paired_predictions(rows, specs, replace(chain_profile, timed_rounds=rounds))
+    assert rows["per-stage"].predicted_overhead == pytest.approx(1 / 3)
+    assert rows["none"].predicted_overhead == 0.0
+    assert rows["compile"].predicted_overhead is None  # compiled rows are not predicted
+    kept = {"per-stage": Row("per-stage", predicted_overhead=0.5)}
+    _paired_predictions(kept, specs[:1], replace(chain_profile, timed_rounds=None))
+    assert kept["per-stage"].predicted_overhead == 0.5  # no rounds: the medians' ratio

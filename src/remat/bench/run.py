@@ -427,6 +427,7 @@ def _run(
     run = _Bench(factory, s.optimizer, s.verify_steps, progress, ranks)
     try:
         run.eager([r for r in specs if r.strategy != "compile"])
+        matched: list[RowSpec] = []
         if s.matched and "remat" in s.strategies:
             # The larger of the baseline's measured and predicted peak: its own plan then
             # fits the budget in the simulator, so remat's choice includes it.
@@ -435,7 +436,8 @@ def _run(
                 for r in run.rows.values()
                 if r.budget is None and r.measured_peak_bytes is not None
             }
-            run.eager(matched_rows(problem, peaks))
+            matched = matched_rows(problem, peaks)
+            run.eager(matched)
         compile_status = run.compiled([r for r in specs if r.strategy == "compile"],
                                       s.compile_limit_s)
         run.time_all(s.repeats, s.warmup)
@@ -445,6 +447,8 @@ def _run(
             import torch.distributed as dist
 
             dist.barrier()  # every rank done before any tears its group down
+    if ranks is None:  # per rank, the profile's rounds are one process's
+        _paired_predictions(run.rows, [*specs, *matched], prof)
     micro = None
     if s.microbatch_budget is not None:
         micro = compare_microbatches(
@@ -472,6 +476,21 @@ def _run(
         command=command,
         timelines=dict(run.timelines),
     )
+
+
+def _paired_predictions(rows: dict[str, Row], specs: Sequence[RowSpec], prof: Profile) -> None:
+    """Each planned row's predicted overhead as the median of the profile's per-round ratios,
+    the statistic its measured overhead is (Note [Paired overhead] in remat/solve/paired.py);
+    rows keep the ratio of the medians where the profile kept no rounds."""
+    from remat.solve.paired import paired_overhead
+
+    for spec in specs:
+        row = rows.get(spec.key)
+        if row is None or spec.plan is None or row.predicted_overhead is None:
+            continue
+        paired = paired_overhead(spec.plan, prof)
+        if paired is not None:
+            rows[spec.key] = replace(row, predicted_overhead=paired)
 
 
 def _rank_problem(problem: Problem, ranks: _Ranks, factory: Factory, optimizer: str) -> Problem:

@@ -162,7 +162,8 @@ def _table(report: BenchReport) -> Table:
         )
     table.caption = ("measured: the live-storage tracker; * torch.profiler allocator events "
                      "(compiled rows); step: median [min, max]; overhead: median of per-round "
-                     "ratios to no checkpointing (predicted)")
+                     "ratios to no checkpointing (predicted: the same statistic over the "
+                     "profile's timed rounds)")
     return table
 
 
