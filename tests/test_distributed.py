@@ -543,13 +543,19 @@ def test_per_rank_problem_arithmetic() -> None:
     base = _chain()
     fsdp = per_rank_problem(base, world_size=2, strategy="fsdp", replicated_bytes=0)
     assert fsdp.params_bytes == 2100 and fsdp.optimizer_bytes == 4200
-    assert fsdp.grads_bytes == 2100 and [s.grad_bytes for s in fsdp.stages] == [500] * 4
-    # the root's 200 bytes stay gathered through forward and backward: half of them extra
-    assert fsdp.pre_chain_bytes == 100
-    # forward: the gather's flat output (1000) and the gathered half (500)
-    assert fsdp.stages[0].fwd_transient_bytes == 1500
-    # backward: the gathered half, the unsharded gradients' reduce-scatter input and output
-    assert fsdp.stages[0].bwd_transient_bytes == 500 + 1000 + 500
+    assert [s.grad_bytes for s in fsdp.stages] == [500] * 4
+    # each stage a unit of its 1000 bytes, reduce-scattering 1000 bytes of gradients
+    assert [(s.unit_bytes, s.reduce_bytes) for s in fsdp.stages] == [(1000, 1000)] * 4
+    # the root's 200 bytes: gathered (unsharded) from its forward to the end of backward,
+    # its gradients unsharded to then
+    assert fsdp.root_unit_bytes == 200 and fsdp.pre_chain_bytes == 200
+    assert fsdp.pre_chain_grads_bytes == fsdp.post_chain_grads_bytes == 100
+    assert fsdp.grads_bytes == 4 * 500 + 200
+    assert fsdp.collective_copies
+    assert not per_rank_problem(base, world_size=2, strategy="fsdp",
+                                backend="nccl").collective_copies
+    # the transients are the stages' own: the simulator keeps the units
+    assert [s.fwd_transient_bytes for s in fsdp.stages] == [0] * 4
     ddp = per_rank_problem(base, world_size=2, strategy="ddp")
     assert ddp.params_bytes == 4200 + 4200 and ddp.optimizer_bytes == 8400
     # a rebuild that gathers again costs its gather in every rebuild run
@@ -567,6 +573,39 @@ def test_per_rank_problem_arithmetic() -> None:
 
 def _step_s(plan: Plan, problem: Any) -> float:
     return simulate(plan, problem).step_time_s
+
+
+def _unit_bytes_at(plan: Plan, label: str) -> int:
+    """What the FSDP2 units add at the event ``label``: the per-rank problem against the
+    same problem with its units taken away."""
+    from dataclasses import replace
+
+    fsdp = per_rank_problem(_chain(), world_size=2, strategy="fsdp", backend="nccl")
+    bare = replace(fsdp, root_unit_bytes=0, stages=tuple(
+        replace(s, unit_bytes=0, reduce_bytes=0) for s in fsdp.stages))
+    with_units = dict(simulate(plan, fsdp).events)
+    return with_units[label] - dict(simulate(plan, bare).events)[label]
+
+
+def test_simulator_keeps_fsdp_units_as_fsdp2_does() -> None:
+    """Note [FSDP2 units]: u = 1000 per stage, r = 1000 per reduce-scatter input."""
+    # forward: the unit's flat all-gather buffer and its unsharded parameters
+    assert _unit_bytes_at(NONE_CHAIN, "forward s1") == 2000
+    # backward of the last stage: itself, and the one before it prefetched
+    assert _unit_bytes_at(NONE_CHAIN, "backward s3") == 2000
+    # further on, also the reduce-scatter input of the stage after it
+    assert _unit_bytes_at(NONE_CHAIN, "backward s2") == 3000
+    assert _unit_bytes_at(PER_STAGE_CHAIN, "backward s1") == 3000
+    # a rebuild gathers the region's units, and they stay gathered to their backward
+    assert _unit_bytes_at(ONE_REGION_CHAIN, "backward s2") == 4000
+    assert _unit_bytes_at(ONE_REGION_CHAIN, "backward s3") == 4000
+    # the first stage's backward: no unit before it to prefetch
+    assert _unit_bytes_at(NONE_CHAIN, "backward s0") == 2000
+
+
+NONE_CHAIN = Plan(stages=tuple(f"s{i}" for i in range(4)))
+PER_STAGE_CHAIN = Plan(stages=NONE_CHAIN.stages, regions=tuple(Region(i, i + 1) for i in range(4)))
+ONE_REGION_CHAIN = Plan(stages=NONE_CHAIN.stages, regions=(Region(0, 4),))
 
 
 # -- remat auto per rank (Note [auto per rank] in remat/bench/auto.py) -----------------------

@@ -129,13 +129,20 @@ class StageCost:
     # mid-block attention). A region starting here does not drop it: that code runs
     # before the region, so the region holds it from its forward to its backward.
     link_saved_bytes: int = 0
+    # FSDP2 (a per-rank problem, remat.solve.sharding): the bytes of this stage's unit when
+    # gathered (its unsharded parameters; the all-gather's flat output is as large), and
+    # of its gradients' reduce-scatter input; 0: the stage is not a unit of its own. The
+    # simulator keeps them as FSDP2 does (Note [FSDP2 units] in simulate.py).
+    unit_bytes: int = 0
+    reduce_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise UsageError(f"stage name {self.name!r} is not a module path; give a string")
         where = f"stage {self.name!r}"
         for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
-                     "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes"):
+                     "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes", "unit_bytes",
+                     "reduce_bytes"):
             object.__setattr__(self, name, _bytes(getattr(self, name), f"{where} {name}"))
         if self.nosave_transient_bytes is not None:
             value = _bytes(self.nosave_transient_bytes, f"{where} nosave_transient_bytes")
@@ -251,6 +258,8 @@ class StageCost:
                 "output_held_bytes": self.output_held_bytes}
                if self.output_held_through is not None else {}),
             **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
+            **({"unit_bytes": self.unit_bytes} if self.unit_bytes else {}),
+            **({"reduce_bytes": self.reduce_bytes} if self.reduce_bytes else {}),
         }
 
     @classmethod
@@ -285,7 +294,7 @@ _STAGE_KEYS_V1 = (
 _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
-    "link_saved_bytes",
+    "link_saved_bytes", "unit_bytes", "reduce_bytes",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",
@@ -315,7 +324,7 @@ _PROBLEM_KEYS_V1 = (
     "slots",
 )
 _PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
-                 "post_chain_backward_bytes")
+                 "post_chain_backward_bytes", "root_unit_bytes", "collective_copies")
 
 
 def _check_keys(data: Mapping[str, Any], required: tuple[str, ...], known: tuple[str, ...],
@@ -364,6 +373,11 @@ class Problem(JsonArtifact):
     # go of what it held there (its forward has returned); post_chain_bytes is then the
     # forward's alone. None: post_chain_bytes is both, with those holds alive.
     post_chain_backward_bytes: int | None = None
+    # FSDP2: the root unit's gathered bytes (everything outside the stages' units), and
+    # whether the backend copies a collective's buffer (gloo: an all-gather's output, a
+    # reduce-scatter's input). Note [FSDP2 units] in simulate.py.
+    root_unit_bytes: int = 0
+    collective_copies: bool = False
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -413,6 +427,10 @@ class Problem(JsonArtifact):
             object.__setattr__(self, "measured_no_checkpoint_peak_bytes", value)
         if not isinstance(self.early_stop, bool):
             raise UsageError(f"early_stop={self.early_stop!r} must be true or false")
+        object.__setattr__(self, "root_unit_bytes", _bytes(self.root_unit_bytes,
+                                                           "root_unit_bytes"))
+        if not isinstance(self.collective_copies, bool):
+            raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
             raise UsageError(f"slots={self.slots!r} must be a whole number of at least 1")
         if not isinstance(self.description, str):
@@ -540,6 +558,10 @@ class Problem(JsonArtifact):
             data[name] = getattr(self, name)
         if self.post_chain_backward_bytes is not None:
             data["post_chain_backward_bytes"] = self.post_chain_backward_bytes
+        if self.root_unit_bytes:
+            data["root_unit_bytes"] = self.root_unit_bytes
+        if self.collective_copies:
+            data["collective_copies"] = True
         return data
 
     @classmethod

@@ -11,14 +11,20 @@ the wrapper keeps. :func:`per_rank_problem` rewrites the fields, nothing else:
   ``gradient_as_bucket_view=False``) are allocated when the model is wrapped and stay
   all step: they join ``params_bytes``.
 * ``fsdp`` (``fully_shard`` on every stage, then on the root, the default
-  ``reshard_after_forward=True``): the sharded parameters, their gradients, the
+  ``reshard_after_forward=True``): the sharded parameters, the stages' gradients, the
   optimizer state and the optimizer step's temporaries are divided by the world size
   (``ceil``; FSDP pads each parameter's dim 0 to a multiple of it, up to ``W - 1`` rows
-  more). Buffers (``replicated_bytes``) are not sharded. A stage's parameters are
-  gathered during its forward (with or without saving), its rebuilds and its backward:
-  the gathered part (``p - ceil(p / W)``) joins each of its transients. The root unit
-  (everything outside the stages: embeddings, head) is gathered in its forward and not
-  resharded until the end of backward: it joins ``pre_chain_bytes``, alive until then.
+  more). Buffers (``replicated_bytes``) are not sharded. Each stage is a unit of its own
+  parameters (``unit_bytes``: what it takes gathered, its all-gather's flat buffer as
+  much) reduce-scattering its gradients (``reduce_bytes``); the simulator keeps them as
+  FSDP2 does, in forward, rebuilds and backward, with its prefetches (Note [FSDP2 units]
+  in :mod:`remat.solve.simulate`). The root unit (everything outside the stages:
+  embeddings, head) is gathered in its forward (``root_unit_bytes``) and not resharded
+  until the end of backward: its unsharded parameters join ``pre_chain_bytes``, alive
+  until then, and its gradients stay unsharded to then too (the pre- and post-chain's
+  gradients are not divided; counted so through the optimizer step, an upper bound
+  there). ``backend="gloo"`` sets ``collective_copies`` (gloo copies an all-gather's output
+  and a reduce-scatter's input while it runs).
 * time: each stage's ``fwd_s`` and ``bwd_s`` gain one all-gather (``gather_s``, FSDP) and
   its ``bwd_s`` one gradient reduction (``reduce_s``: FSDP's reduce-scatter, DDP's
   all-reduce; serial with compute, an upper bound). A rebuild that gathers again adds
@@ -35,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from remat.errors import UsageError
-from remat.solve.problem import Problem, StageCost
+from remat.solve.problem import Problem
 
 __all__ = ["per_rank_problem"]
 
@@ -78,6 +84,7 @@ def per_rank_problem(
     gather_s: float | Mapping[str, float] | Sequence[float] = 0.0,
     reduce_s: float | Mapping[str, float] | Sequence[float] = 0.0,
     rebuild_gathers: int = 0,
+    backend: str = "gloo",
 ) -> Problem:
     """The problem one rank of a ``strategy`` (``ddp`` or ``fsdp``) job of ``world_size`` solves.
 
@@ -88,6 +95,8 @@ def per_rank_problem(
     ``gradient_as_bucket_view=True``). ``gather_s``, ``reduce_s``: one all-gather and one
     gradient reduction per stage, seconds (a number for every stage, a mapping by name or a
     sequence). ``rebuild_gathers``: all-gathers each rebuild run of a stage makes again.
+    ``backend``: the collectives' (``gloo`` copies an all-gather's output and a
+    reduce-scatter's input while the collective runs; ``nccl`` does not).
     """
     if strategy not in _STRATEGIES:
         raise UsageError(f"strategy {strategy!r} is unknown; use one of {', '.join(_STRATEGIES)}")
@@ -148,46 +157,35 @@ def per_rank_problem(
             f"{replicated_bytes} exceed params_bytes={problem.params_bytes}; give the "
             "problem's own parameter split"
         )
-    sharded_stages: list[StageCost] = []
-    for s, p, g, r in zip(problem.stages, params, gathers, reduces, strict=True):
-        gathered = p - share(p)
-        # Forward: the all-gather's flat output and the gathered parameters it is copied
-        # into; backward: the gathered parameters, then the reduce-scatter's flat input
-        # and output next to the stage's unsharded gradients.
-        fwd_extra = p + gathered
-        bwd_extra = gathered + s.grad_bytes + share(s.grad_bytes)
-        sharded_stages.append(
-            replace(
-                s,
-                fwd_transient_bytes=s.fwd_transient_bytes + fwd_extra,
-                bwd_transient_bytes=s.bwd_transient_bytes + bwd_extra,
-                bwd_transient_by_option={
-                    o: b + bwd_extra for o, b in s.bwd_transient_by_option.items()
-                },
-                nosave_transient_bytes=None
-                if s.nosave_transient_bytes is None
-                else s.nosave_transient_bytes + fwd_extra,
-                grad_bytes=share(s.grad_bytes),
-                fwd_s=s.fwd_s + g,
-                bwd_s=s.bwd_s + g + r,
-                rebuild_s=s.rebuild_s + rebuild_gathers * g,
-            )
+    sharded_stages = [
+        replace(
+            s,
+            unit_bytes=p,
+            reduce_bytes=s.grad_bytes,
+            grad_bytes=share(s.grad_bytes),
+            fwd_s=s.fwd_s + g,
+            bwd_s=s.bwd_s + g + r,
+            rebuild_s=s.rebuild_s + rebuild_gathers * g,
         )
+        for s, p, g, r in zip(problem.stages, params, gathers, reduces, strict=True)
+    ]
+    # The root's gradients stay unsharded until its post-backward, at the end of backward
+    # (counted so through the optimizer step: an upper bound there).
     parts = (
         sum(s.grad_bytes for s in sharded_stages)
-        + share(problem.pre_chain_grads_bytes)
-        + share(problem.post_chain_grads_bytes)
+        + problem.pre_chain_grads_bytes
+        + problem.post_chain_grads_bytes
     )
     return replace(
         problem,
         stages=tuple(sharded_stages),
         params_bytes=replicated_bytes + share(sharded),
         grads_bytes=max(share(problem.grads_bytes), parts),
-        pre_chain_grads_bytes=share(problem.pre_chain_grads_bytes),
-        post_chain_grads_bytes=share(problem.post_chain_grads_bytes),
         optimizer_bytes=share(problem.optimizer_bytes),
         optimizer_step_bytes=share(problem.optimizer_step_bytes),
-        pre_chain_bytes=problem.pre_chain_bytes + root - share(root),
+        pre_chain_bytes=problem.pre_chain_bytes + root,
+        root_unit_bytes=root,
+        collective_copies=backend == "gloo",
         measured_no_checkpoint_peak_bytes=None,
         description=_described(problem, f"fsdp rank of {w}"),
     )

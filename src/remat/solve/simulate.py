@@ -65,6 +65,34 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
   region from its forward (or its opening in the parent's rebuild) to the end of its
   backward: its rebuild needs them. A boundary counts once with its other holders; any
   other tensor once however many regions hold it.
+
+Note [FSDP2 units]
+------------------
+A per-rank problem under FSDP2 (:func:`remat.solve.sharding.per_rank_problem`) gives each
+stage that is a unit its gathered bytes ``u`` (``StageCost.unit_bytes``) and its
+gradients' reduce-scatter input ``r`` (``StageCost.reduce_bytes``), and the root unit
+(everything else) ``Problem.root_unit_bytes``; the sharded parameters are in
+``params_bytes``, the root's unsharded ones in ``pre_chain_bytes``. The simulator keeps
+them as FSDP2 (torch 2.13, ``reshard_after_forward=True``, implicit prefetch) does,
+measured on 2 gloo ranks (``benchmarks/distributed_steadiness.md``):
+
+* forward: a unit's pre-forward all-gathers into a flat buffer (``u``) and copies out the
+  unsharded parameters (``u``); the flat buffer stays until the next unit's all-gather
+  (the root's, gathered first, until the first stage's; the last stage's through the
+  post-chain's forward); the unsharded parameters go after the unit's forward. So a
+  stage's forward runs with ``2u`` more, and its all-gather's event adds the previous
+  flat buffer too. Regions do not change the forward.
+* backward: a unit's pre-backward (when backward reaches its output, before a region
+  ending there rebuilds) unshards it and prefetches the unit before it (its flat buffer,
+  ``u``); the root's prefetches the last stage at the post-chain's backward. A forward
+  that runs during backward (a rebuild) unshards its unit if needed and does not reshard
+  it: a unit stays gathered from its rebuild (or pre-backward) to its post-backward.
+* a unit's post-backward, right after its backward: it reshards, frees the previous
+  unit's reduce-scatter input, and reduce-scatters its gradients through an input of
+  ``r`` bytes kept to the next unit's post-backward (the last, stage 0's, to the root's,
+  at the end of backward).
+* ``collective_copies`` (gloo): an all-gather's output and a reduce-scatter's input are
+  copied for the collective, the copy alive while it runs.
 """
 
 from __future__ import annotations
@@ -237,6 +265,14 @@ class _Walker:
             else s.saved_bytes["keep"] + s.bwd_transient(o)
             for s, o, f in zip(stages, options, off, strict=True)
         ]
+        # FSDP2 units (Note [FSDP2 units])
+        self.u = [s.unit_bytes for s in stages]
+        self.fsdp = any(self.u) or problem.root_unit_bytes > 0
+        self.copies = problem.collective_copies
+        self.unsharded: dict[int, bool] = {}  # gathered unit -> unsharded (False: prefetched)
+        self.pre_backward_done: set[int] = set()
+        self.forward_flat = 0  # the last forward all-gather's flat buffer
+        self.reduce_input = 0  # the last reduce-scatter's input
         self.transfer_s: list[float | None] = [None] * n
         if any(off):
             bandwidth = problem.offload_bandwidth_bytes_per_s
@@ -364,6 +400,71 @@ class _Walker:
         self.labels.append(label)
         self.lives.append(self.live + extra)
 
+    # -- FSDP2 units (Note [FSDP2 units]) ----------------------------------------------------
+
+    def forward_gather(self, i: int) -> None:
+        """Stage i's unit gathers for its forward: its flat buffer and unsharded parameters
+        join, the previous all-gather's flat buffer goes after the copy-out."""
+        u = self.u[i]
+        if not u:
+            return
+        self.event(f"all-gather {self.names[i]}", 2 * u)
+        self.live += 2 * u - self.forward_flat
+        self.forward_flat = u
+
+    def forward_reshard(self, i: int) -> None:
+        self.live -= self.u[i]
+
+    def end_forward(self) -> None:
+        """The root's post-forward frees the last all-gather's flat buffer."""
+        self.live -= self.forward_flat
+        self.forward_flat = 0
+
+    def unshard(self, j: int, label: str) -> None:
+        """Unit j's parameters are needed in backward (or a rebuild): copied out of its
+        prefetched flat buffer, or gathered now; they stay to its post-backward."""
+        u = self.u[j]
+        state = self.unsharded.get(j)
+        if not u or state:
+            return
+        if state is None:
+            self.event(label, 2 * u)  # the flat buffer, then gloo's copy or the copy-out
+            self.live += u
+        else:
+            self.event(label, u)  # the copy-out next to the flat buffer it replaces
+        self.unsharded[j] = True
+
+    def prefetch(self, j: int) -> None:
+        """A pre-backward all-gathers unit j (the one before it in forward order) ahead."""
+        if j < 0 or not self.u[j] or j in self.unsharded:
+            return
+        u = self.u[j]
+        self.event(f"all-gather {self.names[j]} (prefetch)", u + (u if self.copies else 0))
+        self.live += u
+        self.unsharded[j] = False
+
+    def pre_backward(self, i: int) -> None:
+        if not self.fsdp or i in self.pre_backward_done:
+            return
+        self.pre_backward_done.add(i)
+        self.unshard(i, f"all-gather {self.names[i]} (backward)")
+        self.prefetch(i - 1)
+
+    def post_backward(self, i: int) -> None:
+        """Unit i reshards and reduce-scatters its gradients (their shard is grad_bytes)."""
+        if not self.u[i]:
+            return
+        if self.unsharded.pop(i, None) is not None:
+            self.live -= self.u[i]
+        stage = self.p.stages[i]
+        r = stage.reduce_bytes
+        self.live += r - self.reduce_input
+        self.reduce_input = r
+        if r:
+            # the input next to the unsharded gradients it replaces, then gloo's copy of it
+            extra = r if self.copies else max(0, r - stage.grad_bytes)
+            self.event(f"reduce-scatter {stage.name}", extra)
+
     # -- one stage ---------------------------------------------------------------------------
 
     def held_link(self, i: int) -> int:
@@ -399,6 +500,7 @@ class _Walker:
 
     def backward_stage(self, i: int) -> None:
         self.pending_at(i)
+        self.pre_backward(i)
         stage = self.p.stages[i]
         saved = self.saved[i]
         assert saved is not None, i
@@ -428,6 +530,8 @@ class _Walker:
         self.live -= grad
         if i in self.escapes:
             self.let_escapes_go(i)
+        if self.fsdp:
+            self.post_backward(i)
 
     # -- levels ------------------------------------------------------------------------------
 
@@ -464,7 +568,9 @@ class _Walker:
             if item.region is None:
                 self.fwd_s += stages[item.start].fwd_s
                 model_holds(item.start)
+                self.forward_gather(item.start)
                 self.taped(item.start, labels[item.start])
+                self.forward_reshard(item.start)
                 model_lets_go(item.start)
                 continue
             self.open_region(item.region)
@@ -472,7 +578,9 @@ class _Walker:
             for i in range(item.start, item.stop):
                 self.fwd_s += stages[i].fwd_s
                 model_holds(i)
+                self.forward_gather(i)
                 self.not_saved(i, f"{labels[i]} {where}")
+                self.forward_reshard(i)
                 model_lets_go(i)
             if self.any_reads:
                 self.hold_escapes(item.region)
@@ -495,12 +603,16 @@ class _Walker:
         for item in items[:run]:
             if item.region is None:
                 self.rebuild_s += stages[item.start].rebuild_s
+                if self.fsdp:
+                    self.unshard(item.start, f"all-gather {names[item.start]} {for_region}")
                 self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
             else:
                 self.open_region(item.region)
                 where = f"(for {region}, in {item.region}, not saved)"
                 for i in range(item.start, item.stop):
                     self.rebuild_s += stages[i].rebuild_s
+                    if self.fsdp:
+                        self.unshard(i, f"all-gather {names[i]} {where}")
                     self.not_saved(i, f"rebuild {names[i]} {where}")
             cur = item.stop
         for k in range(run, len(items)):
@@ -522,6 +634,7 @@ class _Walker:
                 continue
             self.overhead_s += self.p.region_overhead_s
             self.pending_at(item.stop - 1)
+            self.pre_backward(item.stop - 1)
             self.add(("overhead", item.region), self.p.region_overhead_bytes)
             self.rebuild(item.region, item.items)
             self.backward_level(item.items)
@@ -563,11 +676,16 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.add("input", p.input_bytes)
     w.add("pre-chain", p.pre_chain_bytes)
     w.hold_current(0)
-    w.event("forward pre-chain")
+    w.forward_flat = p.root_unit_bytes  # the root's all-gather, kept to the first unit's
+    w.live += w.forward_flat
+    w.event("forward pre-chain", w.forward_flat if p.collective_copies else 0)
     top = plan_tree(plan)
     w.forward_level(top)
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
+    w.end_forward()
+    if w.fsdp:
+        w.prefetch(n - 1)  # the root's pre-backward
     # Gradients nobody claims, from the first backward event on (an upper bound).
     w.add(("param grads", "unattributed"), p.unattributed_grads_bytes)
     # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
@@ -593,6 +711,12 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.live -= w.grad[0]
     w.grad[0] = None
     w.drop("pre-chain")
+    if w.fsdp:  # the root's post-backward: stage 0's reduce-scatter input goes, its own
+        root = p.root_unit_bytes
+        w.live -= w.reduce_input
+        w.event("reduce-scatter root", root + (root if p.collective_copies else 0))
+        w.reduce_input = 0
+        assert not w.unsharded, w.unsharded
     w.event("optimizer step", p.optimizer_step_bytes)
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
