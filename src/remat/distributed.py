@@ -397,20 +397,25 @@ def ddp_bucket_bytes(ddp: nn.Module) -> int:
 
 
 def plan_rank_peak(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], plan: Plan, *,
-                   wrap: str, stages: Sequence[str], optimizer: str = "adamw") -> tuple[int, int]:
+                   wrap: str, stages: Sequence[str], optimizer: str = "adamw",
+                   group_regions: bool = True) -> tuple[int, int]:
     """This rank's peak of one training step with ``plan``, wrapped by ``wrap`` (``ddp``:
     the plan, then the wrapper; ``fsdp``: :func:`shard_stages`, then the plan), and the
     bytes the wrapper keeps outside the step (DDP's gradient buckets; 0 for FSDP2).
+    ``group_regions``: FSDP2 units as :func:`shard_stages` makes them for ``plan`` (a stage
+    inside a multi-stage region sharded by its children); False: one unit per stage, the
+    common wrapping.
 
     :func:`plan_rank_memory` has the other figures of the same measurement.
     """
     memory = plan_rank_memory(model, batch, loss_fn, plan, wrap=wrap, stages=stages,
-                              optimizer=optimizer)
+                              optimizer=optimizer, group_regions=group_regions)
     return memory.peak_bytes, memory.resident_bytes
 
 
 def plan_rank_memory(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], plan: Plan, *,
-                     wrap: str, stages: Sequence[str], optimizer: str = "adamw") -> StepMemory:
+                     wrap: str, stages: Sequence[str], optimizer: str = "adamw",
+                     group_regions: bool = True) -> StepMemory:
     """:func:`plan_rank_peak` with every figure of the measurement (:class:`StepMemory`)."""
     import remat
     from remat.measure.step import make_optimizer
@@ -418,7 +423,7 @@ def plan_rank_memory(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], 
     if wrap not in STRATEGIES:
         raise UsageError(f"wrap={wrap!r} is unknown; use one of {', '.join(STRATEGIES)}")
     if wrap == "fsdp":
-        shard_stages(model, stages, plan)
+        shard_stages(model, stages, plan if group_regions else None)
     remat.apply(model, plan)
     opt = make_optimizer(model, optimizer)
     if wrap == "fsdp":

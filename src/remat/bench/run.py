@@ -512,5 +512,6 @@ def _rank_problem(problem: Problem, ranks: _Ranks, factory: Factory, optimizer: 
     peak = int(largest.item())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     rank_problem = per_rank_problem(problem, world_size=ranks.info.world_size,
-                                    strategy=ranks.strategy, replicated_bytes=buffers)
+                                    strategy=ranks.strategy, replicated_bytes=buffers,
+                                    backend=dist.get_backend())
     return replace(rank_problem, measured_no_checkpoint_peak_bytes=peak)
