@@ -54,7 +54,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
 }
 BUDGETS = ("75%", "50%")
 #: wrap -> (strategy, group_regions)
-WRAPS = {"ddp": ("ddp", True), "fsdp blocks": ("fsdp", False), "fsdp stages": ("fsdp", True)}
+WRAPS = {"fsdp blocks": ("fsdp", False), "fsdp stages": ("fsdp", True), "ddp": ("ddp", True)}
 
 
 def plans(problem: Problem) -> dict[str, tuple[Plan | None, int | None]]:
