@@ -47,6 +47,13 @@ def _round(fwd: float, bwd: float, rebuild: float, step: float, *, region: float
                       region_overhead_s=region, outside_chain_s=outside)
 
 
+def _uneven_rounds() -> tuple[TimedRound, ...]:
+    """Round 2 ran twice as slow as round 1 throughout; round 3's rebuilds alone were slow.
+    Per round, one region per stage: 4 ms of rebuilds over 12 ms, 8 over 24, 12 over 12."""
+    return (_round(0.001, 0.002, 0.001, 0.012), _round(0.002, 0.004, 0.002, 0.024),
+            _round(0.001, 0.002, 0.003, 0.012))
+
+
 def test_the_profile_keeps_each_timed_round_pooled_within_it(chain_profile: Profile) -> None:
     rounds = chain_profile.timed_rounds
     noise = chain_profile.timing_noise
@@ -87,11 +94,7 @@ def test_the_predicted_overhead_is_the_median_of_per_round_ratios(
 ) -> None:
     names = chain_profile.stage_names
     per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(N)))
-    # Round 2 ran twice as slow as round 1 throughout; round 3's rebuilds alone were slow.
-    # Per round: 4 ms of rebuilds over 12 ms, 8 over 24, 12 over 12.
-    rounds = (_round(0.001, 0.002, 0.001, 0.012), _round(0.002, 0.004, 0.002, 0.024),
-              _round(0.001, 0.002, 0.003, 0.012))
-    paired = replace(chain_profile, timed_rounds=rounds)
+    paired = replace(chain_profile, timed_rounds=_uneven_rounds())
     assert round_overheads(per_stage, paired) == pytest.approx([1 / 3, 1 / 3, 1.0])
     assert paired_overhead(per_stage, paired) == pytest.approx(1 / 3)
     # the ratio of medians sets round 2's rebuilds (2 ms) against round 1's step: 2/3
@@ -144,8 +147,7 @@ def test_bench_rows_predict_their_overhead_as_the_median_of_per_round_ratios(
 
     names = chain_profile.stage_names
     per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(N)))
-    rounds = (_round(0.001, 0.002, 0.001, 0.012), _round(0.002, 0.004, 0.002, 0.024),
-              _round(0.001, 0.002, 0.003, 0.012))
+    rounds = _uneven_rounds()
     rows = {"per-stage": Row("per-stage", predicted_overhead=0.5),
             "none": Row("none", predicted_overhead=0.0), "compile": Row("compile")}
     specs = [RowSpec("per-stage", plan=per_stage), RowSpec("none", plan=Plan(names)),
