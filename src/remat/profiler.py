@@ -171,11 +171,7 @@ def profile(
     )
     overhead_s = region_overhead_s(m.plain_steps, m.per_stage_steps, floor)
     # per round, so that one slow round's step is not set against another's stages
-    # the plain step timed bare where measured (its hooks cost it ~1%: timing.bare_step_s)
-    plain_s = m.bare_steps or tuple(s.step_s for s in m.plain_steps)
-    outside = statistics.median(
-        t - sum(s.fwd_s) - sum(s.bwd_s) for t, s in zip(plain_s, m.plain_steps, strict=True)
-    )
+    outside = statistics.median(m.outside_rounds)
     result = Profile(
         model=description or type(model).__name__,
         batch_size=batch_size,
@@ -190,7 +186,7 @@ def profile(
                        if m.spanning else None),
         region_overhead_bytes=m.overhead.memory_bytes,
         outside_chain_s=max(0.0, outside),
-        step_s=float(statistics.median(plain_s)),
+        step_s=float(statistics.median(m.plain_step_s)),
         measured_peak_bytes=m.step.peak_bytes,
         optimizer=optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower(),
         device=_device_name(device),

@@ -41,6 +41,7 @@ from remat.errors import UsageError
 from remat.profiling.timing import StepTimes
 
 __all__ = [
+    "link_within",
     "option_extra_s",
     "policy_op_names",
     "region_link_rounds",
@@ -123,26 +124,27 @@ def region_link_rounds(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes
     time beyond the plain step, the stages' rebuilds as the steps with one region per stage
     timed them and one single-stage region's whole cost per region, over the number of links
     inside the regions."""
-    _rounds(plain, per_stage)
     _rounds(plain, spanning)
-    n = len(plain[0].fwd_s)
     inside = [i for start, stop in regions for i in range(start, stop)]
     links = len(inside) - len(regions)
     if links < 1:
         raise UsageError(f"regions {list(regions)} have no link inside; give regions of two "
                          "stages or more")
-    found = []
-    for p, r, s in zip(plain, per_stage, spanning, strict=True):
-        per_region = (r.step_s - p.step_s - sum(r.rebuild_s)) / n
-        rebuilds = sum(r.rebuild_s[i] for i in inside)
-        found.append((s.step_s - p.step_s - rebuilds - len(regions) * per_region) / links)
-    return found
+    per_region = region_overhead_rounds(plain, per_stage)
+    return [(s.step_s - p.step_s - sum(r.rebuild_s[i] for i in inside)
+             - len(regions) * region) / links
+            for p, r, s, region in zip(plain, per_stage, spanning, per_region, strict=True)]
 
 
 def region_link_s(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
                   spanning: Sequence[StepTimes], regions: Sequence[tuple[int, int]],
                   ceiling_s: float) -> float:
-    """The median of :func:`region_link_rounds`, between 0 and ``ceiling_s`` (a region's own
-    cost less the checkpoint frame's: the frame is paid whatever the region holds)."""
-    return min(max(0.0, statistics.median(region_link_rounds(plain, per_stage, spanning,
-                                                               regions))), max(0.0, ceiling_s))
+    """The median of :func:`region_link_rounds`, within :func:`link_within`."""
+    return link_within(statistics.median(region_link_rounds(plain, per_stage, spanning,
+                                                            regions)), ceiling_s)
+
+
+def link_within(link_s: float, ceiling_s: float) -> float:
+    """``link_s`` between 0 and ``ceiling_s`` (a region's own cost less the checkpoint
+    frame's: the frame is paid whatever the region holds)."""
+    return min(max(0.0, link_s), max(0.0, ceiling_s))

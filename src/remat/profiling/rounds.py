@@ -12,22 +12,22 @@ stages (:func:`.timing.bare_step_s`).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 
 from remat.profile_format import TimedRound
 from remat.profiling.noise import option_diffs, samples
-from remat.profiling.optimes import region_link_rounds, region_overhead_rounds
+from remat.profiling.optimes import link_within, region_link_rounds, region_overhead_rounds
+from remat.profiling.pooling import pool
 from remat.profiling.run import Measurements
 from remat.profiling.twins import twin_groups
 
 __all__ = ["timed_rounds"]
 
 
-def _within(values: Sequence[Sequence[float]], groups: Sequence[Sequence[int]], r: int
-            ) -> tuple[float, ...]:
-    """Per stage: the median of round ``r``'s values over the stages in its group."""
-    return tuple(float(statistics.median(values[j][r] for j in group)) for group in groups)
+def _within(values: Sequence[Sequence[float]], same_as: Sequence[int]) -> tuple[float, ...]:
+    """Per stage: the median of ``values[i]`` (one round's samples of stage ``i``) over the
+    stages identical to it."""
+    return tuple(p.median for p in pool(values, same_as))
 
 
 def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
@@ -36,10 +36,6 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
     frame (as the profile's medians, :mod:`.optimes`)."""
     n = len(m.names)
     same_as = m.same_as or tuple(range(n))
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(same_as):
-        members.setdefault(g, []).append(i)
-    groups = [members[g] for g in same_as]
     floor = m.overhead.time_s
     fwd, bwd = samples(m.plain_steps, "fwd_s"), samples(m.plain_steps, "bwd_s")
     rebuild = samples(m.per_stage_steps, "rebuild_s")
@@ -56,26 +52,24 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
     links = (region_link_rounds(m.plain_steps, m.per_stage_steps, m.spanning_steps,
                                 m.spanning)
              if m.spanning else None)
-    bare = m.bare_steps or tuple(s.step_s for s in m.plain_steps)
+    bare, outside = m.plain_step_s, m.outside_rounds
     found = []
-    for r, plain in enumerate(m.plain_steps):
+    for r in range(len(m.plain_steps)):
         extras = {
-            o: tuple(max(floor, float(statistics.median(
-                diffs[t][j][r] for j in groups[i] for t in twins[o][i]))) for i in range(n))
+            o: tuple(max(floor, x) for x in _within(
+                [[diffs[t][i][r] for t in twins[o][i]] for i in range(n)], same_as))
             for o in m.selective_options
         }
         region = max(floor, regions[r])
-        link = None
-        if links is not None:
-            link = min(max(0.0, links[r]), max(0.0, region - floor))
+        link = None if links is None else link_within(links[r], region - floor)
         found.append(TimedRound(
             step_s=bare[r],
-            fwd_s=_within(fwd, groups, r),
-            bwd_s=_within(bwd, groups, r),
-            rebuild_s=_within(rebuild, groups, r),
+            fwd_s=_within([[s[r]] for s in fwd], same_as),
+            bwd_s=_within([[s[r]] for s in bwd], same_as),
+            rebuild_s=_within([[s[r]] for s in rebuild], same_as),
             extra_bwd_s=extras,
             region_overhead_s=region,
             region_link_s=link,
-            outside_chain_s=max(0.0, bare[r] - sum(plain.fwd_s) - sum(plain.bwd_s)),
+            outside_chain_s=max(0.0, outside[r]),
         ))
     return tuple(found)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -56,7 +55,7 @@ from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.pooling import identical_groups
 from remat.profiling.timeline import Span, StepSpans, split_step
-from remat.profiling.timing import StepTimes, bare_step_s, median_times, timed_steps
+from remat.profiling.timing import StepTimes, bare_step_s, timed_steps
 from remat.runtime import apply
 
 __all__ = ["Measurements", "measure_all", "part_names"]
@@ -93,15 +92,18 @@ class Measurements:
     # round by round: the plain step timed without hooks (timing.bare_step_s)
     bare_steps: tuple[float, ...] = ()
 
-    @cached_property
-    def times(self) -> StepTimes:
-        """Medians of the plain steps."""
-        return median_times(self.plain_steps)
+    @property
+    def plain_step_s(self) -> tuple[float, ...]:
+        """Round by round, the step without checkpointing: timed bare where it was (its
+        hooks cost it about 1%, :func:`.timing.bare_step_s`)."""
+        return self.bare_steps or tuple(s.step_s for s in self.plain_steps)
 
-    @cached_property
-    def rebuild(self) -> StepTimes:
-        """Medians of the steps with a region per stage."""
-        return median_times(self.per_stage_steps)
+    @property
+    def outside_rounds(self) -> tuple[float, ...]:
+        """Round by round, what the step without checkpointing took beyond the stages'
+        forward and backward (the pre-chain, post-chain and optimizer step)."""
+        return tuple(t - sum(s.fwd_s) - sum(s.bwd_s)
+                     for t, s in zip(self.plain_step_s, self.plain_steps, strict=True))
 
     @property
     def selective_options(self) -> tuple[str, ...]:
@@ -267,11 +269,12 @@ def measure_all(
     # overhead's median is uncertain, up to MAX_ADDED_ROUNDS in all and at most as many
     # as there are already (a profile's timed steps at most double: a large model's
     # rounds take minutes)
-    so_far = repeats + extra
-    while (extra < MAX_ADDED_ROUNDS and extra < so_far + (so_far - repeats)
+    so_far, added = repeats + extra, 0
+    while (extra < MAX_ADDED_ROUNDS and added < so_far
            and paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE):
         one_round()
         extra += 1
+        added += 1
     rebuilt, plain, spanned, bare = rebuilt[1:], plain[1:], spanned[1:], bare[1:]
     with_option = {option: steps[1:] for option, steps in with_option.items()}
 

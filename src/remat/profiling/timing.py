@@ -10,7 +10,6 @@ time the rebuild, which torch may stop early once backward has what it needs.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from torch import nn
 from remat.plan import Plan
 from remat.profiling._tensors import main_input, main_output, stage_hooks
 
-__all__ = ["StepTimes", "bare_step_s", "median_times", "timed_steps"]
+__all__ = ["StepTimes", "bare_step_s", "timed_steps"]
 
 
 @dataclass(frozen=True)
@@ -163,17 +162,3 @@ def bare_step_s(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any]
     optimizer.zero_grad(set_to_none=True)
     return elapsed
 
-
-def median_times(steps: Sequence[StepTimes]) -> StepTimes:
-    """Per-quantity medians over ``steps``."""
-
-    def med(values: Sequence[float]) -> float:
-        return float(statistics.median(values))
-
-    n = len(steps[0].fwd_s)
-    return StepTimes(
-        step_s=med([s.step_s for s in steps]),
-        fwd_s=tuple(med([s.fwd_s[i] for s in steps]) for i in range(n)),
-        bwd_s=tuple(med([s.bwd_s[i] for s in steps]) for i in range(n)),
-        rebuild_s=tuple(med([s.rebuild_s[i] for s in steps]) for i in range(n)),
-    )
