@@ -63,10 +63,13 @@ def _seed(step: int, rank: int) -> None:
     torch.manual_seed(1000 * step + rank)
 
 
-def _train(model: Any, batch: Any, loss_fn: Any, opt: Any, rank: int) -> list[float]:
+def _train(model: Any, batch: Any, loss_fn: Any, opt: Any, rank: int | None = None, *,
+           steps: int = STEPS) -> list[float]:
+    """The losses of ``steps`` training steps; each seeded for ``rank`` where one is given."""
     losses = []
-    for step in range(STEPS):
-        _seed(step, rank)
+    for step in range(steps):
+        if rank is not None:
+            _seed(step, rank)
         loss = loss_fn(model, batch)
         loss.backward()
         opt.step()
@@ -164,14 +167,8 @@ def _mixed_precision(rank: int) -> dict[str, Any]:
         if plan is not None:
             remat.apply(model, plan)
         opt = make_optimizer(model, "adamw")
-        losses = []
-        for _ in range(STANDARD_STEPS):
-            loss = loss_fn(model, batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        seen[name] = (losses, _full_params(model))
+        seen[name] = (_train(model, batch, loss_fn, opt, steps=STANDARD_STEPS),
+                      _full_params(model))
     return seen
 
 
@@ -329,13 +326,7 @@ def _full_batch(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the plain model, the whole global batch each step."""
     model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
     opt = make_optimizer(model, "adamw")
-    losses = []
-    for _ in range(steps):
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses = _train(model, batch, loss_fn, opt, steps=steps)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -58,7 +58,7 @@ from .measure import by_tracker, interleaved, paired, time_stats
 from .runners import EagerRunner, Runner
 
 __all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
-           "rebuild_rejected", "step", "torch_threads_kept"]
+           "rank_zeros", "rebuild_rejected", "step", "torch_threads_kept"]
 
 #: The steps of the main job, in order (``Stopped.stage`` is one of them).
 STAGES = ("loading the model", "the first training step", "profiling", "planning",
@@ -165,8 +165,8 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
         raise
 
 
-def _rank_zeros(prof: Profile) -> Profile:
-    """Rank 0's profile on every rank: the ranks must choose the same plan, or their FSDP
+def rank_zeros(prof: Profile) -> Profile:
+    """Rank 0's profile on every rank: the ranks must choose the same plans, or their FSDP
     units, and so their collectives, would differ."""
     import torch.distributed as dist
 
@@ -459,7 +459,7 @@ def _auto(
                        progress=lambda what, done, total: report(f"profiling: {what}", done,
                                                                  total))
     if ranks is not None:
-        prof = _rank_zeros(prof)
+        prof = rank_zeros(prof)
     environment = describe_environment(
         net, batch, loss_fn, dtype=prof.dtype, device=prof.device, malloc=allocator,
         rank=None if ranks is None else ranks.info.rank,

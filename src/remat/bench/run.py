@@ -27,7 +27,7 @@ from remat.profile_format import Profile
 from remat.profiler import profile, profile_scaling
 from remat.solve import Problem, parse_budget
 
-from .auto import first_step, hazard_reason, rebuild_rejected, step
+from .auto import first_step, hazard_reason, rank_zeros, rebuild_rejected, step
 from .environment import describe_environment
 from .factory import batch_size_of, describe, failure, make_factory, whole
 from .findings import findings
@@ -404,13 +404,7 @@ def _run(
         prof = _profile(factory, scaling, stages, s.optimizer, s.profile_repeats, description,
                         progress)
     if ranks is not None:
-        import torch.distributed as dist
-
-        # one profile for every rank (rank 0's): the ranks must choose the same plans,
-        # or their FSDP units, and so their collectives, would differ
-        shared: list[Any] = [prof.to_json()]
-        dist.broadcast_object_list(shared, src=0)
-        prof = Profile.from_json(shared[0])
+        prof = rank_zeros(prof)
     problem: Problem = to_problem(prof)
     environment = describe_environment(
         model0, batch0, loss0, dtype=prof.dtype, device=prof.device,

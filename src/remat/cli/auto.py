@@ -18,6 +18,7 @@ from remat.cli.common import (
     model_options,
     runs_one_thread,
     stage_list,
+    torchrun_rank,
 )
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar("auto") as progress:
             check_threads(args.threads)
             parse_budgets([args.budget])
-            _check_torchrun(args)
+            torchrun_rank(args.distributed, "auto")
             report = auto(
                 args.model, options=model_options(args), stages=stage_list(args.stages),
                 budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
@@ -224,18 +225,6 @@ def run(args: argparse.Namespace) -> int:
         raise
     _report(args, report)
     return 0 if report.ok else 1
-
-
-def _check_torchrun(args: argparse.Namespace) -> None:
-    if args.distributed is None:
-        return
-    from remat.distributed import env_rank
-
-    if env_rank() is None:
-        raise UsageError(
-            "--distributed needs the RANK and WORLD_SIZE torchrun sets; run torchrun "
-            "--nproc-per-node 2 -m remat auto ... --distributed " + args.distributed
-        )
 
 
 def _report(args: argparse.Namespace, report: AutoReport) -> None:

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 from rich import box
 from rich.table import Table
 
-from remat.cli.common import add_model_options, check_threads, model_options, stage_list
+from remat.cli.common import (
+    add_model_options,
+    check_threads,
+    model_options,
+    stage_list,
+    torchrun_rank,
+)
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.errors import UsageError
 
@@ -197,17 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_limit < 0:
         raise UsageError(f"--compile-limit {args.compile_limit:g} is negative; give seconds >= 0")
     check_threads(args.threads)
-    rank = None
-    if args.distributed:
-        from remat.distributed import env_rank
-
-        info = env_rank()
-        if info is None:
-            raise UsageError(
-                "--distributed needs the RANK and WORLD_SIZE torchrun sets; run "
-                "torchrun --nproc-per-node 2 -m remat bench ... --distributed " + args.distributed
-            )
-        rank = info.rank
+    rank = torchrun_rank(args.distributed, "bench")
     with progress_bar("bench") as progress:
         report = bench(
             args.model, options=model_options(args), stages=stage_list(args.stages),

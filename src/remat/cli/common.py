@@ -90,6 +90,22 @@ def runs_one_thread(threads: int | None = None) -> bool:
     return threads == 1 or (threads is None and torch.get_num_threads() == 1)
 
 
+def torchrun_rank(distributed: str | None, command: str) -> int | None:
+    """This process's rank under ``--distributed`` (None without it); a usage error when
+    torchrun did not start it."""
+    if distributed is None:
+        return None
+    from remat.distributed import env_rank
+
+    info = env_rank()
+    if info is None:
+        raise UsageError(
+            "--distributed needs the RANK and WORLD_SIZE torchrun sets; run torchrun "
+            f"--nproc-per-node 2 -m remat {command} ... --distributed {distributed}"
+        )
+    return info.rank
+
+
 def check_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads} is below 1; give 1 or more")
