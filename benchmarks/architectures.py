@@ -36,10 +36,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from remat.bench.auto import AutoReport, Stopped, auto
-from remat.coverage import coverage
-from remat.solve import solvers
-from remat.solve.from_profile import problem_from_profile
+from remat.benchmarking.main_job import AutoReport, Stopped, auto
+from remat.core.coverage import coverage
+from remat.core.solve import solvers
+from remat.core.solve.from_profile import problem_from_profile
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/architectures.py"
 BUILTINS = ["resnet", "convnext", "encdec", "unet", "gpt", "mlp-hetero", "convnet-bn"]

@@ -17,7 +17,7 @@ compared with eager's. Per row: the first step's loss and gradients against ``ea
 (largest ``|a - b|`` over ``max |b|``, and whether every element is within float32's
 ``rtol=1.3e-6, atol=1e-5``); the peak of a whole training step (forward, backward, AdamW
 step, after a warm-up step) from ``torch.profiler``'s allocator events
-(``remat.bench.measure.by_profiler``), and from remat's live-storage tracker, which for a
+(``remat.benchmarking.measure.by_profiler``), and from remat's live-storage tracker, which for a
 compiled row is wrong on purpose: under its dispatch mode Dynamo does not compile, so the
 tracker sees the eager model; step times interleaved, quoted as medians of per-round
 ratios against ``eager``.
@@ -48,10 +48,10 @@ from torch import nn
 
 import remat
 from remat import plans
-from remat.bench.measure import by_profiler, by_tracker, interleaved, paired
-from remat.bench.runners import Runner
+from remat.benchmarking.measure import by_profiler, by_tracker, interleaved, paired
+from remat.benchmarking.runners import Runner
+from remat.core.plan_format import Plan
 from remat.models import load_model
-from remat.plan import Plan
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/compile_plan.py"
 MIB = 1024 * 1024

@@ -4,7 +4,7 @@ Issue 15 item 2. For each model (gpt, ``hf:llama``), wrap and plan (no regions, 
 region per block, ``segments``, ``optimal`` at 75% and at 50% of the rank's predicted peak
 without a plan) ``--runs`` fresh 2-process jobs each measure both ranks' peak of one
 training step (:func:`remat.distributed.plan_rank_memory`, Note [Steady per-rank peaks]);
-the prediction is the simulator's peak of :func:`remat.solve.sharding.per_rank_problem`
+the prediction is the simulator's peak of :func:`remat.core.transforms.per_rank_problem`
 built from one rank's profile. Wraps: ``ddp``; ``fsdp blocks``, ``fully_shard`` on every
 block and then the root (the common wrapping); ``fsdp stages``, :func:`shard_stages` with
 the plan (a block inside a multi-stage region sharded by its children), run only for
@@ -33,13 +33,13 @@ import torch
 
 import remat
 from remat import distributed as rd
-from remat.errors import CheckFailed
+from remat.core.errors import CheckFailed
+from remat.core.plan_format import Plan
+from remat.core.planner import to_problem
+from remat.core.solve import simulate, solvers
+from remat.core.solve.problem import Problem
+from remat.core.transforms import per_rank_problem
 from remat.models import load_model
-from remat.plan import Plan
-from remat.planner import to_problem
-from remat.solve import simulate, solvers
-from remat.solve.problem import Problem
-from remat.solve.sharding import per_rank_problem
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/distributed_peaks.py"
 WORLD = 2
@@ -195,7 +195,7 @@ def _write(args: argparse.Namespace, rows: list[str], every: list[str], failures
         "ranks' peaks of one step read by `rd.plan_rank_memory` (Note [Steady per-rank "
         "peaks] in `src/remat/distributed.py`). Predicted: the simulator on "
         "`per_rank_problem(profile of one rank's shard)` (Note [FSDP2 units] in "
-        "`src/remat/solve/simulate.py`). Budget: for `optimal`, the fraction of the "
+        "`src/remat/solve/simulator.py`). Budget: for `optimal`, the fraction of the "
         "predicted peak without a plan the plan was solved for.",
         "",
         "Wraps: `fsdp blocks`, `fully_shard` on every block and then on the root (the "

@@ -30,11 +30,11 @@ import torch
 
 import remat
 from remat import distributed as rd
+from remat.core.plan_format import Plan, Region
+from remat.core.planner import to_problem
+from remat.core.solve import simulate
+from remat.core.transforms import per_rank_problem
 from remat.models import load_model
-from remat.plan import Plan, Region
-from remat.planner import to_problem
-from remat.solve import simulate
-from remat.solve.sharding import per_rank_problem
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/distributed_steadiness.py"
 WORLD = 2

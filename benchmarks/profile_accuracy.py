@@ -4,7 +4,7 @@ For each of ``gpt``, ``mlp-hetero`` and ``convnet-bn`` with their default sizes:
 
 1. the peak of one training step without checkpointing, measured by the tracker
    (``measure_step``) against the profile's prediction, which is the simulator's
-   (``remat.solve.simulate`` of the no-checkpoint plan on ``problem_from_profile``);
+   (``remat.core.solve.simulate`` of the no-checkpoint plan on ``problem_from_profile``);
    target within +-3%;
 2. the wall time of ``remat.profile`` in units of one plain training step of the same
    model, timed in the same process before and after (median); target <= 10 steps;
@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 
+from remat.core.solve import simulate
+from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
+from remat.core.transforms import at_batch_size
+from remat.core.units import format_bytes
 from remat.measure import measure_step
 from remat.measure.step import make_optimizer
 from remat.models import load_model
-from remat.profiler import fit_scaling, profile
-from remat.solve import simulate
-from remat.solve.from_profile import no_checkpoint_plan, problem_from_profile
-from remat.units import format_bytes
+from remat.profiling.profiler import fit_scaling, profile
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/profile_accuracy.py"
 MODELS = ("gpt", "mlp-hetero", "convnet-bn")
@@ -102,7 +103,7 @@ def measure(spec: str, steps: int) -> Row:
     b = result.batch_size
     assert b is not None and b >= 2
     half = profile(*load_model(spec, batch_size=b // 2), description=spec)
-    scaled = replace(result, scaling=fit_scaling(result, half)).at_batch_size(2 * b)
+    scaled = at_batch_size(replace(result, scaling=fit_scaling(result, half)), 2 * b)
     assert scaled.predicted_peak_bytes is not None
     measured_2b = measure_step(*load_model(spec, batch_size=2 * b)).peak_bytes
 

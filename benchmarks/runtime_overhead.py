@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat.plan import Plan, Region
+from remat.core.plan_format import Plan, Region
 from remat.runtime import apply
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/runtime_overhead.py"

@@ -34,9 +34,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from remat.plan import Plan
-from remat.solve import Problem, simulate, solvers
-from remat.units import format_bytes
+from remat.core.plan_format import Plan
+from remat.core.solve import Problem, simulate, solvers
+from remat.core.solve.from_profile import problem_from_profile
+from remat.core.units import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/solver_quality.py"
@@ -183,15 +184,15 @@ def main() -> None:
     parser.add_argument("--profile", help="a saved profile of mlp-hetero (default: profile now)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("solver_quality.md")))
     args = parser.parse_args()
-    from remat.profile_format import Profile
+    from remat.core.profile_format import Profile
 
     path = Path(args.profile) if args.profile else profile_mlp_hetero()
-    mlp = Problem.from_profile(Profile.load(path))
+    mlp = problem_from_profile(Profile.load(path))
     hetero = Problem.load(ROOT / "tests" / "fixtures" / "chain_hetero_6.json")
     parts = [
         "# Optimal solver against every-k and segments-k at equal peak", "",
         f"Reproduce with `{COMMAND}`. Python {platform.python_version()}. Every figure is "
-        "the simulator's (`remat.solve.simulate`), so it does not depend on the machine "
+        "the simulator's (`remat.core.solve.simulate`), so it does not depend on the machine "
         "except through the profile's measured times. For each baseline plan (every-k and "
         "segments-k, every k) its simulated peak is a budget; at it the best baseline that "
         "fits is compared with `optimal` solved at that budget. *rebuild*: "

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from remat.solve import Problem, StageCost, dp, dp_numba, flat, solvers
+from remat.core.solve import Problem, StageCost, dp, dp_numba, flat, solvers
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/solver_speed.py"
 MiB = 1 << 20
@@ -120,7 +120,7 @@ def new_process_seconds() -> float:
     """Wall time of a fresh interpreter that imports remat and solves 128 x 500 once."""
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import time; t0 = time.perf_counter(); "
-        "from solver_speed import random_chain, budget_of; from remat.solve import solvers; "
+        "from solver_speed import random_chain, budget_of; from remat.core.solve import solvers; "
         "p = random_chain(128); solvers.optimal(p, budget_of(p)); "
         "print(time.perf_counter() - t0)"
     )

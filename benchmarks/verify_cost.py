@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from remat.cli.verify import build_plan
+from remat.core.plan_format import Plan
 from remat.measure.step import make_optimizer
 from remat.models import load_model
-from remat.plan import Plan
 from remat.runtime import apply
-from remat.verify.harness import verify
+from remat.verification.harness import verify
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/verify_cost.py"
 VARIANTS = ("plain step", "step with the plan", "verify", "verify, check_rebuilds=False")

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import remat
-from remat.bench import AutoReport
-from remat.bench.auto import _problems
+from remat.benchmarking import AutoReport
+from remat.benchmarking.main_job import _problems
 from remat.cli import main
-from remat.plan import Plan
-from remat.profile_format import Profile
+from remat.core.plan_format import Plan
+from remat.core.profile_format import Profile
 
 TINY = {"n_layer": 3, "n_embd": 32, "n_head": 2, "block_size": 32, "vocab_size": 64,
         "batch_size": 4}
@@ -107,7 +107,7 @@ def test_auto_json_names_its_overhead_statistics(report: AutoReport) -> None:
     u = data["plan_uncertainty"]
     assert u["overhead_low"] <= data["predicted_overhead"] <= u["overhead_high"]
     # Note [Paired overhead]: the same statistic as the measured one, from the profile
-    from remat.solve.paired import round_overheads
+    from remat.core.solve.paired import round_overheads
 
     assert data["predicted_overhead_statistic"] == "median of the profile's per-round ratios"
     assert report.profile is not None
@@ -121,7 +121,7 @@ def _summary(step: float, base: float, pairs: tuple[float, ...],
     from statistics import median
 
     from remat.cli.auto import _step_lines
-    from remat.profile_format import FixedBytes, Profile, StageProfile
+    from remat.core.profile_format import FixedBytes, Profile, StageProfile
 
     profile = None if profiled_step is None else Profile(
         model="m", batch_size=1, stages=(StageProfile("a", 1, 1, {"keep": 0}),),
@@ -161,8 +161,8 @@ def test_planning_leaves_torchs_thread_count_as_it_was() -> None:
     """numba's OpenMP layer sets the process's thread count, which torch shares."""
     import torch
 
-    from remat.bench.auto import torch_threads_kept
-    from remat.solve import Problem, minimum_budget, optimal
+    from remat.benchmarking.main_job import torch_threads_kept
+    from remat.core.solve import Problem, minimum_budget, optimal
 
     problem = Problem.load(Path(__file__).parent / "fixtures" / "chain_hetero_6.json")
     before = torch.get_num_threads()
@@ -183,7 +183,7 @@ def test_the_numba_solver_itself_leaves_torchs_thread_count_as_it_was(
     import torch
 
     pytest.importorskip("numba")
-    from remat.solve import Problem, dp, dp_numba
+    from remat.core.solve import Problem, dp, dp_numba
 
     problem = Problem.load(Path(__file__).parent / "fixtures" / "chain_hetero_6.json")
     inner = dp_numba._numba_tables
@@ -207,7 +207,7 @@ def test_wide_pairs_are_timed_again_with_twice_as_many_and_narrow_ones_not(
 ) -> None:
     import importlib
 
-    auto_module = importlib.import_module("remat.bench.auto")  # remat.bench.auto is also a function
+    auto_module = importlib.import_module("remat.benchmarking.main_job")
     assert auto_module._spread({"planned": [1.0, 1.1, 1.2, 1.3], "plain": [1.0] * 4}) > 0.1
     assert auto_module._spread({"planned": [1.1, 1.1, 1.12, 1.1], "plain": [1.0] * 4}) < 0.1
     calls: list[int] = []

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import remat
-from remat.bench import BenchReport, parse_budgets, parse_strategies, write_report
-from remat.bench.microbatch import split
+from remat.benchmarking import BenchReport, parse_budgets, parse_strategies, write_report
+from remat.benchmarking.microbatch import split
 from remat.cli import main
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 # torch.compile uses a deprecated torch.jit helper internally (torch 2.13).
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
@@ -68,7 +68,7 @@ def test_budgets_parse_and_reject_what_parse_budget_rejects() -> None:
 
 
 def test_the_cli_defaults_equal_the_library_defaults() -> None:
-    from remat.bench import DEFAULT_BUDGETS, STRATEGIES
+    from remat.benchmarking import DEFAULT_BUDGETS, STRATEGIES
     from remat.cli import bench as cli
 
     assert ",".join(DEFAULT_BUDGETS) == cli.DEFAULT_BUDGETS
@@ -241,11 +241,13 @@ def test_cli_usage_errors_are_one_line_and_exit_2(
     assert message in err and "\n" not in err and err.startswith("remat bench: error:")
 
 
-def test_remat_bench_is_callable_from_the_package() -> None:
-    import remat.bench
+def test_remat_bench_is_a_plain_function_that_runs_a_bench() -> None:
+    import remat.benchmarking
+    import remat.benchmarking.main_job
 
-    # Once imported, ``remat.bench`` is the subpackage; calling it still runs a bench.
-    assert isinstance(remat.bench, types.ModuleType)
+    # Importing the package that holds it changes nothing: remat.bench is the function.
+    assert type(remat.bench) is types.FunctionType
+    assert remat.bench is remat.benchmarking.bench
     small = remat.bench("gpt", options=TINY, budgets="100%", strategies="none", repeats=1,
                         warmup=0, verify_steps=1, profile_repeats=1, microbatch_budget=None)
     assert isinstance(small, BenchReport)
@@ -253,4 +255,5 @@ def test_remat_bench_is_callable_from_the_package() -> None:
     assert (row.key, row.status, row.instrument) == ("none", "ok", "tracker")
     assert row.measured_peak_bytes and row.step_time_s  # a step really ran and was measured
     # ``remat.auto`` is the main job's function itself, as the subpackage exports it.
-    assert isinstance(remat.auto, types.FunctionType) and remat.auto is remat.bench.auto
+    assert type(remat.auto) is types.FunctionType
+    assert remat.auto is remat.benchmarking.auto is remat.benchmarking.main_job.auto

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from remat.cli import main
-from remat.errors import UsageError
-from remat.plan import Plan
-from remat.planner import plan, to_problem
-from remat.profile_format import Profile
-from remat.solve import Problem, simulate, solvers
-from remat.units import format_bytes
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
+from remat.core.planner import plan, to_problem
+from remat.core.profile_format import Profile
+from remat.core.solve import Problem, simulate, solvers
+from remat.core.units import format_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROFILE = FIXTURES / "profile_mlp_tiny.json"
@@ -37,7 +37,7 @@ def _err(capsys: pytest.CaptureFixture[str]) -> str:
 @pytest.mark.parametrize("path", ["numpy", "numba"])
 def test_a_budget_beyond_int64_plans_no_checkpointing(budget: object, path: str) -> None:
     if path == "numba":
-        from remat.solve import dp_numba
+        from remat.core.solve import dp_numba
 
         if not dp_numba.available():
             pytest.skip("numba is not installed (the fast extra)")

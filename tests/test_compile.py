@@ -26,7 +26,7 @@ from torch import nn
 
 import remat
 from conftest import mean_square
-from remat.plan import Plan, Region
+from remat.core.plan_format import Plan, Region
 
 D, N_BLOCKS = 32, 4
 SHAPE = (16, 32, D)  # (batch, tokens, features): 64 KiB per hidden state
@@ -222,8 +222,8 @@ def test_compiling_the_loss_runs_planned_stages_eagerly() -> None:
 
 
 def _profiler_peak(model: nn.Module, x: torch.Tensor) -> int:
-    from remat.bench.measure import by_profiler
-    from remat.bench.runners import Runner
+    from remat.benchmarking.measure import by_profiler
+    from remat.benchmarking.runners import Runner
 
     return by_profiler(Runner(model, x, mean_square, "adamw")).peak_bytes
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from remat.cli import main
-from remat.coverage import HINT_BELOW, coverage, coverage_hint, coverage_line, coverage_lines
-from remat.profile_format import FixedBytes, Profile, StageProfile
+from remat.core.coverage import HINT_BELOW, coverage, coverage_hint, coverage_line, coverage_lines
+from remat.core.profile_format import FixedBytes, Profile, StageProfile
 
 
 def _profile(pre: int, post: int, *, saves_input: bool = True) -> Profile:
@@ -63,7 +63,7 @@ def test_the_hint_appears_below_the_threshold_only() -> None:
 
 
 def test_coverage_imports_without_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None\nimport remat.coverage\nprint('ok')\n"
+    code = "import sys; sys.modules['torch'] = None\nimport remat.core.coverage\nprint('ok')\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -96,9 +96,9 @@ def test_profile_prints_the_chain_and_hints_at_stages_only_when_restricted(
 def test_auto_prints_the_chain_line_and_the_hint_from_its_profile() -> None:
     from rich.console import Console
 
-    from remat.bench.auto import AutoReport
+    from remat.benchmarking.main_job import AutoReport
     from remat.cli.auto import render
-    from remat.plan import Plan
+    from remat.core.plan_format import Plan
 
     profile = _profile(pre=1700, post=0)
     plan = Plan(stages=profile.stage_names, regions=(), options=("keep",) * 4, solver="optimal")

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat import demo, theory
+from remat import demo
 from remat.cli import main
-from remat.errors import UsageError
+from remat.core import theory
+from remat.core.errors import UsageError
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,13 @@ import torch
 
 import remat
 from remat import distributed as rd
-from remat.errors import UsageError
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.planner import to_problem
+from remat.core.solve import simulate
+from remat.core.transforms import per_rank_problem
 from remat.measure.step import make_optimizer
 from remat.models import load_model
-from remat.plan import Plan, Region
-from remat.planner import to_problem
-from remat.solve import simulate
-from remat.solve.sharding import per_rank_problem
 
 pytestmark = pytest.mark.distributed
 
@@ -518,7 +518,7 @@ def test_per_rank_prediction_equals_the_measured_peak(
 
 
 def _chain() -> Any:
-    from remat.solve import Problem, StageCost
+    from remat.core.solve import Problem, StageCost
 
     stages = tuple(
         StageCost(
@@ -545,7 +545,7 @@ def _chain() -> Any:
 
 
 def test_per_rank_problem_arithmetic() -> None:
-    from remat.errors import UsageError
+    from remat.core.errors import UsageError
 
     base = _chain()
     fsdp = per_rank_problem(base, world_size=2, strategy="fsdp", replicated_bytes=0)
@@ -615,7 +615,7 @@ PER_STAGE_CHAIN = Plan(stages=NONE_CHAIN.stages, regions=tuple(Region(i, i + 1) 
 ONE_REGION_CHAIN = Plan(stages=NONE_CHAIN.stages, regions=(Region(0, 4),))
 
 
-# -- remat auto per rank (Note [auto per rank] in remat/bench/auto.py) -----------------------
+# -- remat auto per rank (Note [auto per rank] in remat/benchmarking/main_job.py) -------------
 
 
 def test_auto_runs_per_rank_under_torchrun_and_every_rank_reports(tmp_path: Path) -> None:

@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 import remat
-from remat.errors import UsageError
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import FixedBytes, Profile, StageProfile
+from remat.core.solve import Problem, simulate, solvers
+from remat.core.solve.from_profile import held_outside, problem_from_profile
+from remat.core.solve.problem import StageCost
 from remat.measure import measure_step
 from remat.models.resnet import resnet
-from remat.plan import Plan, Region
-from remat.profile_format import FixedBytes, Profile, StageProfile
-from remat.profiler import notes
 from remat.profiling.passes import forward_pass
-from remat.solve import Problem, simulate, solvers
-from remat.solve.from_profile import held_outside, problem_from_profile
-from remat.solve.problem import StageCost
+from remat.profiling.profiler import notes
 
 D = 8
 
@@ -323,7 +323,7 @@ def test_a_tensor_a_region_made_for_later_stages_outlives_its_forward() -> None:
     # T5's first block makes the position bias the later blocks are passed: a region over
     # the first blocks drops their saved bytes, which count it, but the readers keep it
     # (0.24% under before, on hf:t5 with region [0, 2)).
-    from remat.profile_format import HeldRead
+    from remat.core.profile_format import HeldRead
 
     bias = HeldRead(tensor=7, made_after=1, nbytes=50, by_call=True)
 

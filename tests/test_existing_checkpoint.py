@@ -20,9 +20,9 @@ from torch.utils.checkpoint import checkpoint as imported_checkpoint
 
 import remat
 from remat import plans
-from remat.errors import UsageError
-from remat.runtime.apply import applied
+from remat.core.errors import UsageError
 from remat.runtime.existing import find, recomputed_stages
+from remat.runtime.install import applied
 
 D = 16
 
@@ -216,7 +216,7 @@ TINY = {
 def hf_llama() -> tuple[nn.Module, Any, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pytest.importorskip("transformers")
-    from remat.bench.runners import enable_hf_gc
+    from remat.benchmarking.runners import enable_hf_gc
     from remat.models import load_model
 
     model, batch, hf_loss = load_model("hf:llama", **TINY)

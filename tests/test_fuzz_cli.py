@@ -31,8 +31,8 @@ from torch import nn
 import remat
 from remat import plans
 from remat.cli import main
-from remat.errors import RematError
-from remat.plan import Plan
+from remat.core.errors import RematError
+from remat.core.plan_format import Plan
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROFILE = json.loads((FIXTURES / "profile_mlp_tiny.json").read_text())

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 import remat
+from remat.core.plan_format import Plan, Region
+from remat.core.solve import solvers
+from remat.core.solve.from_profile import problem_from_profile
 from remat.measure import measure_step
 from remat.models.encdec import encdec
 from remat.models.unet import unet
-from remat.plan import Plan, Region
-from remat.solve import solvers
-from remat.solve.from_profile import problem_from_profile
 
 
 class ResidualLoop(nn.Module):

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from conftest import TanhBlock, mean_square
-from remat.plan import Plan, Region
-from remat.verify import Hazard, VerifyReport, verify
+from remat.core.plan_format import Plan, Region
+from remat.verification import Hazard, VerifyReport, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

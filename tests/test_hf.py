@@ -20,17 +20,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import remat  # noqa: E402
-from remat.bench import parse_strategies  # noqa: E402
-from remat.bench.runners import enable_hf_gc  # noqa: E402
+from remat.benchmarking import parse_strategies  # noqa: E402
+from remat.benchmarking.runners import enable_hf_gc  # noqa: E402
 from remat.cli import main  # noqa: E402
-from remat.errors import UsageError  # noqa: E402
+from remat.core.errors import UsageError  # noqa: E402
+from remat.core.plan_format import Plan, Region  # noqa: E402
+from remat.core.planner import to_problem  # noqa: E402
+from remat.core.profile_format import Profile  # noqa: E402
+from remat.core.solve.simulator import simulate  # noqa: E402
 from remat.measure import measure_step  # noqa: E402
 from remat.models import load_model  # noqa: E402
-from remat.plan import Plan, Region  # noqa: E402
-from remat.planner import to_problem  # noqa: E402
-from remat.profile_format import Profile  # noqa: E402
-from remat.solve.simulate import simulate  # noqa: E402
-from remat.stages import discover_stages  # noqa: E402
+from remat.runtime.stages import discover_stages  # noqa: E402
 
 # Small enough for two shared CPU cores; long enough a sequence that activations, not
 # parameters, dominate the peak.
@@ -172,9 +172,9 @@ def test_bench_has_an_hf_gc_row_measured_and_gradient_checked() -> None:
 
 
 def test_hf_gc_joins_the_default_rows_of_transformers_models_only() -> None:
-    from remat.bench.strategies import with_default_rows
+    from remat.benchmarking.strategies import with_default_rows
 
-    default = remat.bench.STRATEGIES
+    default = remat.benchmarking.STRATEGIES
     assert "hf-gc" not in default
     assert parse_strategies("remat,hf-gc,none") == ("none", "hf-gc", "remat")
     hf_model, _, _ = load_model("hf:gpt2", **TINY)

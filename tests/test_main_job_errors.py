@@ -20,11 +20,11 @@ from torch import nn
 
 import remat
 from remat import plans
-from remat.bench.factory import make_factory
+from remat.benchmarking.factory import make_factory
 from remat.cli import main
 
 SPEC = f"{__name__}:{{}}"
-apply_module = importlib.import_module("remat.runtime.apply")  # the package re-exports apply
+apply_module = importlib.import_module("remat.runtime.install")  # the package re-exports apply
 FAST = ["--repeats", "1", "--verify-steps", "1"]
 THREADS_SEEN: list[int] = []
 
@@ -164,8 +164,8 @@ def test_a_rebuild_torch_rejects_exits_1_with_the_hazard_verify_names(
 def test_a_bench_row_whose_rebuild_torch_rejects_names_the_hazard_and_fails_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from remat.bench import bench
-    from remat.bench.auto import REJECTED
+    from remat.benchmarking import bench
+    from remat.benchmarking.main_job import REJECTED
     from remat.cli.bench import _failed
 
     monkeypatch.setitem(CACHING, "on", False)  # profiling sees a clean model ...
@@ -303,7 +303,7 @@ def test_apply_warns_once_per_model_where_the_cache_is_built() -> None:
 def test_bench_exits_1_naming_a_remat_row_that_could_not_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import remat.bench.run as bench_run
+    import remat.benchmarking.run as bench_run
 
     real = bench_run.check_plan
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.measure.malloc import set_malloc
 
 glibc = pytest.mark.skipif(

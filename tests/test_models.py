@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.models import BUILTINS, DEFAULT_MODEL, load_model, parse_set_options
 from remat.models.convnet_bn import ResBlock
 from remat.models.gpt import Block

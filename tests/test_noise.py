@@ -13,15 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-from remat.plan import Plan, Region
-from remat.planner import plan as make_plan
-from remat.profile_format import FixedBytes, Profile, StageProfile, TimingNoise
-from remat.profiler import profile
+from remat.core.plan_format import Plan, Region
+from remat.core.planner import plan as make_plan
+from remat.core.profile_format import FixedBytes, Profile, StageProfile, TimingNoise
+from remat.core.solve.uncertainty import noise_lines, plan_uncertainty, steadiest, with_times
 from remat.profiling.identical import stage_signature
 from remat.profiling.noise import MAX_EXTRA_ROUNDS, extra_rounds, option_extras, timing_noise
 from remat.profiling.pooling import identical_groups, pool, spread_among
+from remat.profiling.profiler import profile
 from remat.profiling.timing import StepTimes
-from remat.solve.uncertainty import noise_lines, plan_uncertainty, steadiest, with_times
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 D = 8
@@ -200,7 +200,7 @@ def test_a_profile_without_the_noise_fields_still_loads(mixed_profile: Profile) 
 
 
 def test_bad_noise_fields_are_refused_in_one_sentence(mixed_profile: Profile) -> None:
-    from remat.errors import UsageError
+    from remat.core.errors import UsageError
 
     data = json.loads(mixed_profile.to_json())
     data["stages"][0]["time_spread"]["fwd_s"] = [2.0, 1.0]
@@ -235,8 +235,8 @@ def _two_way(rebuild_spread: float, first: float = 1.0, second: float = 1.1) -> 
 
 def _budget(profile: Profile) -> int:
     """A budget one single-stage region over stage 0 or 1 fits and no checkpointing does not."""
-    from remat.solve import simulate
-    from remat.solve.from_profile import problem_from_profile
+    from remat.core.solve import simulate
+    from remat.core.solve.from_profile import problem_from_profile
 
     problem = problem_from_profile(profile)
     peaks = [simulate(Plan(profile.stage_names, (Region(i, i + 1),)), problem).peak_bytes
@@ -310,7 +310,7 @@ def test_near_neighbours_of_the_chosen_plan_compete_in_the_tie() -> None:
     choices = set()
     for matmuls, attention in ((0.10, 0.11), (0.11, 0.10)):
         profile = tied(matmuls, attention)
-        from remat.solve.from_profile import problem_from_profile
+        from remat.core.solve.from_profile import problem_from_profile
 
         problem = problem_from_profile(profile)
         both = simulate_peak(profile, ("selective:save-matmuls",) * 2)
@@ -324,8 +324,8 @@ def test_near_neighbours_of_the_chosen_plan_compete_in_the_tie() -> None:
 
 
 def simulate_peak(profile: Profile, options: tuple[str, ...]) -> int:
-    from remat.solve import simulate
-    from remat.solve.from_profile import problem_from_profile
+    from remat.core.solve import simulate
+    from remat.core.solve.from_profile import problem_from_profile
 
     return simulate(Plan(profile.stage_names, (), options),
                     problem_from_profile(profile)).peak_bytes
@@ -354,7 +354,7 @@ def test_identical_stages_draw_their_times_together() -> None:
 def test_the_uncertainty_check_imports_no_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import remat.solve.uncertainty\n"
+        "import remat.core.solve.uncertainty\n"
         "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules"
         " if sys.modules[m] is not None)\n"
     )

@@ -10,15 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from remat.errors import UsageError
-from remat.plan import Plan, Region
-from remat.profile_format import Profile, TimedRound
-from remat.profiler import profile
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import Profile, TimedRound
+from remat.core.solve import simulate
+from remat.core.solve.from_profile import problem_from_profile
+from remat.core.solve.paired import at_round, paired_overhead, round_overheads
+from remat.core.transforms import at_batch_size
 from remat.profiling.noise import PAIRED_SE, paired_se
+from remat.profiling.profiler import profile
 from remat.profiling.timing import StepTimes
-from remat.solve import simulate
-from remat.solve.from_profile import problem_from_profile
-from remat.solve.paired import at_round, paired_overhead, round_overheads
 
 N = 4
 
@@ -103,11 +104,11 @@ def test_the_predicted_overhead_is_the_median_of_per_round_ratios(
 
 
 def test_scaling_to_another_batch_size_drops_the_rounds(chain_profile: Profile) -> None:
-    from remat.profile_format import LinearFit, Scaling
+    from remat.core.profile_format import LinearFit, Scaling
 
     scaled = replace(chain_profile, scaling=Scaling((8, 16), {"stages.0.fwd_s": LinearFit(0, 1)}))
-    assert scaled.at_batch_size(8).timed_rounds == chain_profile.timed_rounds
-    assert scaled.at_batch_size(16).timed_rounds is None
+    assert at_batch_size(scaled, 8).timed_rounds == chain_profile.timed_rounds
+    assert at_batch_size(scaled, 16).timed_rounds is None
 
 
 def test_a_round_with_the_wrong_number_of_stages_is_refused(chain_profile: Profile) -> None:
@@ -141,9 +142,9 @@ def test_the_paired_error_shrinks_with_rounds_and_needs_two() -> None:
 def test_bench_rows_predict_their_overhead_as_the_median_of_per_round_ratios(
     chain_profile: Profile,
 ) -> None:
-    from remat.bench.results import Row
-    from remat.bench.run import _paired_predictions
-    from remat.bench.strategies import RowSpec
+    from remat.benchmarking.results import Row
+    from remat.benchmarking.run import _paired_predictions
+    from remat.benchmarking.strategies import RowSpec
 
     names = chain_profile.stage_names
     per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(N)))

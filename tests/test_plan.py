@@ -1,4 +1,4 @@
-"""remat.plan: validation, the region tree, JSON; importable without torch."""
+"""remat.core.plan_format: validation, the region tree, JSON; importable without torch."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from remat.errors import UsageError
-from remat.plan import POLICIES, SCHEMA_VERSION, Option, Plan, Region, parse_option
+from remat.core.errors import UsageError
+from remat.core.plan_format import POLICIES, SCHEMA_VERSION, Option, Plan, Region, parse_option
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 NAMES = tuple(f"h.{i}" for i in range(8))
@@ -27,7 +27,7 @@ TREE = Plan(
 def test_plan_module_imports_with_torch_unavailable() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises
-        "from remat.plan import Plan, Region\n"
+        "from remat.core.plan_format import Plan, Region\n"
         "p = Plan(('a', 'b'), (Region(0, 2),))\n"
         "assert Plan.from_json(p.to_json()) == p\n"
         "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules"

@@ -53,7 +53,7 @@ def plan_json(tmp: Path, fixture: str, budget: str, solver: str,
         assert code == 0, f"remat plan exited {code}"
         return out.read_text()
     import remat
-    from remat.solve import Problem
+    from remat.core.solve import Problem
 
     params = {extra[i].lstrip("-").replace("-", "_"): int(extra[i + 1])
               for i in range(0, len(extra), 2)}

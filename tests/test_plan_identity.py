@@ -1,6 +1,6 @@
 """Plans know their model: ``made_for`` is recorded, checked by apply, verify and the CLI.
 
-A plan records its stages' classes and parameter fingerprints (remat.model_identity);
+A plan records its stages' classes and parameter fingerprints (remat.core.model_identity);
 ``remat.apply`` refuses it on a model whose stages differ, before touching the model,
 warns when the model has stages the plan leaves out, and ``force=True`` /
 ``--force-plan`` apply it anyway. Plans written before ``made_for`` existed still load.
@@ -25,14 +25,15 @@ from torch import nn
 import remat
 from remat import plans
 from remat.cli import main
-from remat.errors import UsageError
-from remat.model_identity import MadeFor, StageIdentity
+from remat.core.errors import UsageError
+from remat.core.model_identity import MadeFor, StageIdentity
+from remat.core.plan_format import Plan, Region
+from remat.core.planner import made_for
+from remat.core.profile_format import LinearFit, Profile, Scaling
+from remat.core.transforms import at_batch_size
 from remat.models import load_model
-from remat.plan import Plan, Region
-from remat.planner import made_for
-from remat.profile_format import LinearFit, Profile, Scaling
-from remat.runtime.apply import applied
 from remat.runtime.identity import model_stages, stage_identity
+from remat.runtime.install import applied
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Written by `remat plan` at main f0776c6, before plans recorded what they were made for:
@@ -139,7 +140,7 @@ def test_batch_shapes_follow_the_batch_size_fit(gpt8_profile: Profile) -> None:
     fitted = replace(gpt8_profile, scaling=Scaling(
         (2, 4), {"batch_shapes.0.0": LinearFit(0.0, 1.0), "batch_shapes.1.0": LinearFit(0.0, 1.0)}
     ))
-    assert fitted.at_batch_size(6).batch_shapes == ((6, 16), (6, 16))
+    assert at_batch_size(fitted, 6).batch_shapes == ((6, 16), (6, 16))
 
 
 # -- apply refuses a plan made for another model -------------------------------------------
@@ -378,9 +379,9 @@ def test_bad_made_for_is_named(made: Any, message: str) -> None:
 def test_made_for_and_the_planner_need_no_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises
-        "from remat.model_identity import MadeFor, StageIdentity\n"
-        "from remat.plan import Plan\n"
-        "from remat.planner import made_for\n"
+        "from remat.core.model_identity import MadeFor, StageIdentity\n"
+        "from remat.core.plan_format import Plan\n"
+        "from remat.core.planner import made_for\n"
         "s = StageIdentity('Block', '0123456789ab', 'Block(4->4)')\n"
         "p = Plan(('a', 'b'), made_for=MadeFor(model='m', stages=(s, s), model_stages=3))\n"
         "assert Plan.from_json(p.to_json()) == p\n"

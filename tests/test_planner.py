@@ -1,4 +1,4 @@
-"""remat.planner.plan and `remat plan`: budgets, solvers, errors, JSON."""
+"""remat.core.planner.plan and `remat plan`: budgets, solvers, errors, JSON."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from remat.cli import main
-from remat.errors import CheckFailed, UsageError
-from remat.plan import Plan
-from remat.planner import plan, to_problem
-from remat.solve import Problem, minimum_budget, simulate
+from remat.core.errors import CheckFailed, UsageError
+from remat.core.plan_format import Plan
+from remat.core.planner import plan, to_problem
+from remat.core.solve import Problem, minimum_budget, simulate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PLAN_KEYS = {
@@ -138,10 +138,10 @@ def test_remat_plan_is_the_documented_call_and_stays_torch_free() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import remat\n"
-        "from remat.solve import Problem\n"
+        "from remat.core.solve import Problem\n"
         f"p = Problem.load({str(FIXTURES / 'chain_hetero_6.json')!r})\n"
         "result = remat.plan(p, '60%')\n"
-        "from remat.plan import Plan\n"
+        "from remat.core.plan_format import Plan\n"
         "assert isinstance(result, Plan) and result.solver == 'optimal'\n"
         "print(remat.plan(p, None, 'per-stage').solver)\n"
     )

@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 from remat import plans
-from remat.errors import UsageError
-from remat.plan import Plan, Region
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
 
 
 def chain(n: int) -> nn.Module:

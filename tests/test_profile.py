@@ -15,13 +15,15 @@ from torch import nn
 
 from remat import plans
 from remat.cli import main
-from remat.errors import UsageError
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import OPTIONS, Profile
+from remat.core.solve import simulate, solvers
+from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
+from remat.core.transforms import at_batch_size
 from remat.measure import LiveMemoryTracker, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.models import load_model
-from remat.plan import Plan, Region
-from remat.profile_format import OPTIONS, Profile
-from remat.profiler import profile, profile_scaling
 from remat.profiling.optimes import (
     option_extra_s,
     region_link_rounds,
@@ -30,9 +32,8 @@ from remat.profiling.optimes import (
     spanning_regions,
 )
 from remat.profiling.passes import forward_pass
+from remat.profiling.profiler import profile, profile_scaling
 from remat.profiling.timing import StepTimes
-from remat.solve import simulate, solvers
-from remat.solve.from_profile import no_checkpoint_plan, problem_from_profile
 
 F32 = 4
 B, D, H = 4, 8, 16  # batch rows, model width, hidden width of the toy block
@@ -337,8 +338,8 @@ def test_profile_format_and_adapter_import_without_torch(toy_profile: Profile) -
     code = (
         "import sys, json\n"
         "sys.modules['torch'] = None\n"
-        "from remat.profile_format import Profile\n"
-        "from remat.solve.from_profile import predict_no_checkpoint_peak\n"
+        "from remat.core.profile_format import Profile\n"
+        "from remat.core.solve.from_profile import predict_no_checkpoint_peak\n"
         "p = Profile.from_dict(json.loads(sys.stdin.read()))\n"
         "assert predict_no_checkpoint_peak(p) == p.predicted_peak_bytes\n"
         "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
@@ -443,10 +444,10 @@ def test_scaling_predicts_twice_the_batch_within_5_percent() -> None:
     b = SMALL["mlp-hetero"]["batch_size"]
     fitted = profile_scaling(_mlp, (b, b // 2), repeats=1)
     assert fitted.batch_size == b and fitted.scaling is not None
-    assert fitted.at_batch_size(b).stages == fitted.stages  # the fit passes through b
+    assert at_batch_size(fitted, b).stages == fitted.stages  # the fit passes through b
     model, batch, loss_fn = _mlp(2 * b)
     measured = measure_step(model, batch, loss_fn).peak_bytes
-    predicted = fitted.at_batch_size(2 * b)
+    predicted = at_batch_size(fitted, 2 * b)
     assert predicted.predicted_peak_bytes is not None
     assert abs(predicted.predicted_peak_bytes / measured - 1) <= 0.05
     # activations scale exactly: the fitted saved bytes at 2b match a profile at 2b

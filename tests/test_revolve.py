@@ -50,7 +50,7 @@ import math
 
 import pytest
 
-from remat.solve import Problem, StageCost, dp, simulate, solvers
+from remat.core.solve import Problem, StageCost, dp, simulate, solvers
 
 
 def revolve_advances(steps: int, s: int) -> int:

@@ -16,12 +16,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import Block, mean_square
-from remat.errors import RematError, UsageError
+from remat.core.errors import RematError, UsageError
+from remat.core.plan_format import Plan, Region
 from remat.measure import LiveMemoryTracker
-from remat.plan import Plan, Region
 from remat.runtime import _torch_checkpoint, apply, remove
 from remat.runtime import engine as engine_mod
-from remat.runtime.apply import Handle, applied
+from remat.runtime.install import Handle, applied
 
 # ---------------------------------------------------------------------------------------
 # Test models

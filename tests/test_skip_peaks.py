@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import remat
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import Profile
+from remat.core.solve import simulate, solvers
+from remat.core.solve.from_profile import problem_from_profile
 from remat.measure import measure_step
 from remat.models.unet import unet
-from remat.plan import Plan, Region
-from remat.profile_format import Profile
-from remat.solve import simulate, solvers
-from remat.solve.from_profile import problem_from_profile
 
 
 @pytest.fixture(scope="module")

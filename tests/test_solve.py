@@ -23,13 +23,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat import theory
-from remat.errors import CheckFailed, UsageError
-from remat.plan import Plan, Region
-from remat.profile_format import HeldRead
-from remat.solve import Problem, Simulation, StageCost, dp, parse_budget, simulate, solvers
-from remat.solve.simulate import plan_tree
-from remat.units import format_bytes
+from remat.core import theory
+from remat.core.errors import CheckFailed, UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import HeldRead
+from remat.core.solve import Problem, Simulation, StageCost, dp, parse_budget, simulate, solvers
+from remat.core.solve.simulator import plan_tree
+from remat.core.units import format_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MiB = 1 << 20
@@ -707,7 +707,7 @@ def test_numpy_dp_on_64_stages_is_fast() -> None:
 
 
 def _numba() -> object:
-    from remat.solve import dp_numba
+    from remat.core.solve import dp_numba
 
     if not dp_numba.available():
         pytest.skip("numba is not installed (the fast extra)")
@@ -779,7 +779,7 @@ def test_solver_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) 
 @settings(max_examples=40, deadline=None)
 @given(chains(breaks=True, held=True), st.integers(0, 40))
 def test_numba_flat_table_equals_numpy_flat_table(problem: Problem, top: int) -> None:
-    from remat.solve import flat
+    from remat.core.solve import flat
 
     _numba()
     model = dp.Model(problem, 1)
@@ -791,7 +791,7 @@ def test_numba_flat_table_equals_numpy_flat_table(problem: Problem, top: int) ->
 @given(chains(max_n=5), st.integers(2, 9), st.integers(0, 30))
 def test_flat_tables_agree_with_slots_of_several_bytes(problem: Problem, q: int,
                                                        top: int) -> None:
-    from remat.solve import flat
+    from remat.core.solve import flat
 
     _numba()
     model = dp.Model(problem, q)
@@ -822,7 +822,7 @@ def test_flat_tables_agree_on_chains_whose_needs_are_not_monotone() -> None:
     # Slots of several bytes and needs that fall as a region grows: dropping the
     # one-by-one stops, or rounding a remainder equal to the slot the wrong way, changed
     # the compiled tables in 241 and 109 of 1,200 such cases (300 seeds).
-    from remat.solve import flat
+    from remat.core.solve import flat
 
     _numba()
     fell = 0
@@ -878,7 +878,7 @@ def _flat_plans(problem: Problem) -> Iterator[Plan]:
 @settings(max_examples=40, deadline=None)
 @given(chains(breaks=True))
 def test_segments_optimal_equals_the_best_flat_plan(problem: Problem) -> None:
-    from remat.solve import flat
+    from remat.core.solve import flat
 
     scores = [(simulate(p, problem).peak_bytes, simulate(p, problem).step_time_s)
               for p in _flat_plans(problem)]
@@ -1028,8 +1028,9 @@ def test_options_follow_measurements_and_the_host_link() -> None:
 def test_the_planning_core_never_imports_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import remat.solve, remat.solve.dp, remat.solve.solvers, remat.solve.budget\n"
-        "from remat.solve import Problem, minimum_budget, optimal\n"
+        "import remat.core.solve, remat.core.solve.dp, remat.core.solve.solvers\n"
+        "import remat.core.solve.budget\n"
+        "from remat.core.solve import Problem, minimum_budget, optimal\n"
         f"p = Problem.load({str(FIXTURES / 'chain_hetero_6.json')!r})\n"
         "optimal(p, minimum_budget(p) + 1)\n"
         "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules"
@@ -1054,7 +1055,7 @@ def test_optimal_at_the_no_checkpoint_peak_is_no_checkpointing(name: str) -> Non
 @settings(max_examples=40, deadline=None)
 @given(chains())
 def test_baseline_time_is_the_simulated_step_without_checkpointing(problem: Problem) -> None:
-    from remat.solve.simulate import baseline_time
+    from remat.core.solve.simulator import baseline_time
 
     problem = dataclasses.replace(problem, outside_chain_s=0.1)
     stages = tuple(dataclasses.replace(s, fwd_s=s.fwd_s / 3, bwd_s=s.bwd_s / 7,
@@ -1068,7 +1069,7 @@ def test_baseline_time_is_the_simulated_step_without_checkpointing(problem: Prob
 @given(chains(), st.integers(1, 9), st.data())
 def test_flat_inputs_built_from_the_problem_equal_the_models(problem: Problem, q: int,
                                                              data: st.DataObject) -> None:
-    from remat.solve import flat
+    from remat.core.solve import flat
 
     spare = data.draw(st.integers(0, q - 1))
     built = flat.FlatInputs.build(problem, q, spare)

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import remat
+from remat.core.plan_format import Plan, Region
 from remat.models import load_model
-from remat.plan import Plan, Region
 
 GPT = dict(n_layer=4, n_embd=16, n_head=2, block_size=8, vocab_size=32, batch_size=4, dropout=0.1)
 pytestmark = pytest.mark.usefixtures("one_thread")

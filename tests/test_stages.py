@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from conftest import TanhBlock
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.models import load_model
-from remat.stages import Chain, discover_chain, discover_stages, resolve_stages
+from remat.runtime.stages import Chain, discover_chain, discover_stages, resolve_stages
 
 
 class TwoStacks(nn.Module):

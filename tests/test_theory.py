@@ -1,4 +1,4 @@
-"""The closed forms of remat.theory, against hand arithmetic and brute force."""
+"""The closed forms of remat.core.theory, against hand arithmetic and brute force."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from remat import theory
-from remat.errors import UsageError
+from remat.core import theory
+from remat.core.errors import UsageError
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -174,7 +174,8 @@ def test_bad_arguments_raise_usage_errors(call) -> None:  # type: ignore[no-unty
 
 def test_theory_does_not_import_torch() -> None:
     code = (
-        "import sys; sys.modules['torch'] = None\nimport remat.theory, remat.units\nprint('ok')\n"
+        "import sys; sys.modules['torch'] = None\n"
+        "import remat.core.theory, remat.core.units\nprint('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.measure import (
     Category,
     LiveMemoryTracker,

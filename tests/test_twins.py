@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 import remat
+from remat.core.solve import solvers
+from remat.core.solve.from_profile import problem_from_profile
+from remat.core.solve.uncertainty import steadiest
 from remat.models.mlp_hetero import mlp_hetero
 from remat.profiling.optimes import policy_op_names
 from remat.profiling.twins import twin_groups
-from remat.solve import solvers
-from remat.solve.from_profile import problem_from_profile
-from remat.solve.uncertainty import steadiest
 
 OPTIONS = ("selective:save-matmuls", "selective:save-attention", "selective:save-nothing")
 

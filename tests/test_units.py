@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from remat.errors import UsageError
-from remat.units import format_bytes, parse_size
+from remat.core.errors import UsageError
+from remat.core.units import format_bytes, parse_size
 
 
 @pytest.mark.parametrize(

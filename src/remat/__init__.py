@@ -1,7 +1,10 @@
 """remat: budget-optimal, automatic and verified activation checkpointing for PyTorch.
 
-The torch-free parts (``remat.theory``, ``remat.solve``, the plan and profile formats)
-import without torch; the rest is loaded on first use, so ``import remat`` stays cheap.
+The public entry points are plain functions: ``remat.profile``, ``remat.plan``,
+``remat.apply``/``remat.remove``, ``remat.verify``, ``remat.bench`` and ``remat.auto``.
+The torch-free core (:mod:`remat.core`) imports without torch; everything is loaded on
+first use (PEP 562), so ``import remat`` stays cheap. ``docs/architecture.md`` maps the
+packages.
 """
 
 from __future__ import annotations
@@ -9,31 +12,34 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from remat.errors import CheckFailed, RematError, UsageError, UserCodeError
+from remat.core import __version__
+from remat.core.errors import CheckFailed, RematError, UsageError, UserCodeError
 
-__version__ = "0.1.0"
-
-# Public name -> module that defines it, imported on first access (PEP 562).
+# Public name -> module that defines it, imported on first access.
 _LAZY: dict[str, str] = {
-    "apply": "remat.runtime",
-    "verify": "remat.verify",
-    "remove": "remat.runtime",
-    "applied": "remat.runtime",
-    "Handle": "remat.runtime",
-    "Plan": "remat.plan",
-    "Region": "remat.plan",
-    "plan": "remat.plan",
-    "profile": "remat.profiler",
-    "Profile": "remat.profile_format",
-    "bench": "remat.bench",
-    "auto": "remat.bench",
+    "apply": "remat.runtime.install",
+    "remove": "remat.runtime.install",
+    "applied": "remat.runtime.install",
+    "Handle": "remat.runtime.install",
+    "Plan": "remat.core.plan_format",
+    "Region": "remat.core.plan_format",
+    "plan": "remat.core.planner",
+    "profile": "remat.profiling.profiler",
+    "Profile": "remat.core.profile_format",
+    "verify": "remat.verification.harness",
+    "bench": "remat.benchmarking.run",
+    "auto": "remat.benchmarking.main_job",
 }
 
 if TYPE_CHECKING:
-    from remat.plan import Plan, Region
-    from remat.profile_format import Profile
-    from remat.profiler import profile
-    from remat.runtime.apply import Handle, applied, apply, remove
+    from remat.benchmarking.main_job import auto
+    from remat.benchmarking.run import bench
+    from remat.core.plan_format import Plan, Region
+    from remat.core.planner import plan
+    from remat.core.profile_format import Profile
+    from remat.profiling.profiler import profile
+    from remat.runtime.install import Handle, applied, apply, remove
+    from remat.verification.harness import verify
 
 __all__ = [
     "CheckFailed",
@@ -47,9 +53,12 @@ __all__ = [
     "__version__",
     "applied",
     "apply",
+    "auto",
+    "bench",
     "plan",
     "profile",
     "remove",
+    "verify",
 ]
 
 
@@ -57,8 +66,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'remat' has no attribute {name!r}")
-    imported = importlib.import_module(module)
-    # remat.plan and remat.verify are callable modules: the module is the value.
-    value = imported if module == f"remat.{name}" else getattr(imported, name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from remat import theory
-from remat.errors import UsageError
-from remat.units import format_bytes, parse_size
+from remat.core import theory
+from remat.core.errors import UsageError
+from remat.core.units import format_bytes, parse_size
 
 __all__ = [
     "DemoCheck",

@@ -2,7 +2,7 @@
 
 A remat plan applies to each rank's model like to a single-process one; these helpers
 do the rest of the set-up the way ``docs/distributed.md`` describes it, and measure what
-the per-rank cost model (:func:`remat.solve.sharding.per_rank_problem`, torch-free)
+the per-rank cost model (:func:`remat.core.transforms.per_rank_problem`, torch-free)
 needs: how many parameter all-gathers a step makes, what one costs, and the peak of
 one rank's step.
 
@@ -83,10 +83,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
 from remat.measure.allocator_events import AllocatorEvents
 from remat.measure.tracker import iter_tensors
-from remat.plan import Plan
 
 __all__ = [
     "STRATEGIES",
@@ -417,14 +417,14 @@ def plan_rank_memory(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], 
                      wrap: str, stages: Sequence[str], optimizer: str = "adamw",
                      group_regions: bool = True) -> StepMemory:
     """:func:`plan_rank_peak` with every figure of the measurement (:class:`StepMemory`)."""
-    import remat
     from remat.measure.step import make_optimizer
+    from remat.runtime.install import apply
 
     if wrap not in STRATEGIES:
         raise UsageError(f"wrap={wrap!r} is unknown; use one of {', '.join(STRATEGIES)}")
     if wrap == "fsdp":
         shard_stages(model, stages, plan if group_regions else None)
-    remat.apply(model, plan)
+    apply(model, plan)
     opt = make_optimizer(model, optimizer)
     if wrap == "fsdp":
         return rank_step_memory(model, batch, loss_fn, opt)

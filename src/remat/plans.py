@@ -1,7 +1,7 @@
 """Plan builders for the classic recipes, so every baseline runs through the same runtime.
 
-Each builder returns a :class:`remat.plan.Plan` over the model's stages (the
-repeated-block container found by :func:`remat.stages.discover_stages`, or the module
+Each builder returns a :class:`remat.core.plan_format.Plan` over the model's stages (the
+repeated-block container found by :func:`remat.runtime.stages.discover_stages`, or the module
 paths given as ``stages=``), recording what it was made for from the model itself
 (stage classes and parameter shapes; no profile, no batch), so a saved builder plan is
 checked like a planned one when applied to another model.
@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from remat import recipes
-from remat.errors import UsageError
-from remat.plan import Plan, Region
+from remat.core import recipes
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
 from remat.runtime.identity import made_for_model
-from remat.stages import resolve_stages
+from remat.runtime.stages import resolve_stages
 
 __all__ = ["every", "none", "per_stage", "segments", "selective", "uniform_groups"]
 

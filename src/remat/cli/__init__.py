@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from remat.errors import UNEXPECTED_EXIT_CODE, RematError
+from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError
 
 # Subcommand name -> module under remat.cli; imported lazily so `remat estimate` never
 # pays for importing torch.
@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from remat import __version__
+    from remat.core import __version__
 
     parser = _Parser(
         prog="remat",

@@ -21,12 +21,12 @@ from remat.cli.common import (
     torchrun_rank,
 )
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
+from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from remat.bench import AutoReport
+    from remat.benchmarking import AutoReport
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -84,7 +84,7 @@ def _categories(report: AutoReport) -> Table:
 
 def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
     """The step time and the overhead, each saying which statistic it is."""
-    from remat.solve.uncertainty import noise_lines
+    from remat.core.solve.uncertainty import noise_lines
 
     lines = [
         f"step: median {report.step_time_s * 1e3:.1f} ms with the plan against "
@@ -126,9 +126,9 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
 
 
 def render(report: AutoReport, console: Console, *, one_thread: bool = False) -> None:
-    from remat.bench.report import options_summary
-    from remat.coverage import coverage_lines
-    from remat.units import format_bytes
+    from remat.benchmarking.report import options_summary
+    from remat.core.coverage import coverage_lines
+    from remat.core.units import format_bytes
 
     plan = report.plan
     console.print(f"remat auto: {report.model}, budget {report.budget} = "
@@ -197,9 +197,9 @@ def _stopped(args: argparse.Namespace, error: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.bench import auto, parse_budgets
-    from remat.bench.auto import Stopped
-    from remat.bench.factory import failure
+    from remat.benchmarking import auto, parse_budgets
+    from remat.benchmarking.factory import failure
+    from remat.benchmarking.main_job import Stopped
 
     try:
         with progress_bar("auto") as progress:

@@ -20,10 +20,10 @@ from remat.cli.common import (
     torchrun_rank,
 )
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from remat.bench import BenchReport
+    from remat.benchmarking import BenchReport
 
 # Literal copies of remat.bench's defaults: importing it here would import torch for
 # every subcommand's --help (tests/test_bench.py checks they stay equal).
@@ -135,8 +135,8 @@ def rank_path(path: str | None, rank: int | None) -> str | None:
 
 
 def _table(report: BenchReport) -> Table:
-    from remat.bench.report import options_summary
-    from remat.units import format_bytes
+    from remat.benchmarking.report import options_summary
+    from remat.core.units import format_bytes
 
     def size(n: int | None) -> str:
         return "-" if n is None else format_bytes(n)
@@ -193,7 +193,7 @@ def _failed(report: BenchReport) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.bench import bench, parse_budgets, parse_strategies, write_report
+    from remat.benchmarking import bench, parse_budgets, parse_strategies, write_report
 
     strategies = parse_strategies(args.strategies)
     budgets = parse_budgets(args.budgets)

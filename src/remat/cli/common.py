@@ -6,10 +6,10 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from remat.profile_format import Profile
+    from remat.core.profile_format import Profile
 
 
 def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt") -> None:
@@ -125,10 +125,10 @@ def load(
     were, not what the forward changed (batch-norm statistics, Python-side state). A
     transformers model's key/value cache is switched off for training, with a note.
     """
-    from remat.bench.auto import first_step, step
+    from remat.benchmarking.main_job import first_step, step
     from remat.models import load_model
-    from remat.runtime.apply import cache_off_for_training
-    from remat.stages import resolve_stages
+    from remat.runtime.install import cache_off_for_training
+    from remat.runtime.stages import resolve_stages
 
     options = model_options(args)
     with step("loading the model"):
@@ -162,9 +162,9 @@ def profile_with_progress(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from remat.bench.auto import hazard_reason, step
+    from remat.benchmarking.main_job import hazard_reason, step
     from remat.measure.malloc import set_malloc
-    from remat.profiler import profile
+    from remat.profiling.profiler import profile
 
     if repeats < 1:
         raise UsageError(f"--repeats {repeats} is below 1; give 1 or more")

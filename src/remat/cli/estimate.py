@@ -7,10 +7,10 @@ from typing import Any
 
 from rich.table import Table
 
-from remat import theory
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import UsageError
-from remat.units import format_bytes, parse_size
+from remat.core import theory
+from remat.core.errors import UsageError
+from remat.core.units import format_bytes, parse_size
 
 DEFAULT_LAYERS = 64
 DEFAULT_ACT = "32MiB"

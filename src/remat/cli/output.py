@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 
 def console_for(json_path: str | None) -> Console:

@@ -16,11 +16,11 @@ from remat.cli.common import (
     stage_list,
 )
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.coverage import coverage_lines
-from remat.errors import UsageError
-from remat.profile_format import Profile
-from remat.solve.uncertainty import noise_lines, steadiest_and_uncertainty
-from remat.units import format_bytes
+from remat.core.coverage import coverage_lines
+from remat.core.errors import UsageError
+from remat.core.profile_format import Profile
+from remat.core.solve.uncertainty import noise_lines, steadiest_and_uncertainty
+from remat.core.units import format_bytes
 
 MAX_SLOTS = 100_000  # about a second for a 12-stage chain
 
@@ -62,7 +62,7 @@ def _problem_source(args: argparse.Namespace) -> Any:
             raise UsageError(
                 "--profile already fixes the model; drop --model, --set, --stages and --batch-size"
             )
-        from remat.profile_format import Profile
+        from remat.core.profile_format import Profile
 
         return Profile.load(args.profile)
     if args.model is None:
@@ -113,10 +113,10 @@ def _no_limit(plan: Any) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.planner import plan as make_plan
-    from remat.planner import to_problem, with_made_for
-    from remat.solve import SOLVERS
-    from remat.solve.budget import check_budget
+    from remat.core.planner import plan as make_plan
+    from remat.core.planner import to_problem, with_made_for
+    from remat.core.solve import SOLVERS
+    from remat.core.solve.budget import check_budget
 
     # Every option is checked before profiling, which takes a while and trains the model.
     if args.solver not in SOLVERS:

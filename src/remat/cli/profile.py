@@ -11,9 +11,9 @@ from rich.table import Table
 
 from remat.cli.common import add_model_options, load, profile_with_progress, runs_one_thread
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.coverage import coverage_lines
-from remat.solve.uncertainty import noise_lines
-from remat.units import format_bytes
+from remat.core.coverage import coverage_lines
+from remat.core.solve.uncertainty import noise_lines
+from remat.core.units import format_bytes
 
 _OPTION_COLUMNS = (
     ("keep", "keep"),

@@ -13,13 +13,13 @@ from rich.text import Text
 
 from remat.cli.common import add_model_options, load, profile_with_progress
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from remat.plan import Plan
-    from remat.verify.report import Hazard, VerifyReport
+    from remat.core.plan_format import Plan
+    from remat.verification.report import Hazard, VerifyReport
 
 PLAN_BUILDERS = "none, per-stage, every:K, segments[:K], groups:SIZE, selective[:POLICY]"
 
@@ -83,7 +83,7 @@ def _whole(text: str, what: str) -> int:
 def build_plan(text: str, model: nn.Module, stages: list[str] | None = None) -> Plan:
     """A plan from a JSON file or a builder name (``per-stage``, ``segments:3``, ...)."""
     from remat import plans
-    from remat.plan import Plan
+    from remat.core.plan_format import Plan
 
     name, _, arg = text.partition(":")
     if name == "none" and not arg:
@@ -113,7 +113,7 @@ def _plan_for_budget(
 ) -> Plan:
     import copy
 
-    from remat.planner import plan as make_plan
+    from remat.core.planner import plan as make_plan
 
     # Profiling trains the model it measures; verify must start from the untouched state.
     profile = profile_with_progress(
@@ -184,15 +184,15 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so building the parser for other subcommands never imports torch.
     import copy
 
-    from remat.bench.auto import first_step
+    from remat.benchmarking.main_job import first_step
     from remat.cli.common import model_options
     from remat.runtime.identity import plan_notes
-    from remat.verify.harness import verify
+    from remat.verification.harness import verify
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} is below 1; give at least one step")
     if args.budget is not None:
-        from remat.solve.budget import check_budget
+        from remat.core.solve.budget import check_budget
 
         check_budget(args.budget)  # before profiling, which takes a while
     model, batch, loss_fn, stages, description = load(args, check_step=False)
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     first_step(copy.deepcopy(model), batch, loss_fn)
     if args.plan is not None:
         if stages is None and not Path(args.plan).exists():  # a builder: the whole chain
-            from remat.stages import discover_stages
+            from remat.runtime.stages import discover_stages
 
             stages = discover_stages(model, batch, loss_fn)
         plan = build_plan(args.plan, model, stages)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 __all__ = ["MALLOC_MODES", "keep_freed_memory", "set_malloc"]
 

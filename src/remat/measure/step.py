@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.measure.report import Phase, StepMemory
 from remat.measure.tracker import LiveMemoryTracker, iter_tensors
 

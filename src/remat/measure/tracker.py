@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.hooks import RemovableHandle
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.measure.report import (
     Category,
     CategoryBytes,

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.errors import UsageError, UserCodeError
+from remat.core.errors import UsageError, UserCodeError
 from remat.models import convnet_bn, convnext, encdec, gpt, hf, mlp_hetero, resnet, unet
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 
 
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:

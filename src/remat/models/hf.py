@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.models._common import check_int, check_prob, seeded
 
 __all__ = ["FAMILIES", "GROUPS", "HEADS", "PREFIX", "hf_factory", "hf_loss", "hf_model"]

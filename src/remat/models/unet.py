@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.models._common import check_int, check_prob, seeded
 
 

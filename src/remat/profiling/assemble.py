@@ -1,7 +1,7 @@
 """From raw measurements to the profile's fields, in the simulator's conventions.
 
 Each figure is read off the measured no-checkpoint step where it can be (so the pieces
-add up to what that step really did), in the terms ``remat.solve.simulate`` counts:
+add up to what that step really did), in the terms ``remat.core.solve.simulate`` counts:
 
 * saved (keep): how much the live total grew across the stage's forward, less its new
   output; the input was alive before and the output is the next stage's input.
@@ -51,7 +51,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.profile_format import FixedBytes, StageProfile
+from remat.core.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
 from remat.profiling.noise import option_extras, stage_times
 from remat.profiling.pooling import Pooled

@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from remat.plan import Plan
-from remat.profile_format import Profile
+from remat.core.plan_format import Plan
+from remat.core.profile_format import Profile
+from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
+from remat.core.solve.simulator import simulate
 from remat.profiling.run import NOTHING, Measurements
 from remat.profiling.timeline import Span
-from remat.solve.from_profile import no_checkpoint_plan, problem_from_profile
-from remat.solve.simulate import simulate
 
 __all__ = ["calibrated"]
 

@@ -10,7 +10,7 @@ ran as its input. It also notes, per stage, the tensors made earlier in the pass
 the stage's call or the code before it reads besides its input (``Engine.reads``: skip
 connections, a position bias passed on): a region over that read that opens after the
 tensor was made keeps it to its backward, which the simulator counts
-(:class:`~remat.profile_format.HeldRead`). Nothing is saved (one region holds only its
+(:class:`~remat.core.profile_format.HeldRead`). Nothing is saved (one region holds only its
 input) and no backward runs; buffers are put back afterwards.
 """
 
@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from remat.errors import UsageError
-from remat.plan import Plan, Region
-from remat.profile_format import HeldRead
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
 
 __all__ = ["Links", "find_breaks"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from remat.profile_format import TimingNoise
+from remat.core.profile_format import TimingNoise
+from remat.core.solve.uncertainty import NOISY
 from remat.profiling.pooling import Pooled, pool, relative_spread, spread_among
 from remat.profiling.timing import StepTimes
-from remat.solve.uncertainty import NOISY
 
 __all__ = [
     "MAX_ADDED_ROUNDS",
@@ -151,7 +151,7 @@ def paired_se(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]) -> flo
 def timing_noise(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
                  group_of: Sequence[int], *, extra: int,
                  region_overhead_range_s: tuple[float, float]) -> TimingNoise:
-    """What the profile records of its noise (:class:`~remat.profile_format.TimingNoise`)."""
+    """What the profile records of its noise (:class:`~remat.core.profile_format.TimingNoise`)."""
     among = max(
         spread_among(samples(steps, what), group_of)
         for steps, what in ((plain, "fwd_s"), (plain, "bwd_s"), (per_stage, "rebuild_s"))

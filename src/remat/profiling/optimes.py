@@ -37,7 +37,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
 from remat.profiling.timing import StepTimes
 
 __all__ = [

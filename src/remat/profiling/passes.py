@@ -2,7 +2,7 @@
 
 A pass runs ``loss_fn(model, batch)`` once with grad, reads the tracker's live and peak
 bytes at every stage's call and return, and drops the graph without a backward. The
-option is applied the way a plan applies it (``remat.runtime.apply``), so what a
+option is applied the way a plan applies it (``remat.runtime.install``), so what a
 selective policy keeps (torch's selective-checkpoint cache plus the input the checkpoint
 saves) is what the runtime will keep. A no-save pass drops every saved tensor, which is
 what a stage costs inside a region's forward, and shows which stage outputs stay
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import UsageError
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
 from remat.measure import LiveMemoryTracker
 from remat.measure.tracker import iter_tensors
-from remat.plan import Plan
 from remat.profiling._tensors import (
     buffers_restored,
     main_input,

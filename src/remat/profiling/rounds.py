@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from remat.profile_format import TimedRound
+from remat.core.profile_format import TimedRound
 from remat.profiling.noise import option_diffs, samples
 from remat.profiling.optimes import link_within, region_link_rounds, region_overhead_rounds
 from remat.profiling.pooling import pool

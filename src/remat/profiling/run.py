@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from remat import plans
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import HeldRead
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
-from remat.plan import Plan, Region
-from remat.profile_format import HeldRead
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.identical import recording_signatures
 from remat.profiling.links import find_breaks

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.errors import RematError, UsageError
+from remat.core.errors import RematError, UsageError
 from remat.measure import Event, Phase, StepMemory
 
 __all__ = ["Span", "StepSpans", "split_step"]

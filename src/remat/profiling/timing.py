@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.plan import Plan
+from remat.core.plan_format import Plan
 from remat.profiling._tensors import main_input, main_output, stage_hooks
 
 __all__ = ["StepTimes", "bare_step_s", "timed_steps"]

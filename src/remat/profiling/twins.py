@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from remat.profile_format import Profile, StageProfile
+from remat.core.profile_format import Profile, StageProfile
 from remat.profiling.noise import option_diffs, pooled_extras
 from remat.profiling.optimes import policy_op_names
 from remat.profiling.run import Measurements

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from remat.runtime.apply import Handle, applied, apply, remove
+from remat.runtime.install import Handle, applied, apply, remove
 
 __all__ = ["Handle", "applied", "apply", "remove"]

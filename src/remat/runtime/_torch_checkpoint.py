@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tuc
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = ["CheckpointFrame", "check_available", "noop_context_fn"]
 

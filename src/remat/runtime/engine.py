@@ -159,8 +159,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from remat.errors import RematError, UsageError
-from remat.plan import Plan
+from remat.core.errors import RematError, UsageError
+from remat.core.plan_format import Plan
 from remat.runtime._torch_checkpoint import CheckpointFrame
 from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.glue import (

@@ -57,8 +57,8 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import nn
 
-from remat.errors import UsageError
-from remat.plan import Plan
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
 
 __all__ = [
     "OwnCheckpointing",
@@ -219,13 +219,9 @@ def recomputed_stages(
 
     Runs ``loss_fn(model, batch)`` and its backward with forward pre-hooks on every module
     of every stage, then puts back parameters' ``.grad``, buffers, the RNG state and the
-    training mode. A model with a remat plan applied returns ``[]`` (remat's own rebuilds
-    would count).
+    training mode. Call it on a model without a remat plan applied: remat's own rebuilds
+    would count.
     """
-    from remat.runtime.apply import applied
-
-    if applied(model):
-        return []
     owner: dict[int, str] = {}
     for name in stages:
         for module in model.get_submodule(name).modules():

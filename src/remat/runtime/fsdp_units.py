@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from remat.errors import UsageError
-from remat.plan import Region
+from remat.core.errors import UsageError
+from remat.core.plan_format import Region
 
 __all__ = ["check_fsdp_units"]
 

@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from remat.errors import RematError
+from remat.core.errors import RematError
 
 __all__ = [
     "GlueRecorder", "GlueStep", "Slot", "Tape", "Template", "bind", "call_restoring", "func_name",

@@ -1,6 +1,6 @@
 """Reading a live model's stage identities, and checking a plan's ``made_for`` against them.
 
-The records are torch-free (:mod:`remat.model_identity`); this module fills them from
+The records are torch-free (:mod:`remat.core.model_identity`); this module fills them from
 modules (:func:`stage_identity`, :func:`model_stages`) and compares
 (:func:`check_made_for`), which ``remat.apply`` runs before it changes anything.
 """
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from remat.errors import UsageError
-from remat.model_identity import MadeFor, StageIdentity, fingerprint
-from remat.plan import Plan
+from remat.core.errors import UsageError
+from remat.core.model_identity import MadeFor, StageIdentity, fingerprint
+from remat.core.plan_format import Plan
 
 __all__ = ["check_made_for", "made_for_model", "model_stages", "plan_notes", "stage_identity"]
 

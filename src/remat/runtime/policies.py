@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from remat.errors import UsageError
-from remat.plan import parse_option
+from remat.core.errors import UsageError
+from remat.core.plan_format import parse_option
 
 __all__ = [
     "ATTENTION_OPS",

@@ -1,0 +1,585 @@
+"""``remat.auto``: the main job in one call: profile, plan, apply, verify, measure.
+
+The plan is remat's optimal one under the budget; its predicted peak and step time come
+from the simulator. Measurement runs the plain model and the planned one side by side
+(the tracker for the peak, interleaved steps for the time). Whatever disagrees (a
+measured peak over the budget, a prediction off by more than 5%, gradients that differ)
+is listed in ``problems``, never hidden; ``ok`` is True only when there are none.
+
+A run that cannot go on raises :class:`Stopped`, which names the step (loading the model,
+the first training step, profiling, planning, applying, verifying, measuring) and says
+why in one sentence: the user's own code failing (factory, forward, loss) is a
+:class:`~remat.core.errors.UserCodeError` (exit 3); a rebuild torch rejects is described by
+the hazard ``remat verify`` finds.
+
+Note [auto per rank]: under ``torchrun`` with ``distributed`` set, every rank runs the same
+steps on its shard of the batch (the collectives of a wrapped model's step need all of
+them): it profiles its plain model, and all take rank 0's profile so that they choose the
+same plan; the per-rank problem (``remat.core.transforms``, as ``remat bench
+--distributed``) gives the budget's meaning (a fraction of the largest rank's peak without
+checkpointing) and the plan. Each rank verifies the plan on its plain model (no
+collective: gradients are a property of the plan), wraps the plain and the planned model
+(DDP after ``apply``, FSDP2 one unit per stage before it), reads its per-rank peaks from
+the allocator's events and times the two interleaved; a decision to time more pairs is
+taken by all ranks when one needs it. The predicted overhead is the per-rank problem's
+ratio of medians (the profile's rounds are one process's), and the plan is not checked
+against the timing noise's draws, which re-solve the one-process problem.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from remat.core.coverage import coverage, coverage_lines
+from remat.core.errors import CheckFailed, RematError, UsageError, UserCodeError
+from remat.core.plan_format import Plan
+from remat.core.planner import plan as make_plan
+from remat.core.planner import to_problem, with_made_for
+from remat.core.profile_format import Profile
+from remat.core.solve import minimum_budget, simulate
+from remat.core.solve.paired import paired_overhead
+from remat.core.solve.uncertainty import PlanUncertainty, steadiest_and_uncertainty
+from remat.core.units import format_bytes
+from remat.measure.malloc import set_malloc
+from remat.profiling.profiler import profile
+
+from .environment import Environment, describe_environment
+from .factory import describe, failure, make_factory, torch_threads, whole
+from .findings import PEAK_TOLERANCE
+from .grads import check_plan
+from .measure import by_tracker, interleaved, paired, time_stats
+from .runners import EagerRunner, Runner
+
+__all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
+           "rank_zeros", "rebuild_rejected", "step", "torch_threads_kept"]
+
+#: The steps of the main job, in order (``Stopped.stage`` is one of them).
+STAGES = ("loading the model", "the first training step", "profiling", "planning",
+          "applying", "verifying", "measuring")
+# Where an exception that is not remat's comes from the user's own code.
+_USER_CODE = {
+    "loading the model": "the model factory raised {error}; fix the factory (--debug "
+                         "shows the traceback)",
+    "the first training step": "the model's forward, loss_fn or backward raised {error}; fix "
+                               "them so that one plain training step runs (--debug shows the "
+                               "traceback)",
+}
+# What torch says when a checkpointed region's rebuild differs from its forward
+# (CheckpointError, and selective checkpointing's plain RuntimeError).
+REJECTED = "torch rejected the rebuild of a checkpointed region"  # how such reasons start
+_REJECTED = ("different number of tensors was saved", "different metadata",
+             "not found in storage", "more tensors during recomputation")
+
+
+class Stopped(RematError):
+    """A run stopped before its report: at which step (``stage``), and why.
+
+    ``exit_code`` is the cause's (2 for the user's mistakes, 3 for the user's own code
+    failing, 1 for a failed check); the
+    cause stays chained. ``minimum_budget_bytes``: with an infeasible budget, the least
+    one any plan fits.
+    """
+
+    def __init__(self, stage: str, reason: str, exit_code: int,
+                 minimum_budget_bytes: int | None = None) -> None:
+        super().__init__(f"{stage}: {reason}")
+        self.stage, self.reason, self.exit_code = stage, reason, exit_code
+        self.minimum_budget_bytes = minimum_budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"stage": self.stage, "message": self.reason,
+                                 "exit_code": self.exit_code}
+        if self.minimum_budget_bytes is not None:
+            found["minimum_budget_bytes"] = self.minimum_budget_bytes
+        return found
+
+
+def rebuild_rejected(err: BaseException) -> bool:
+    """Whether ``err`` is torch refusing a rebuild that did not match its forward."""
+    from torch.utils.checkpoint import CheckpointError
+
+    return isinstance(err, CheckpointError) or (
+        isinstance(err, RuntimeError) and any(text in str(err) for text in _REJECTED))
+
+
+def hazard_reason(err: BaseException, factory: Callable[[], Any] | None,
+                  stages: Sequence[str] | None) -> str:
+    """One sentence for a rejected rebuild: the hazard ``remat verify`` finds behind it.
+
+    ``factory()`` builds a fresh ``(model, batch, loss_fn)``; verify runs one step of it
+    with one region per stage and its hazard detectors watching.
+    """
+    from remat import plans
+    from remat.verification.harness import verify
+
+    said = str(err).strip().removeprefix("torch.utils.checkpoint: ").splitlines()
+    rejected = f"{REJECTED} ({type(err).__name__}: {said[0][:200] if said else ''})"
+    hint = "run remat verify --plan per-stage on the model to see why"
+    if factory is None:
+        return f"{rejected}; {hint}"
+    try:
+        model, batch, loss_fn = factory()
+        report = verify(model, batch, plans.per_stage(model, stages=stages), loss_fn, steps=1)
+    except Exception:  # the diagnosis is a courtesy: the rejection is the error
+        return f"{rejected}; {hint}"
+    hazards = report.blocking_hazards
+    if not hazards:
+        return f"{rejected}; {hint}"
+    h = hazards[0]
+    where = f" in stage {h.stage!r}" if h.stage else ""
+    more = (f" ({len(hazards) - 1} more: remat verify --plan per-stage lists them)"
+            if len(hazards) > 1 else "")
+    return f"{rejected}: remat verify finds a {h.kind} hazard{where}: {h.message}{more}"
+
+
+@contextmanager
+def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
+         ) -> Iterator[None]:
+    """Run one step of a command; what stops it becomes :class:`Stopped` naming the step.
+
+    remat's own errors keep their message and exit code; a rejected rebuild becomes the
+    hazard sentence (``diagnose``, default :func:`hazard_reason` without a model), exit
+    1; any other exception while loading the model or in the first training step is the
+    user's code failing, exit 3. Anything else propagates: it is a bug, with a traceback.
+    """
+    try:
+        yield
+    except Stopped:
+        raise
+    except RematError as err:
+        raise Stopped(stage, str(err), err.exit_code) from err
+    except Exception as err:
+        if rebuild_rejected(err):
+            reason = diagnose(err) if diagnose else hazard_reason(err, None, None)
+            raise Stopped(stage, reason, CheckFailed.exit_code) from err
+        if stage in _USER_CODE:
+            reason = _USER_CODE[stage].format(error=failure(err))
+            raise Stopped(stage, reason, UserCodeError.exit_code) from err
+        raise
+
+
+def rank_zeros(prof: Profile) -> Profile:
+    """Rank 0's profile on every rank: the ranks must choose the same plans, or their FSDP
+    units, and so their collectives, would differ."""
+    import torch.distributed as dist
+
+    shared: list[Any] = [prof.to_json()]
+    dist.broadcast_object_list(shared, src=0)
+    return Profile.from_json(shared[0])
+
+
+def _agreed(flag: bool, distributed: bool) -> bool:
+    """``flag`` on any rank, on every rank (a decision to run more collective steps)."""
+    if not distributed:
+        return flag
+    import torch.distributed as dist
+
+    found = torch.tensor([int(flag)])
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
+def _article(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+@contextmanager
+def torch_threads_kept() -> Iterator[None]:
+    """torch's intra-op thread count as it was on entry, again on exit.
+
+    The optimal solver's numba kernel runs on numba's OpenMP layer, which sets the
+    process's OpenMP thread count, the one torch's CPU ops use: after a solve under
+    ``--threads 1`` torch ran on two threads, and on a loaded two-core machine each
+    plain gpt step then took 15x as long while ``auto`` measured as while it profiled.
+    """
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
+    """One plain training step (gradients dropped after), so that the user's own code
+    fails here, named, instead of deep inside profiling."""
+    with step("the first training step"):
+        loss = loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor):
+            raise UserCodeError(
+                f"loss_fn returned {_article(type(loss).__name__)}, not a tensor; make "
+                "loss_fn(model, batch) return the loss as a scalar tensor"
+            )
+        if loss.numel() != 1 or not loss.is_floating_point():
+            raise UserCodeError(
+                f"loss_fn returned a {str(loss.dtype).removeprefix('torch.')} tensor of shape "
+                f"{tuple(loss.shape)}, not a scalar loss; reduce it to one number (e.g. .mean())"
+            )
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+#: What ``AutoReport.predicted_overhead`` is (Note [Paired overhead]).
+PAIRED = "median of the profile's per-round ratios"
+MEDIANS = "ratio of the profile's medians"
+
+#: Per-pair ratios whose interquartile range is wider than this (a share of the plain
+#: step) are timed again with twice as many pairs, once (Note [Re-timing wide pairs]).
+PAIRS_SPREAD = 0.05
+
+
+def _spread(times: dict[str, list[float]]) -> float:
+    """Note [Re-timing wide pairs]: on a shared machine one measurement's per-pair ratios
+    spread up to 18 points between quartiles (noise_stability, mlp-hetero), wider than the
+    5 points a prediction is judged by; the median of three times as many pairs moves
+    less. The threshold is those 5 points: at 10, a gpt run whose quartiles were 9.5 points
+    apart kept its first median, 5.6 points off the prediction that other runs met."""
+    ratios = sorted(a / b for a, b in zip(times["planned"], times["plain"], strict=True)
+                    if b > 0)
+    if len(ratios) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q3 - q1
+
+
+@dataclass(frozen=True)
+class AutoReport:
+    """What ``remat auto`` found; JSON keys are the field names plus ``ok``."""
+
+    model: str
+    budget: str
+    budget_bytes: int
+    plan: Plan
+    baseline_peak_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    predicted_peak_event: str
+    peak_phase: str | None
+    peak_module: str | None
+    peak_by_category: Mapping[str, int] = field(hash=False)
+    baseline_peak_by_category: Mapping[str, int] = field(hash=False)
+    baseline_step_time_s: float = 0.0
+    step_time_s: float = 0.0
+    overhead: float = 0.0  # the median of the per-pair ratios, less 1
+    # the median of the profile's per-round ratios (Note [Paired overhead]), less 1
+    predicted_overhead: float | None = None
+    verify_ok: bool = False
+    grads_match: bool = False
+    verify_detail: str = ""
+    problems: tuple[str, ...] = ()
+    environment: Environment | None = None
+    timings_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    elapsed_s: float = 0.0
+    profile: Profile | None = field(default=None, repr=False, compare=False)
+    # each interleaved pair's ratio, less 1 (``overhead`` is their median)
+    overhead_pairs: tuple[float, ...] = ()
+    # the chosen plan against the profile's timing noise (None: the profile has none)
+    uncertainty: PlanUncertainty | None = None
+    # what predicted_overhead is: PAIRED, or the ratio of the medians
+    predicted_overhead_statistic: str = MEDIANS
+
+    @property
+    def overhead_of_medians(self) -> float:
+        """The median step with the plan over the median step without, less 1: another
+        statistic than ``overhead`` (the median of per-pair ratios); they part when the
+        machine's speed moved during the measurement."""
+        return self.step_time_s / self.baseline_step_time_s - 1 if self.baseline_step_time_s \
+            else 0.0
+
+    @property
+    def overhead_range(self) -> tuple[float, float]:
+        """The interquartile range of the per-pair ratios, less 1 (min and max below four)."""
+        values = sorted(self.overhead_pairs) or [self.overhead]
+        if len(values) < 4:
+            return values[0], values[-1]
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return q1, q3
+
+    @property
+    def peak_error(self) -> float:
+        return self.measured_peak_bytes / self.predicted_peak_bytes - 1
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "model": self.model,
+            "budget": self.budget,
+            "budget_bytes": self.budget_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "peak_error": self.peak_error,
+            "within_budget": self.within_budget,
+            "prediction_within_5pct": abs(self.peak_error) <= PEAK_TOLERANCE,
+            "predicted_peak_event": self.predicted_peak_event,
+            "peak_phase": self.peak_phase,
+            "peak_module": self.peak_module,
+            "peak_by_category": dict(self.peak_by_category),
+            "baseline_peak_by_category": dict(self.baseline_peak_by_category),
+            "baseline_step_time_s": self.baseline_step_time_s,
+            "step_time_s": self.step_time_s,
+            "overhead": self.overhead,
+            "overhead_statistic": "median of per-pair ratios",
+            "overhead_pairs": list(self.overhead_pairs),
+            "overhead_range": list(self.overhead_range),
+            "overhead_of_medians": self.overhead_of_medians,
+            "predicted_overhead": self.predicted_overhead,
+            "predicted_overhead_statistic": self.predicted_overhead_statistic,
+            "plan_uncertainty": None if self.uncertainty is None else self.uncertainty.to_dict(),
+            "timing_noise": (None if self.profile is None or self.profile.timing_noise is None
+                             else self.profile.timing_noise.to_dict()),
+            "verify_ok": self.verify_ok,
+            "grads_match": self.grads_match,
+            "verify_detail": self.verify_detail,
+            "problems": list(self.problems),
+            "plan": self.plan.to_dict(),
+            "coverage": None if self.profile is None else coverage(self.profile).to_dict(),
+            "environment": None if self.environment is None else self.environment.to_dict(),
+            "timings_s": dict(self.timings_s),
+            "elapsed_s": self.elapsed_s,
+            "error": None,
+        }
+
+
+def _problems(budget: int, predicted: int, measured: int, verify_ok: bool,
+              detail: str) -> tuple[str, ...]:
+    found = []
+    if measured > budget:
+        found.append(
+            f"the measured peak {format_bytes(measured)} is over the budget "
+            f"{format_bytes(budget)} by {format_bytes(measured - budget)}"
+        )
+    error = measured / predicted - 1
+    if abs(error) > PEAK_TOLERANCE:
+        found.append(
+            f"the measured peak is {error:+.1%} off the predicted {format_bytes(predicted)}, "
+            "more than 5%"
+        )
+    if not verify_ok:
+        found.append(f"verify failed: {detail}")
+    return tuple(found)
+
+
+def auto(
+    model: str | Callable[..., Any] = "gpt",
+    *,
+    options: Mapping[str, Any] | None = None,
+    stages: Sequence[str] | None = None,
+    budget: str | int | float = "50%",
+    optimizer: str = "adamw",
+    repeats: int = 6,
+    warmup: int = 1,
+    verify_steps: int = 2,
+    profile_repeats: int = 2,
+    progress: Callable[[str, int, int], None] | None = None,
+    malloc: str = "keep",
+    threads: int | None = None,
+    distributed: str | None = None,
+) -> AutoReport:
+    """Profile ``model``, plan it under ``budget``, verify the plan and measure it.
+
+    ``model`` and ``options`` as in :func:`remat.benchmarking.bench`; ``budget`` is a whole-step
+    peak (bytes, or a fraction of the measured peak without checkpointing). Raises
+    :class:`Stopped` (a :class:`remat.RematError`) naming the step that could not go on:
+    for a budget no plan fits, planning, exit code 1, with ``minimum_budget_bytes``.
+    ``malloc`` as in :func:`remat.benchmarking.bench` (``keep`` steadies CPU step times);
+    ``threads`` sets torch's intra-op threads for the run (restored after).
+    ``distributed`` (``ddp`` or ``fsdp``, under ``torchrun``): every rank runs the job on
+    its shard of the batch, plans with rank 0's profile under the per-rank problem (the
+    same plan on every rank), and reports its own peak and time (Note [auto per rank]).
+    """
+
+    whole(repeats, "repeats", 1)
+    whole(warmup, "warmup", 0)
+    whole(verify_steps, "verify_steps", 1)
+    if threads is not None:
+        whole(threads, "threads", 1)
+    if distributed is not None and distributed not in ("ddp", "fsdp"):
+        raise UsageError(f"distributed={distributed!r} is unknown; use ddp or fsdp")
+    with torch_threads(threads):
+        return _auto(model, options, stages, budget, optimizer, repeats, warmup, verify_steps,
+                     profile_repeats, progress, malloc, distributed)
+
+
+def _auto(
+    model: str | Callable[..., Any],
+    options: Mapping[str, Any] | None,
+    stages: Sequence[str] | None,
+    budget: str | int | float,
+    optimizer: str,
+    repeats: int,
+    warmup: int,
+    verify_steps: int,
+    profile_repeats: int,
+    progress: Callable[[str, int, int], None] | None,
+    malloc: str,
+    distributed: str | None = None,
+) -> AutoReport:
+    began = time.perf_counter()
+    allocator = set_malloc(malloc)
+    report = progress or (lambda _what, _done, _total: None)
+    timings: dict[str, float] = {}
+    factory, _ = make_factory(model, options)
+    description = describe(model, options or {})
+    ranks = None
+    if distributed is not None:
+        from remat.distributed import init_from_env
+
+        from .ranks import Ranks
+
+        ranks = Ranks(distributed, init_from_env())
+        factory = ranks.shard(factory)
+
+    def diagnose(err: BaseException) -> str:
+        return hazard_reason(err, lambda: factory(None), stages)
+
+    t = time.perf_counter()
+    with step("loading the model"):
+        net, batch, loss_fn = factory(None)
+    first_step(net, batch, loss_fn)
+    with step("profiling", diagnose=diagnose):
+        prof = profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
+                       description=description,
+                       progress=lambda what, done, total: report(f"profiling: {what}", done,
+                                                                 total))
+    if ranks is not None:
+        prof = rank_zeros(prof)
+    environment = describe_environment(
+        net, batch, loss_fn, dtype=prof.dtype, device=prof.device, malloc=allocator,
+        rank=None if ranks is None else ranks.info.rank,
+        world_size=None if ranks is None else ranks.info.world_size, distributed=distributed)
+    del net
+    timings["profile_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    report("planning", 0, 1)
+    with step("planning"), torch_threads_kept():
+        problem = to_problem(prof)
+        if ranks is not None:
+            from .ranks import rank_problem
+
+            ranks.stages = prof.stage_names
+            problem = rank_problem(problem, ranks, factory, optimizer)
+        try:
+            if ranks is None:
+                # the simplest of the plans tied within the timing noise, and its uncertainty
+                chosen, uncertainty = steadiest_and_uncertainty(
+                    prof, make_plan(problem, budget, "optimal"), slots=problem.slots)
+            else:  # the draws re-solve the one-process problem: the per-rank plan as solved
+                chosen, uncertainty = make_plan(problem, budget, "optimal"), None
+            plan = with_made_for(chosen, prof)
+        except CheckFailed as err:  # no plan fits: say the least budget that does
+            # and, when the stages cover little of the memory, that more stages would help
+            lines = coverage_lines(prof, given=stages is not None)
+            raise Stopped("planning", "; ".join([str(err), *lines]), err.exit_code,
+                          minimum_budget(problem)) from err
+        predicted_event = simulate(plan, problem).peak_event
+    timings["plan_s"] = time.perf_counter() - t
+
+    report("applying", 0, 1)
+    with step("applying"):
+        plain: Runner
+        planned: Runner
+        if ranks is None:
+            plain = Runner(*factory(None), optimizer)
+            planned = EagerRunner(*factory(None), optimizer, plan)
+        else:
+            plain = ranks.runner(*factory(None), optimizer, None)
+            planned = ranks.runner(*factory(None), optimizer, plan)
+    try:
+        t = time.perf_counter()
+        report("verifying", 0, 1)
+        with step("verifying", diagnose=diagnose):
+            check = check_plan(factory, plan, optimizer=optimizer, steps=verify_steps)
+        timings["verify_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        report("measuring", 0, 1)
+        with step("measuring", diagnose=diagnose):
+            if ranks is None:
+                base_memory, memory = by_tracker(plain), by_tracker(planned)
+            else:
+                base_memory, memory = ranks.measure(plain), ranks.measure(planned)
+            steps = {"plain": plain.step, "planned": planned.step}
+            times = interleaved(
+                steps, repeats=repeats, warmup=warmup,
+                progress=lambda done, total: report("timing (interleaved)", done, total),
+            )
+            # Note [Re-timing wide pairs]: per-pair ratios spread over more than
+            # PAIRS_SPREAD between quartiles get twice as many pairs again, once.
+            if _agreed(_spread(times) > PAIRS_SPREAD, ranks is not None):
+                more = interleaved(
+                    steps, repeats=2 * repeats, warmup=0,
+                    progress=lambda done, total: report("timing (more pairs)", done, total),
+                )
+                for name in times:
+                    times[name] += more[name]
+    finally:
+        planned.close()
+        plain.close()
+        if ranks is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank done before any tears its group down
+    ratio, _ = paired(times["planned"], times["plain"])
+    timings["measure_s"] = time.perf_counter() - t
+
+    assert plan.budget_bytes is not None and plan.predicted_peak_bytes is not None
+    # Note [Paired overhead]: the median of per-round ratios where the profile kept its
+    # rounds, the statistic the measured overhead is
+    # per rank, the profile's rounds are one process's: the per-rank problem's medians
+    predicted_overhead = paired_overhead(plan, prof) if ranks is None else None
+    statistic = MEDIANS if predicted_overhead is None else PAIRED
+    if predicted_overhead is not None and uncertainty is not None:
+        # the range within the noise covers both statistics
+        uncertainty = replace(
+            uncertainty, overhead_low=min(uncertainty.overhead_low, predicted_overhead),
+            overhead_high=max(uncertainty.overhead_high, predicted_overhead))
+    if predicted_overhead is None and plan.predicted_step_time_s and plan.baseline_step_time_s:
+        predicted_overhead = plan.predicted_step_time_s / plan.baseline_step_time_s - 1
+    return AutoReport(
+        model=description,
+        budget=str(budget),
+        budget_bytes=plan.budget_bytes,
+        plan=plan,
+        baseline_peak_bytes=base_memory.peak_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        measured_peak_bytes=memory.peak_bytes,
+        predicted_peak_event=predicted_event,
+        peak_phase=memory.peak_phase,
+        peak_module=memory.peak_module,
+        peak_by_category=dict(memory.by_category or {}),
+        baseline_peak_by_category=dict(base_memory.by_category or {}),
+        baseline_step_time_s=time_stats(times["plain"]).median_s,
+        step_time_s=time_stats(times["planned"]).median_s,
+        overhead=ratio - 1,
+        overhead_pairs=tuple(a / b - 1 for a, b in zip(times["planned"], times["plain"],
+                                                        strict=True) if b > 0),
+        uncertainty=uncertainty,
+        predicted_overhead=predicted_overhead,
+        predicted_overhead_statistic=statistic,
+        verify_ok=bool(check.verify_ok),
+        grads_match=check.grads_match,
+        verify_detail=check.detail,
+        problems=_problems(plan.budget_bytes, plan.predicted_peak_bytes, memory.peak_bytes,
+                           bool(check.verify_ok), check.detail),
+        environment=environment,
+        timings_s=timings,
+        elapsed_s=time.perf_counter() - began,
+        profile=prof,
+    )

@@ -1,0 +1,95 @@
+"""One rank of a ``torchrun`` job, as bench and auto run it (``--distributed``).
+
+:class:`Ranks` builds and measures a rank's rows; :func:`rank_problem` is the per-rank
+problem every rank plans from. Both :mod:`.run` (bench) and :mod:`.auto` use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from remat.core.plan_format import Plan
+from remat.core.solve import Problem
+from remat.distributed import RankInfo
+
+from .measure import MemoryMeasure
+from .runners import EagerRunner, Factory, Runner
+
+__all__ = ["Ranks", "rank_problem"]
+
+
+class Ranks:
+    """One rank of a ``torchrun`` job (``--distributed``): how its rows are built and measured.
+
+    Every rank builds the same model (same seed) and takes its shard of the batch; a row's
+    model is wrapped after the plan is applied (DDP) or sharded before (FSDP2, which
+    replaces the parameters the optimizer takes). Its peak is measured from the
+    allocator's events (:func:`remat.distributed.rank_step_peak`; the live-storage tracker
+    does not follow FSDP2's parameters), DDP's gradient buckets included.
+    """
+
+    def __init__(self, strategy: str, info: RankInfo) -> None:
+        self.strategy = strategy
+        self.info = info
+        self.stages: tuple[str, ...] = ()  # the profiled stages, each an FSDP unit
+
+    def shard(self, factory: Factory) -> Factory:
+        from remat.distributed import shard_batch
+
+        def sharded(batch_size: int | None) -> Any:
+            model, batch, loss_fn = factory(batch_size)
+            return model, shard_batch(batch, self.info.rank, self.info.world_size), loss_fn
+
+        return sharded
+
+    def runner(self, model: Any, batch: Any, loss_fn: Any, optimizer: str,
+               plan: Plan | None) -> Runner:
+        from remat import distributed as rd
+
+        if self.strategy == "fsdp":
+            rd.shard_stages(model, self.stages, plan)
+        runner = (Runner(model, batch, loss_fn, optimizer) if plan is None
+                  else EagerRunner(model, batch, loss_fn, optimizer, plan))
+        runner.resident_bytes = 0  # type: ignore[attr-defined]
+        if self.strategy == "ddp":
+            runner.model = rd.wrap_ddp(model)
+            rd.warm_ddp(runner.model, batch, loss_fn, runner.optimizer)
+            runner.resident_bytes = rd.ddp_bucket_bytes(runner.model)  # type: ignore[attr-defined]
+        return runner
+
+    @staticmethod
+    def measure(runner: Runner) -> MemoryMeasure:
+        from remat.distributed import rank_step_peak
+
+        resident = getattr(runner, "resident_bytes", 0)
+        peak = rank_step_peak(runner.model, runner.batch, runner.loss_fn, runner.optimizer,
+                              resident_bytes=resident)
+        return MemoryMeasure(peak_bytes=peak, instrument="torch.profiler (rank)",
+                             start_bytes=0, timeline=())
+
+
+def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: str) -> Problem:
+    """The per-rank problem (:func:`remat.core.transforms.per_rank_problem`), with this
+    ranks' largest measured peak without checkpointing, so that budgets given as fractions
+    mean fractions of what a rank holds, and every rank plans the same."""
+    from remat.core.transforms import per_rank_problem
+
+    model, batch, loss_fn = factory(None)
+    runner = ranks.runner(model, batch, loss_fn, optimizer, None)
+    try:
+        peak = ranks.measure(runner).peak_bytes
+    finally:
+        runner.close()
+    import torch.distributed as dist
+
+    largest = torch.tensor([peak], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one budget, so one plan, on every rank
+    peak = int(largest.item())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    sharded = per_rank_problem(problem, world_size=ranks.info.world_size,
+                                    strategy=ranks.strategy, replicated_bytes=buffers,
+                                    backend=dist.get_backend())
+    return replace(sharded, measured_no_checkpoint_peak_bytes=peak)

@@ -1,0 +1,295 @@
+"""The plan: which consecutive stages run as checkpoint regions, and how each stage saves.
+
+Torch-free on purpose (solvers, the simulator and the CLI read and write plans without
+importing torch). A plan is a chain of ``stages`` (module paths in call order), a
+laminar family of ``regions`` (half-open ranges of stage indices that nest or are
+disjoint; the tree is implied by nesting) and one ``option`` per stage::
+
+    Plan(stages=("h.0", "h.1", "h.2", "h.3"),
+         regions=(Region(0, 4), Region(0, 2), Region(2, 4)),
+         options=("keep", "selective:save-matmuls", "keep", "offload"))
+
+Options are ``keep``, ``offload`` or ``selective:<policy>`` where the policy is one of
+:data:`POLICIES` or a comma-separated list of aten op names (``selective:mm,addmm``,
+``selective:convolution.default``); the plan checks only the syntax, the runtime
+resolves the names against the installed torch.
+
+A plan made from a profile (or by a builder of :mod:`remat.plans`) also records what it
+was made for (``made_for``, :class:`remat.core.model_identity.MadeFor`): ``remat.apply``
+refuses it on a model whose stages differ. Plans without it (older files, hand-written
+ones, plans solved from a bare problem) apply unchecked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from remat.core import fields
+from remat.core.artifact import JsonArtifact
+from remat.core.errors import UsageError
+from remat.core.model_identity import MadeFor
+
+__all__ = ["POLICIES", "SCHEMA_VERSION", "Option", "Plan", "Region", "parse_option"]
+
+SCHEMA_VERSION = 1
+
+#: Named selective policies; the runtime maps each to a set of aten ops to save.
+POLICIES = ("save-matmuls", "save-attention", "save-nothing")
+
+_OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?\Z")
+_OPTION_HINT = "use keep, offload, or selective:<policy> with a policy from " + ", ".join(
+    POLICIES
+) + " or a comma-separated list of aten op names such as selective:mm,addmm"
+
+
+@dataclass(frozen=True, order=True)
+class Region:
+    """Stages ``start, ..., stop - 1`` run under one checkpoint (half-open ``[start, stop)``)."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        for name in ("start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"region {name}={value!r} is not a whole number; use integers")
+        if not 0 <= self.start < self.stop:
+            raise UsageError(
+                f"region {self} is empty or negative; a region needs 0 <= start < stop"
+            )
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.stop})"
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __contains__(self, stage: object) -> bool:
+        """``i in region``: whether stage index ``i`` lies inside the region."""
+        return isinstance(stage, int) and self.start <= stage < self.stop
+
+    def covers(self, other: Region) -> bool:
+        """Whether ``other`` lies inside this region (a region covers itself)."""
+        return self.start <= other.start and other.stop <= self.stop
+
+
+@dataclass(frozen=True)
+class Option:
+    """A parsed stage option: ``kind`` plus, for ``selective``, a policy name or op names."""
+
+    kind: str  # "keep" | "selective" | "offload"
+    policy: str | None = None  # one of POLICIES, or None for a custom op list
+    ops: tuple[str, ...] = ()  # custom aten op names, e.g. ("mm", "convolution.default")
+
+
+def parse_option(text: object) -> Option:
+    """Parse ``keep``, ``offload`` or ``selective:<policy|op,op,...>``; raise UsageError."""
+    if text in ("keep", "offload"):
+        return Option(str(text))
+    if isinstance(text, str) and text.startswith("selective:"):
+        spec = text[len("selective:"):]
+        if spec in POLICIES:
+            return Option("selective", policy=spec)
+        names = tuple(name.strip() for name in spec.split(","))
+        if names and all(_OP_NAME.match(name) for name in names):
+            return Option("selective", ops=names)
+    raise UsageError(f"option {text!r} is not valid; {_OPTION_HINT}")
+
+
+_META_FIELDS = (
+    "solver",
+    "budget_bytes",
+    "predicted_peak_bytes",
+    "predicted_step_time_s",
+    "baseline_step_time_s",
+    "solve_time_s",
+)
+_KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
+_OPTIONAL_KEYS = ("made_for",)  # written only when set: plans from before it still load
+
+
+@dataclass(frozen=True)
+class Plan(JsonArtifact):
+    """A checkpointing plan over a chain of stages; validated on construction.
+
+    ``regions`` is normalized to sorted order by ``(start, -stop)`` (parents before their
+    children); ``options`` defaults to ``keep`` for every stage.
+    """
+
+    artifact: ClassVar[str] = "plan"
+
+    stages: tuple[str, ...]
+    regions: tuple[Region, ...] = ()
+    options: tuple[str, ...] = field(default=())
+    solver: str = "manual"
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+    baseline_step_time_s: float | None = None
+    solve_time_s: float | None = None
+    # What the plan was made for (remat.core.model_identity); None: unknown, nothing is checked.
+    made_for: MadeFor | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
+            raise UsageError(f"stages={self.stages!r} is not a list; give module paths")
+        stages = tuple(self.stages)
+        regions = tuple(
+            sorted((_as_region(r) for r in self.regions), key=lambda r: (r.start, -r.stop))
+        )
+        options = tuple(self.options) if self.options else ("keep",) * len(stages)
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "regions", regions)
+        object.__setattr__(self, "options", options)
+        self.validate()
+
+    # -- checks -------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise UsageError naming the first offending stage, region, option or field."""
+        n = len(self.stages)
+        seen: set[str] = set()
+        for i, name in enumerate(self.stages):
+            if not isinstance(name, str) or not name:
+                raise UsageError(f"stage {i} has name {name!r}; give each stage a module path")
+            if name in seen:
+                raise UsageError(f"stage {name!r} is listed twice; each stage must be distinct")
+            seen.add(name)
+        if len(self.options) != n:
+            raise UsageError(
+                f"the plan has {len(self.options)} options for {n} stages; give one per stage"
+            )
+        valid: set[str] = set()  # each distinct option parsed once: chains can be long
+        for name, option in zip(self.stages, self.options, strict=True):
+            if isinstance(option, str) and option in valid:
+                continue
+            try:
+                parse_option(option)
+            except UsageError as err:
+                raise UsageError(f"stage {name!r}: {err}") from None
+            if isinstance(option, str):
+                valid.add(option)
+        for a, b in itertools.pairwise(self.regions):
+            if a == b:
+                raise UsageError(f"region {a} is listed twice; list each region once")
+        for r in self.regions:
+            if r.stop > n:
+                raise UsageError(
+                    f"region {r} reaches past the last stage; stage indices go from 0 to {n - 1}"
+                )
+        # Sorted by (start, -stop): a partial overlap shows up between a region and a
+        # later one that starts inside it but ends outside.
+        for i, a in enumerate(self.regions):
+            for b in self.regions[i + 1:]:
+                if b.start >= a.stop:
+                    break
+                if b.stop > a.stop:
+                    raise UsageError(
+                        f"regions {a} and {b} overlap partially; regions must nest or be disjoint"
+                    )
+        if not isinstance(self.solver, str) or not self.solver:
+            raise UsageError(f"solver={self.solver!r} is not a name; give a non-empty string")
+        for name in ("budget_bytes", "predicted_peak_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, float):  # a plan's bytes are whole numbers, as written
+                raise UsageError(f"{name}={value!r} is not a byte count; give an int >= 0")
+            if value is not None:
+                fields.byte_count(value, name, largest=None)
+        for name in ("predicted_step_time_s", "baseline_step_time_s", "solve_time_s"):
+            if getattr(self, name) is not None:
+                fields.seconds(getattr(self, name), name)
+        if self.made_for is not None:
+            if not isinstance(self.made_for, MadeFor):
+                raise UsageError(f"made_for={self.made_for!r} is not a MadeFor record or None")
+            known = self.made_for.stages
+            if known is not None and len(known) != n:
+                raise UsageError(
+                    f"made_for names {len(known)} stage identities for {n} stages; give one "
+                    "per stage"
+                )
+            count = self.made_for.model_stages
+            if count is not None and count < n:
+                raise UsageError(
+                    f"made_for model_stages={count} is below the plan's {n} stages; give at "
+                    f"least {n} or null"
+                )
+
+    # -- the region tree ------------------------------------------------------------------
+
+    def parent(self, region: Region) -> Region | None:
+        """The smallest region strictly containing ``region``, or None at the top level."""
+        self._check_member(region)
+        best: Region | None = None
+        for r in self.regions:
+            if r != region and r.covers(region) and (best is None or best.covers(r)):
+                best = r
+        return best
+
+    def children(self, region: Region | None = None) -> tuple[Region, ...]:
+        """The maximal regions strictly inside ``region`` (``None``: the top-level regions)."""
+        if region is not None:
+            self._check_member(region)
+        return tuple(r for r in self.regions if self.parent(r) == region)
+
+    def depth(self, stage: int) -> int:
+        """How many regions contain stage index ``stage`` (0: it runs outside every region)."""
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(
+            self.stages
+        ):
+            raise UsageError(
+                f"stage index {stage!r} is out of range; give 0 to {len(self.stages) - 1}"
+            )
+        return sum(stage in r for r in self.regions)
+
+    def _check_member(self, region: Region) -> None:
+        if region not in self.regions:
+            raise UsageError(f"region {region} is not in this plan; pick one of plan.regions")
+
+    # -- serialization ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with every key of the schema (see ``from_dict``)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **{name: getattr(self, name) for name in _META_FIELDS},
+            "stages": list(self.stages),
+            "regions": [[r.start, r.stop] for r in self.regions],
+            "options": list(self.options),
+            **({"made_for": self.made_for.to_dict()} if self.made_for is not None else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Build a plan from ``to_dict()`` output; UsageError on a schema or key problem."""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a plan must be a JSON object, got {type(data).__name__}")
+        fields.schema_version(data, (SCHEMA_VERSION,), "plan",
+                              "regenerate the plan with this version of remat",
+                              default=SCHEMA_VERSION)
+        fields.check_keys(data, _KEYS, (*_KEYS, *_OPTIONAL_KEYS), "the plan")
+        for key in ("stages", "regions", "options"):
+            if not isinstance(data[key], list):
+                raise UsageError(f"plan key {key!r} must be a list, got {data[key]!r}")
+        for r in data["regions"]:
+            if not isinstance(r, list) or len(r) != 2:
+                raise UsageError(f"region {r!r} is not a [start, stop] pair; write e.g. [0, 4]")
+        return cls(
+            stages=tuple(data["stages"]),
+            regions=tuple(Region(*r) for r in data["regions"]),
+            options=tuple(data["options"]),
+            made_for=None if data.get("made_for") is None else MadeFor.from_dict(data["made_for"]),
+            **{name: data[name] for name in _META_FIELDS},
+        )
+
+
+def _as_region(value: object) -> Region:
+    if isinstance(value, Region):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return Region(*value)
+    raise UsageError(f"region {value!r} is not a Region or a (start, stop) pair")

@@ -1,0 +1,889 @@
+"""The profile: what one model's chain of stages costs, as a torch-free JSON artifact.
+
+``remat.profile`` measures it (torch); everything downstream (``problem_from_profile``,
+solvers, the simulator, the CLI's plan command) reads it without importing torch.
+
+Conventions (they are the simulator's, see :mod:`remat.core.solve.problem`):
+
+* ``boundary_bytes`` is stage i's input ``x_i``, ``output_bytes`` its output ``x_{i+1}``,
+  both by storage.
+* ``saved_bytes[option]`` is what the stage keeps for its backward when it runs with grad
+  under ``option``, counted by storage, parameters excluded, *not counting its input and
+  its output* (the simulator tracks boundaries once each).
+* transients are extra bytes at a peak, beyond what the simulator already counts there:
+  ``fwd_transient_bytes`` above what is live right after a ``keep`` forward;
+  ``nosave_transient_bytes`` above input and output for a forward that saves nothing;
+  ``bwd_transient_bytes`` above what is live when its backward starts and its input's
+  gradient, plus its output when it saved that (``saves_output``: the simulator no
+  longer counts it there). The parameter gradients the stage has created by that peak
+  are part of it; the simulator adds all of them (``grad_bytes``) after the peak.
+* ``extra_bwd_s[option]``: what a selective option adds to the stage's backward (its
+  unsaved ops rebuilt, and its checkpoint frame); see :mod:`remat.profiling.optimes`.
+
+Schema version 2 added ``extra_bwd_s`` and counts the gradients created before a
+backward peak inside that peak's figure (``bwd_transient_bytes``, ``post_chain``);
+version 1 counted none there. A version-1 profile is still read: with no
+``extra_bwd_s`` (its selective options cost no time, as version 1 assumed) and with each
+part's gradients added to its backward figure (all of them before the peak: the upper
+bound version 1 predicted).
+
+Quantities that grow with the batch carry a linear fit ``a + b * batch_size``
+(:class:`Scaling`), fitted from profiles at two batch sizes;
+:func:`remat.core.transforms.at_batch_size` evaluates them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from remat.core import fields
+from remat.core.artifact import JsonArtifact
+from remat.core.errors import UsageError
+from remat.core.model_identity import StageIdentity, digest
+
+__all__ = [
+    "OPTIONS",
+    "SCHEMA_VERSION",
+    "FixedBytes",
+    "LinearFit",
+    "Profile",
+    "Scaling",
+    "StageProfile",
+    "TimedRound",
+    "TimingNoise",
+]
+
+SCHEMA_VERSION = 2
+#: Versions this remat reads (1: stages without ``extra_bwd_s``).
+READABLE_VERSIONS = (1, 2)
+
+#: The options every profile measures for every stage.
+OPTIONS = (
+    "keep",
+    "selective:save-matmuls",
+    "selective:save-attention",
+    "selective:save-nothing",
+)
+
+
+def _int(value: object, what: str) -> int:
+    return fields.byte_count(value, f"profile {what}")
+
+
+def _float(value: object, what: str) -> float:
+    return fields.seconds(value, f"profile {what}")
+
+
+def _finite(value: object, what: str) -> float:
+    return fields.finite(value, f"profile {what}")
+
+
+def _range(value: object, what: str) -> tuple[float, float]:
+    return fields.seconds_range(value, f"profile {what}")
+
+
+def _check_keys(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None:
+    fields.check_keys(data, keys, keys, where, missing_hint="regenerate it with remat profile")
+
+
+@dataclass(frozen=True)
+class HeldRead:
+    """A tensor made before a stage that the stage's call, or the model's code just
+    before it, reads (a skip connection, a position bias passed on): a region holding
+    that stage but opening after the tensor was made keeps it from its forward to its
+    backward (docs/cost-model.md, "Tensors a region reads from before it").
+
+    ``tensor`` names the tensor (its reads share it); ``made_after``: the stages called
+    before it was made, so ``x_q`` (the boundary stage ``q`` receives) has ``made_after``
+    ``q``; ``boundary``: it is that boundary; ``by_call``: the stage's call reads it (else
+    the code before the stage).
+    """
+
+    tensor: int
+    made_after: int
+    nbytes: int
+    boundary: bool = False
+    by_call: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "made_after", "nbytes"):
+            object.__setattr__(self, name, _int(getattr(self, name), f"read {name}"))
+        for flag in ("boundary", "by_call"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError(f"profile read {flag} must be true or false")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "made_after": self.made_after, "bytes": self.nbytes,
+                "boundary": self.boundary, "by": "call" if self.by_call else "code"}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HeldRead:
+        _check_keys(data, ("tensor", "made_after", "bytes", "boundary", "by"), "a stage read")
+        if data["by"] not in ("call", "code"):
+            raise UsageError(f"profile read by={data['by']!r} must be 'call' or 'code'")
+        return cls(data["tensor"], data["made_after"], data["bytes"], data["boundary"],
+                   data["by"] == "call")
+
+
+def reads_from(value: Any, where: str) -> tuple[HeldRead, ...]:
+    """``value`` as a tuple of reads: HeldRead objects or their JSON dicts."""
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"{where} reads must be a list of reads, got {type(value).__name__}")
+    return tuple(r if isinstance(r, HeldRead) else HeldRead.from_dict(r) for r in value)
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One stage's measured costs (see the module docstring for what each counts)."""
+
+    name: str
+    boundary_bytes: int
+    output_bytes: int
+    saved_bytes: Mapping[str, int] = field(hash=False)
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    rebuild_s: float = 0.0
+    fwd_transient_bytes: int = 0
+    bwd_transient_bytes: int = 0
+    nosave_transient_bytes: int = 0
+    grad_bytes: int = 0  # parameter gradients first created by this stage's backward
+    # The output stays referenced from outside the chain (a list of hidden states, a skip
+    # connection), so a region cannot free it: checkpointing saves less than predicted.
+    output_kept_outside: bool = False
+    # Whether autograd keeps the stage's input / output for its backward (a stage that
+    # keeps neither lets the chain free its input early; one that ends in a ReLU keeps
+    # its output into its own backward).
+    saves_input: bool = True
+    saves_output: bool = False
+    # option -> seconds a selective option adds to the backward (its ops rebuilt)
+    extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # Why no region may span the link from the previous stage into this one (the model's
+    # code there cannot be replayed in a rebuild); None: regions may. Written only when set.
+    break_before: str | None = None
+    # What the model's code between the previous stage and this one keeps for backward
+    # (remat.profiling.assemble); the problem counts it with this stage's saved bytes.
+    # Written only when not 0.
+    link_saved_bytes: int = 0
+    # The last stage (by index) whose forward runs while the model's own code still
+    # references this stage's input / output beyond what the chain holds (a caller's frame
+    # around a nested container, a list of skip tensors); len(stages): past the chain, into
+    # the post-chain (the model returns it). None: nothing beyond the chain. Measured in
+    # the pass that saves nothing; written only when set (docs/cost-model.md).
+    input_held_through: int | None = None
+    output_held_through: int | None = None
+    # Whether the stage's input is the previous stage's output itself (one tensor); False
+    # where the model's code between them made a new one (a residual add, a concatenation
+    # with a skip tensor, an upsampling), so the two are held apart. Written only when false.
+    gets_previous_output: bool = True
+    # option -> the backward transient the stage needs under that selective option (its
+    # replay included) where the simulator charges keep's saved bytes; measured with the
+    # option on. Written only when set.
+    selective_bwd_transient_bytes: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # Tensors made before this stage that its call or the code before it reads (measured
+    # in the chain-break pass); written only when set.
+    reads: tuple[HeldRead, ...] = ()
+    # Bytes alive at this stage's backward peak beyond what the simulator counts there,
+    # in the step without checkpointing: gradients the model's code made for tensors it
+    # passed on to later stages (a skip connection's, held as a view of the later
+    # stage's input gradient) and that wait for backward to pass the stage that made them.
+    # They depend on where backward is, not on the plan. Written only when set.
+    pending_grad_bytes: int = 0
+    # The stage module's class, parameter shapes and dtypes (remat.core.model_identity), which
+    # plans made from the profile record so apply can check the model. Written only when set.
+    identity: StageIdentity | None = None
+    # The index of the first stage identical to this one (same class, parameters and
+    # input shapes), whose rounds were pooled with this stage's: every member of the
+    # group has the median of all of them (remat.profiling.pooling). Written only when set.
+    same_as: int | None = None
+    # Time -> (low, high): the interquartile range of the samples its median was taken
+    # over ("fwd_s", "bwd_s", "rebuild_s", "extra_bwd_s.<option>"). Written only when set.
+    time_spread: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"profile stage name {self.name!r} is not a module path")
+        where = f"stage {self.name!r}"
+        for name in (
+            "boundary_bytes",
+            "output_bytes",
+            "fwd_transient_bytes",
+            "bwd_transient_bytes",
+            "nosave_transient_bytes",
+            "grad_bytes",
+            "link_saved_bytes",
+            "pending_grad_bytes",
+        ):
+            object.__setattr__(self, name, _int(getattr(self, name), f"{where} {name}"))
+        for name in ("fwd_s", "bwd_s", "rebuild_s"):
+            object.__setattr__(self, name, _float(getattr(self, name), f"{where} {name}"))
+        if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
+            raise UsageError(f"profile {where} saved_bytes has no 'keep' entry")
+        saved = {
+            str(k): _int(v, f"{where} saved_bytes[{k!r}]") for k, v in self.saved_bytes.items()
+        }
+        object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
+        if not isinstance(self.extra_bwd_s, Mapping):
+            raise UsageError(f"profile {where} extra_bwd_s must map options to seconds")
+        extra = {
+            str(k): _float(v, f"{where} extra_bwd_s[{k!r}]") for k, v in self.extra_bwd_s.items()
+        }
+        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
+        for flag in ("output_kept_outside", "saves_input", "saves_output",
+                     "gets_previous_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError(f"profile {where} {flag} must be true or false")
+        if self.break_before is not None and not isinstance(self.break_before, str):
+            raise UsageError(f"profile {where} break_before must be a reason or null")
+        if not isinstance(self.selective_bwd_transient_bytes, Mapping):
+            raise UsageError(f"profile {where} selective_bwd_transient_bytes must map options "
+                             "to bytes")
+        replay = {
+            str(k): _int(v, f"{where} selective_bwd_transient_bytes[{k!r}]")
+            for k, v in self.selective_bwd_transient_bytes.items()
+        }
+        object.__setattr__(self, "selective_bwd_transient_bytes", MappingProxyType(replay))
+        object.__setattr__(self, "reads", reads_from(self.reads, f"profile {where}"))
+        if self.identity is not None and not isinstance(self.identity, StageIdentity):
+            raise UsageError(f"profile {where} identity must be a StageIdentity or null")
+        if not isinstance(self.time_spread, Mapping):
+            raise UsageError(f"profile {where} time_spread must map times to [low, high]")
+        object.__setattr__(self, "time_spread", MappingProxyType({
+            str(k): _range(v, f"{where} time_spread[{k!r}]") for k, v in self.time_spread.items()
+        }))
+        for name in ("input_held_through", "output_held_through", "same_as"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise UsageError(
+                    f"profile {where} {name}={value!r} is not a stage index; give an int >= 0 "
+                    "or null"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "boundary_bytes": self.boundary_bytes,
+            "output_bytes": self.output_bytes,
+            "saved_bytes": dict(self.saved_bytes),
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "rebuild_s": self.rebuild_s,
+            "fwd_transient_bytes": self.fwd_transient_bytes,
+            "bwd_transient_bytes": self.bwd_transient_bytes,
+            "nosave_transient_bytes": self.nosave_transient_bytes,
+            "grad_bytes": self.grad_bytes,
+            "output_kept_outside": self.output_kept_outside,
+            "saves_input": self.saves_input,
+            "saves_output": self.saves_output,
+            "extra_bwd_s": dict(self.extra_bwd_s),
+            **({"break_before": self.break_before} if self.break_before is not None else {}),
+            **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
+            **{
+                name: getattr(self, name)
+                for name in ("input_held_through", "output_held_through")
+                if getattr(self, name) is not None
+            },
+            **({} if self.gets_previous_output else {"gets_previous_output": False}),
+            **(
+                {"selective_bwd_transient_bytes": dict(self.selective_bwd_transient_bytes)}
+                if self.selective_bwd_transient_bytes
+                else {}
+            ),
+            **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
+            **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
+               else {}),
+            **({"identity": self.identity.to_dict()} if self.identity is not None else {}),
+            **({"same_as": self.same_as} if self.same_as is not None else {}),
+            **(
+                {"time_spread": {k: list(v) for k, v in self.time_spread.items()}}
+                if self.time_spread
+                else {}
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageProfile:
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a profile stage must be a JSON object, got {type(data).__name__}")
+        where = f"profile stage {data.get('name', '?')!r}"
+        keys = (*_STAGE_KEYS, *(k for k in _OPTIONAL_STAGE_KEYS if k in data))
+        _check_keys(data, keys, where or "a profile stage")
+        values = {k: data[k] for k in keys}
+        if values.get("identity") is not None:
+            values["identity"] = StageIdentity.from_dict(values["identity"], f"{where} identity")
+        return cls(**values)
+
+
+_STAGE_KEYS_V1 = (
+    "name",
+    "boundary_bytes",
+    "output_bytes",
+    "saved_bytes",
+    "fwd_s",
+    "bwd_s",
+    "rebuild_s",
+    "fwd_transient_bytes",
+    "bwd_transient_bytes",
+    "nosave_transient_bytes",
+    "grad_bytes",
+    "output_kept_outside",
+    "saves_input",
+    "saves_output",
+)
+_STAGE_KEYS = (*_STAGE_KEYS_V1, "extra_bwd_s")
+# written only when set
+_OPTIONAL_STAGE_KEYS = (
+    "break_before",
+    "link_saved_bytes",
+    "input_held_through",
+    "output_held_through",
+    "gets_previous_output",
+    "selective_bwd_transient_bytes",
+    "reads",
+    "pending_grad_bytes",
+    "identity",
+    "same_as",
+    "time_spread",
+)
+
+
+@dataclass(frozen=True)
+class FixedBytes:
+    """Bytes outside the chain, measured by the tracker.
+
+    ``pre_chain_bytes``: what the part before the first stage (embeddings) keeps for
+    backward, beyond the first stage's input. ``post_chain_bytes``: the larger extra peak
+    of the part after the last stage (head, logits, loss) in forward and in backward,
+    beyond what is live when it starts (the parameter gradients its backward has created
+    by its peak included; the simulator adds all of them after it). ``*_grads_bytes``:
+    parameter gradients created by the pre- and post-chain backward. ``optimizer_step_bytes``:
+    the optimizer step's own temporaries above parameters, gradients and state.
+    """
+
+    params_bytes: int
+    buffers_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    inputs_bytes: int
+    pre_chain_bytes: int
+    post_chain_bytes: int
+    pre_chain_grads_bytes: int = 0
+    post_chain_grads_bytes: int = 0
+    optimizer_step_bytes: int = 0
+    # What the step still holds outside the chain through the chain's backward (the loss,
+    # which the caller holds, and what autograd keeps with it: 8 bytes for a float32
+    # cross entropy).
+    # Written only when set.
+    backward_residue_bytes: int = 0
+    # The post-chain's forward and backward peaks apart, beyond the chain's end
+    # (``post_chain_bytes`` is the larger); None in profiles from before they were kept.
+    post_chain_forward_bytes: int | None = None
+    post_chain_backward_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
+            value = getattr(self, name)
+            if value is not None or name not in _NULLABLE_FIXED_FIELDS:
+                object.__setattr__(self, name, _int(value, f"fixed_bytes {name}"))
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            **{key: getattr(self, name) for name, key in _FIXED_FIELDS},
+            **{key: getattr(self, name) for name, key in _OPTIONAL_FIXED_FIELDS
+               if getattr(self, name) or (name in _NULLABLE_FIXED_FIELDS
+                                          and getattr(self, name) is not None)},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FixedBytes:
+        if not isinstance(data, Mapping):
+            raise UsageError(
+                f"profile fixed_bytes must be a JSON object, got {type(data).__name__}"
+            )
+        fields = (*_FIXED_FIELDS, *((n, k) for n, k in _OPTIONAL_FIXED_FIELDS if k in data))
+        _check_keys(data, tuple(key for _, key in fields), "profile fixed_bytes")
+        return cls(**{name: data[key] for name, key in fields})
+
+
+# field name -> JSON key inside "fixed_bytes" (the object's name carries the unit)
+_FIXED_FIELDS = (
+    ("params_bytes", "params"),
+    ("buffers_bytes", "buffers"),
+    ("grads_bytes", "grads"),
+    ("optimizer_state_bytes", "optimizer_state"),
+    ("inputs_bytes", "inputs"),
+    ("pre_chain_bytes", "pre_chain"),
+    ("post_chain_bytes", "post_chain"),
+    ("pre_chain_grads_bytes", "pre_chain_grads"),
+    ("post_chain_grads_bytes", "post_chain_grads"),
+    ("optimizer_step_bytes", "optimizer_step"),
+)
+_OPTIONAL_FIXED_FIELDS = (
+    ("backward_residue_bytes", "backward_residue"),
+    ("post_chain_forward_bytes", "post_chain_forward"),
+    ("post_chain_backward_bytes", "post_chain_backward"),
+)
+_NULLABLE_FIXED_FIELDS = frozenset({"post_chain_forward_bytes", "post_chain_backward_bytes"})
+
+
+@dataclass(frozen=True)
+class TimingNoise:
+    """How much the profile's timed rounds disagreed (remat.profiling.pooling).
+
+    ``rounds``: timed rounds of steps (warm-up excluded), ``extra_rounds`` of them added
+    because the first ones were noisy. ``step_spread``: the plain step's relative spread
+    over rounds (interquartile range over median; max - min below four rounds).
+    ``stage_spread``: the median over stages of the largest relative spread of their
+    pooled forward, backward and rebuild samples. ``identical_spread``: how differently
+    identical stages measured before pooling (the largest ``max / min - 1`` of their own
+    medians; 0 with no identical stages). ``region_overhead_range_s``: the range of the
+    per-round figures ``region_overhead_s`` is the median of.
+    """
+
+    rounds: int
+    extra_rounds: int = 0
+    step_spread: float = 0.0
+    stage_spread: float = 0.0
+    identical_spread: float = 0.0
+    region_overhead_range_s: tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "extra_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"profile timing_noise {name}={value!r} is not a count of "
+                                 "rounds; give an int >= 0")
+        for name in ("step_spread", "stage_spread", "identical_spread"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value >= 0
+            ):
+                raise UsageError(f"profile timing_noise {name}={value!r} is not a ratio >= 0")
+            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "region_overhead_range_s", _range(
+            self.region_overhead_range_s, "timing_noise region_overhead_range_s"))
+
+    @property
+    def largest(self) -> float:
+        """The larger of the step's and the stages' spreads (the stages' after pooling:
+        ``identical_spread`` says how noisy the machine was, not the pooled medians)."""
+        return max(self.step_spread, self.stage_spread)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "extra_rounds": self.extra_rounds,
+            "step_spread": self.step_spread,
+            "stage_spread": self.stage_spread,
+            "identical_spread": self.identical_spread,
+            "region_overhead_range_s": list(self.region_overhead_range_s),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TimingNoise:
+        keys = ("rounds", "extra_rounds", "step_spread", "stage_spread", "identical_spread",
+                "region_overhead_range_s")
+        _check_keys(data, keys, "profile timing_noise")
+        return cls(**{k: data[k] for k in keys})
+
+
+@dataclass(frozen=True)
+class TimedRound:
+    """One timed profiling round's figures, in the profile's terms (Note [Paired
+    overhead] in ``remat/solve/paired.py``): each stage's forward and backward (the plain
+    step), its rebuild (the step with one region per stage) and each selective option's
+    extra (its step), each the median of the stage and the stages identical to it within
+    the round; one region's cost and a link's (``None``: not measured) as that round showed
+    them; the time outside the chain; the plain step."""
+
+    step_s: float
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    rebuild_s: tuple[float, ...]
+    extra_bwd_s: Mapping[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
+    region_overhead_s: float = 0.0
+    region_link_s: float | None = None
+    outside_chain_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "region_overhead_s", "outside_chain_s"):
+            object.__setattr__(self, name, _float(getattr(self, name), f"timed round {name}"))
+        if self.region_link_s is not None:
+            object.__setattr__(self, "region_link_s",
+                               _float(self.region_link_s, "timed round region_link_s"))
+        n = None
+        for name in ("fwd_s", "bwd_s", "rebuild_s"):
+            values = _seconds_list(getattr(self, name), f"timed round {name}")
+            if n is not None and len(values) != n:
+                raise UsageError(f"timed round {name} has {len(values)} stages, not {n}; "
+                                 "profile the model again")
+            n = len(values)
+            object.__setattr__(self, name, values)
+        if not isinstance(self.extra_bwd_s, Mapping):
+            raise UsageError("timed round extra_bwd_s must map options to per-stage seconds")
+        extras = {}
+        for option, values in self.extra_bwd_s.items():
+            extras[str(option)] = _seconds_list(values, f"timed round extra_bwd_s[{option!r}]")
+            if len(extras[str(option)]) != n:
+                raise UsageError(f"timed round extra_bwd_s[{option!r}] has "
+                                 f"{len(extras[str(option)])} stages, not {n}")
+        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extras))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s,
+            "fwd_s": list(self.fwd_s),
+            "bwd_s": list(self.bwd_s),
+            "rebuild_s": list(self.rebuild_s),
+            "extra_bwd_s": {o: list(v) for o, v in self.extra_bwd_s.items()},
+            "region_overhead_s": self.region_overhead_s,
+            "region_link_s": self.region_link_s,
+            "outside_chain_s": self.outside_chain_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TimedRound:
+        keys = ("step_s", "fwd_s", "bwd_s", "rebuild_s", "extra_bwd_s", "region_overhead_s",
+                "region_link_s", "outside_chain_s")
+        _check_keys(data, keys, "a profile's timed round")
+        return cls(**{k: data[k] for k in keys})
+
+
+def _seconds_list(values: object, what: str) -> tuple[float, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise UsageError(f"{what} must be a list of seconds, one per stage")
+    return tuple(_float(v, what) for v in values)
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``a + b * batch_size``: ``a`` what does not grow with the batch, ``b`` per sample."""
+
+    a: float
+    b: float
+
+    def __call__(self, batch_size: int) -> float:
+        return self.a + self.b * batch_size
+
+    @classmethod
+    def through(cls, n1: int, y1: float, n2: int, y2: float) -> LinearFit:
+        """The line through ``(n1, y1)`` and ``(n2, y2)``."""
+        b = (y2 - y1) / (n2 - n1)
+        return cls(y1 - b * n1, b)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Per-quantity linear fits in the batch size, from profiles at ``batch_sizes``.
+
+    ``fits`` maps a quantity's path in :meth:`Profile.to_dict` (``"measured_peak_bytes"``,
+    ``"fixed_bytes.inputs"``, ``"stages.3.saved_bytes.keep"``, ``"stages.0.fwd_s"``) to
+    its fit; quantities not listed do not depend on the batch size.
+    """
+
+    batch_sizes: tuple[int, int]
+    fits: Mapping[str, LinearFit] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.batch_sizes)
+        if (
+            len(sizes) != 2
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+            or sizes[0] == sizes[1]
+        ):
+            raise UsageError(
+                f"scaling batch_sizes={self.batch_sizes!r} must be two different whole numbers >= 1"
+            )
+        object.__setattr__(self, "batch_sizes", sizes)
+        object.__setattr__(self, "fits", MappingProxyType(dict(self.fits)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "fits": {path: {"a": f.a, "b": f.b} for path, f in self.fits.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Scaling:
+        _check_keys(data, ("batch_sizes", "fits"), "profile scaling")
+        if not isinstance(data["fits"], Mapping):
+            raise UsageError("profile scaling fits must be a JSON object of {'a', 'b'} fits")
+        fits = {}
+        for path, fit in data["fits"].items():
+            _check_keys(fit, ("a", "b"), f"profile scaling fit {path!r}")
+            fits[path] = LinearFit(*(_finite(fit[k], f"scaling fit {path!r} {k}") for k in "ab"))
+        sizes = data["batch_sizes"]
+        if not isinstance(sizes, list) or len(sizes) != 2:
+            raise UsageError(f"profile scaling batch_sizes={sizes!r} must be a pair of sizes")
+        return cls((sizes[0], sizes[1]), fits)
+
+
+@dataclass(frozen=True)
+class Profile(JsonArtifact):
+    """One model's chain profiled at one batch size (module docstring: conventions)."""
+
+    artifact: ClassVar[str] = "profile"
+    written_by: ClassVar[str] = "remat profile --json"
+
+    model: str
+    batch_size: int | None
+    stages: tuple[StageProfile, ...]
+    fixed: FixedBytes
+    region_overhead_s: float = 0.0
+    region_overhead_bytes: int = 0
+    outside_chain_s: float = 0.0  # pre-chain, post-chain and optimizer step
+    step_s: float = 0.0  # one training step without checkpointing (median)
+    measured_peak_bytes: int | None = None  # one step without checkpointing, by the tracker
+    predicted_peak_bytes: int | None = None  # the simulator's figure for that step
+    optimizer: str = "adamw"
+    device: str = "cpu"
+    torch_version: str = ""
+    dtype: str = "float32"
+    profile_s: float = 0.0  # wall time the profiling took
+    scaling: Scaling | None = None
+    # What plans made from the profile record about the model (remat.core.model_identity): how
+    # many stages it had (the profiled ones and the unnamed blocks beside them) and the
+    # shapes of the batch's tensors. Written only when set.
+    model_stages: int | None = None
+    batch_shapes: tuple[tuple[int, ...], ...] | None = None
+    timing_noise: TimingNoise | None = None  # written only when set
+    # what each link inside a region costs beyond its stages' single-stage figures (Note
+    # [Links inside a region] in remat/profiling/optimes.py); None where no region can
+    # span two stages, or from a remat before it. Written only when set.
+    region_link_s: float | None = None
+    # each timed round's figures, for the paired overhead (remat/solve/paired.py); written
+    # only when set, dropped by transforms.at_batch_size at another batch size
+    timed_rounds: tuple[TimedRound, ...] | None = None
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        if not stages or not all(isinstance(s, StageProfile) for s in stages):
+            raise UsageError("a profile needs at least one stage, each a StageProfile")
+        object.__setattr__(self, "stages", stages)
+        if self.batch_size is not None:
+            _int(self.batch_size, "batch_size")
+        for name in ("region_overhead_s", "outside_chain_s", "step_s", "profile_s"):
+            object.__setattr__(self, name, _float(getattr(self, name), name))
+        object.__setattr__(
+            self, "region_overhead_bytes", _int(self.region_overhead_bytes, "region_overhead_bytes")
+        )
+        for name in ("measured_peak_bytes", "predicted_peak_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _int(value, name))
+        if self.region_link_s is not None:
+            object.__setattr__(self, "region_link_s", _float(self.region_link_s, "region_link_s"))
+        if self.timed_rounds is not None:
+            rounds = tuple(self.timed_rounds)
+            if not all(isinstance(r, TimedRound) and len(r.fwd_s) == len(stages)
+                       for r in rounds):
+                raise UsageError(f"profile timed_rounds must give each of the {len(stages)} "
+                                 "stages its times; profile the model again")
+            object.__setattr__(self, "timed_rounds", rounds)
+        if self.model_stages is not None:
+            object.__setattr__(self, "model_stages", _int(self.model_stages, "model_stages"))
+        if self.model_stages is not None and self.model_stages < len(stages):
+            raise UsageError(
+                f"profile model_stages={self.model_stages} is below its {len(stages)} stages; "
+                "regenerate it with remat profile"
+            )
+        if self.batch_shapes is not None:
+            shapes = self.batch_shapes
+            if not isinstance(shapes, (list, tuple)) or not all(
+                isinstance(shape, (list, tuple)) for shape in shapes
+            ):
+                raise UsageError(f"profile batch_shapes={shapes!r} is not a list of shapes")
+            object.__setattr__(self, "batch_shapes", tuple(
+                tuple(_int(n, "batch_shapes size") for n in shape) for shape in shapes
+            ))
+
+    def digest(self) -> str:
+        """16 hex digits of the SHA-256 of the profile's canonical JSON (plans record it)."""
+        return digest(self.to_dict())
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """``predicted / measured - 1`` for the step without checkpointing, if both exist."""
+        if not self.measured_peak_bytes or self.predicted_peak_bytes is None:
+            return None
+        return self.predicted_peak_bytes / self.measured_peak_bytes - 1
+
+    # -- serialization ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "device": self.device,
+            "torch_version": self.torch_version,
+            "dtype": self.dtype,
+            "stages": [s.to_dict() for s in self.stages],
+            "fixed_bytes": self.fixed.to_dict(),
+            "region_overhead_s": self.region_overhead_s,
+            "region_overhead_bytes": self.region_overhead_bytes,
+            "outside_chain_s": self.outside_chain_s,
+            "step_s": self.step_s,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "profile_s": self.profile_s,
+            "scaling": None if self.scaling is None else self.scaling.to_dict(),
+            **({"region_link_s": self.region_link_s} if self.region_link_s is not None else {}),
+            **({"timed_rounds": [r.to_dict() for r in self.timed_rounds]}
+               if self.timed_rounds is not None else {}),
+            **({"model_stages": self.model_stages} if self.model_stages is not None else {}),
+            **(
+                {"batch_shapes": [list(shape) for shape in self.batch_shapes]}
+                if self.batch_shapes is not None
+                else {}
+            ),
+            **(
+                {"timing_noise": self.timing_noise.to_dict()}
+                if self.timing_noise is not None
+                else {}
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        """Build a profile from ``to_dict()`` output; UsageError on a schema or key problem."""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a profile must be a JSON object, got {type(data).__name__}")
+        version = fields.schema_version(data, READABLE_VERSIONS, "profile",
+                                        "profile the model again with this remat")
+        _check_keys(
+            data, (*_PROFILE_KEYS, *(k for k in _OPTIONAL_PROFILE_KEYS if k in data)),
+            "the profile",
+        )
+        if not isinstance(data["stages"], list):
+            raise UsageError("profile key 'stages' must be a list of stage objects")
+        if version == 1:
+            data = _from_version_1(data)
+        scaling = data["scaling"]
+        return cls(
+            model=data["model"],
+            batch_size=data["batch_size"],
+            stages=tuple(StageProfile.from_dict(s) for s in data["stages"]),
+            fixed=FixedBytes.from_dict(data["fixed_bytes"]),
+            scaling=None if scaling is None else Scaling.from_dict(scaling),
+            timing_noise=(TimingNoise.from_dict(data["timing_noise"])
+                          if "timing_noise" in data else None),
+            timed_rounds=_timed_rounds(data.get("timed_rounds")),
+            **{k: data[k] for k in _PROFILE_SCALARS},
+            **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS
+               if k in data and k not in ("timing_noise", "timed_rounds")},
+        )
+
+
+_PROFILE_SCALARS = (
+    "optimizer",
+    "device",
+    "torch_version",
+    "dtype",
+    "region_overhead_s",
+    "region_overhead_bytes",
+    "outside_chain_s",
+    "step_s",
+    "measured_peak_bytes",
+    "predicted_peak_bytes",
+    "profile_s",
+)
+_PROFILE_KEYS = (
+    "schema_version",
+    "model",
+    "batch_size",
+    "stages",
+    "fixed_bytes",
+    "scaling",
+    *_PROFILE_SCALARS,
+)
+# written only when set
+_OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
+                          "timed_rounds")
+
+
+def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list) or not all(isinstance(r, Mapping) for r in data):
+        raise UsageError("profile timed_rounds must be a list of round objects")
+    return tuple(TimedRound.from_dict(r) for r in data)
+
+
+def _from_version_1(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 profile in version 2's terms (module docstring): no ``extra_bwd_s``,
+    and each part's gradients inside its backward figure, fits shifted to match."""
+    new = json.loads(json.dumps(data))
+    shifts: dict[str, int] = {}
+    for i, stage in enumerate(new["stages"]):
+        where = f"profile stage {stage.get('name', i)!r}" if isinstance(stage, dict) else ""
+        optional = (k for k in _OPTIONAL_STAGE_KEYS if isinstance(stage, dict) and k in stage)
+        _check_keys(stage, (*_STAGE_KEYS_V1, *optional), where or "a profile stage")
+        stage["extra_bwd_s"] = {}
+        shifts[f"stages.{i}.bwd_transient_bytes"] = _int(stage["grad_bytes"], f"{where} grad_bytes")
+    fixed = new["fixed_bytes"]
+    if isinstance(fixed, dict) and "post_chain" in fixed:
+        shifts["fixed_bytes.post_chain"] = _int(
+            fixed.get("post_chain_grads", 0), "fixed_bytes post_chain_grads"
+        )
+    for path, nbytes in shifts.items():
+        set_path(new, path, _number_at(new, path) + nbytes)
+    fits = (new.get("scaling") or {}).get("fits")
+    if isinstance(fits, dict):
+        for path, nbytes in shifts.items():
+            if isinstance(fits.get(path), dict) and "a" in fits[path]:
+                fits[path]["a"] = float(fits[path]["a"]) + nbytes
+    return new
+
+
+def _number_at(data: Mapping[str, Any], path: str) -> float:
+    node: Any = data
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, bool) or not isinstance(node, (int, float)):
+        raise UsageError(f"profile {path}={node!r} is not a number")
+    return float(node)
+
+
+def set_path(data: dict[str, Any], path: str, value: float) -> None:
+    """Set the number at dotted ``path`` (list indices as numbers), keeping its type."""
+    *parents, last = path.split(".")
+    node: Any = data
+    try:
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key: Any = int(last) if isinstance(node, list) else last  # batch_shapes.0.0
+        old = node[key]
+    except (KeyError, IndexError, ValueError, TypeError):
+        raise UsageError(
+            f"profile scaling names {path!r}, which the profile does not have; "
+            "regenerate the profile"
+        ) from None
+    if isinstance(old, bool) or not isinstance(old, (int, float)):
+        raise UsageError(f"profile scaling names {path!r}, which is not a number")
+    value = max(0.0, value)
+    node[key] = round(value) if isinstance(old, int) else value
+
+
+def numeric_paths(data: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every number in a ``to_dict()`` tree by dotted path (bools and the schema excluded)."""
+    found: dict[str, float] = {}
+    items = enumerate(data) if isinstance(data, list) else data.items()
+    for key, value in items:
+        path = f"{prefix}{key}"
+        if isinstance(value, (dict, list)):
+            found.update(numeric_paths(value, path + "."))  # type: ignore[arg-type]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[path] = value
+    return found

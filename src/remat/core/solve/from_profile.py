@@ -1,0 +1,179 @@
+"""From a measured :class:`~remat.core.profile_format.Profile` to the solver's :class:`Problem`.
+
+Torch-free: it reads the profile's plain fields. The profile already measures in the
+simulator's conventions (``docs/cost-model.md``: saved bytes exclude a stage's input and
+output, transients are beyond what the simulator counts at that event), so most fields
+map one to one. The rest:
+
+* ``params_bytes`` holds parameters and buffers: both stay on the device all step.
+* where code between two stages changes the hidden state's size, the simulator still
+  tracks one tensor between them; it gets the larger of the two sizes.
+* a selective option's measured backward (its replay included,
+  ``selective_bwd_transient_bytes``) becomes the option's own backward transient
+  (``bwd_transient_by_option``) where it differs from keep's: a block ending in a ReLU
+  makes its output again in the replay, which keep's backward never holds
+  (docs/cost-model.md, assumption 7).
+* ``backward_residue_bytes`` (the loss the caller holds through backward) is charged with
+  ``pre_chain_bytes``: alive to the pre-chain's backward, as it is (a few bytes over in
+  forward, where it does not exist yet).
+* ``extra_bwd_s``: a selective option's measured cost (its unsaved ops rebuilt and its
+  checkpoint frame); a profile of schema version 1 has none, and its options cost no time.
+* parameter gradients: the profile says which part creates each (stages' ``grad_bytes``,
+  ``pre_chain_grads``, ``post_chain_grads``) and the tracker counts their total. The
+  parts count every parameter that requires grad; one that gets no gradient (unused in
+  the step) makes them exceed the total, which then becomes their sum (an upper bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from remat.core.plan_format import Plan
+from remat.core.profile_format import Profile
+from remat.core.solve.problem import Problem, StageCost
+from remat.core.solve.simulator import simulate
+
+__all__ = ["no_checkpoint_plan", "predict_no_checkpoint_peak", "problem_from_profile"]
+
+
+def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
+    """The chain problem a profile describes (one StageCost per profiled stage)."""
+    stages = profile.stages
+    links = _links(profile)
+    held_through, output_held = held_outside(profile)
+    # Note [Links inside a region] (remat/profiling/optimes.py): a region that rebuilds t
+    # stages costs region_overhead_s + (t - 1) * link, charged as link per stage rebuilt and
+    # region_overhead_s - link per region, so that a single-stage region costs what it
+    # was measured at and no solver needs a term of its own.
+    link = min(profile.region_link_s or 0.0, profile.region_overhead_s)
+    costs = []
+    for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
+        by_option = {
+            o: b
+            for o, b in s.selective_bwd_transient_bytes.items()
+            if o in s.saved_bytes and b != s.bwd_transient_bytes
+        }
+        costs.append(
+            StageCost(
+                name=s.name,
+                boundary_bytes=links[i - 1] if i > 0 else s.boundary_bytes,
+                output_bytes=links[i] if i < len(links) else s.output_bytes,
+                # What the code before the stage keeps goes where the stage's does: held
+                # at the top level, dropped inside a region (not at a region's first stage,
+                # where it stays outside the region: docs/cost-model.md).
+                saved_bytes={o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
+                fwd_s=s.fwd_s,
+                bwd_s=s.bwd_s,
+                rebuild_s=s.rebuild_s + link,
+                extra_bwd_s={o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
+                fwd_transient_bytes=s.fwd_transient_bytes,
+                bwd_transient_bytes=s.bwd_transient_bytes,
+                bwd_transient_by_option=by_option,
+                nosave_transient_bytes=s.nosave_transient_bytes,
+                grad_bytes=s.grad_bytes,
+                saves_input=s.saves_input,
+                break_before=s.break_before,
+                reads=s.reads,
+                pending_grad_bytes=s.pending_grad_bytes,
+                held_through=held_through[i],
+                output_held_through=out_held[0] if out_held else None,
+                output_held_bytes=out_held[1] if out_held else 0,
+                link_saved_bytes=s.link_saved_bytes,
+            )
+        )
+    fixed = profile.fixed
+    backward = fixed.post_chain_backward_bytes
+    if backward is not None:
+        backward += let_go_at_return(profile, held_through, output_held)
+    parts = (
+        sum(s.grad_bytes for s in stages)
+        + fixed.pre_chain_grads_bytes
+        + fixed.post_chain_grads_bytes
+    )
+    return Problem(
+        stages=tuple(costs),
+        params_bytes=fixed.params_bytes + fixed.buffers_bytes,
+        grads_bytes=max(fixed.grads_bytes, parts),
+        pre_chain_grads_bytes=fixed.pre_chain_grads_bytes,
+        post_chain_grads_bytes=fixed.post_chain_grads_bytes,
+        optimizer_step_bytes=fixed.optimizer_step_bytes,
+        optimizer_bytes=fixed.optimizer_state_bytes,
+        # The loss (and what autograd keeps with it), alive through the chain's backward to the
+        # pre-chain's, ride with what the pre-chain keeps: a few bytes over in forward.
+        pre_chain_bytes=fixed.pre_chain_bytes + fixed.backward_residue_bytes,
+        post_chain_bytes=(fixed.post_chain_bytes if backward is None
+                          else fixed.post_chain_forward_bytes or 0),
+        post_chain_backward_bytes=backward,
+        input_bytes=fixed.inputs_bytes,
+        region_overhead_bytes=profile.region_overhead_bytes,
+        region_overhead_s=max(0.0, profile.region_overhead_s - link),  # rounding
+        outside_chain_s=profile.outside_chain_s,
+        measured_no_checkpoint_peak_bytes=profile.measured_peak_bytes,
+        slots=slots,
+        description=profile.model,
+    )
+
+
+def _links(profile: Profile) -> list[int]:
+    """x_{i+1}: what stage i returns and stage i+1 receives, one size for both."""
+    return [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(profile.stages)]
+
+
+def held_outside(
+    profile: Profile,
+) -> tuple[list[int | None], list[tuple[int, int] | None]]:
+    """What the model's own code holds outside the chain (docs/cost-model.md, "Held
+    outside the chain"): per stage, the last stage whose forward still finds its input
+    ``x_b`` referenced (None: not beyond the chain's own hold), and (through, bytes) for
+    its output where that is a tensor apart from the next stage's input.
+
+    Where the next stage's input is this stage's output itself, the two are one boundary,
+    ``x_{b + 1}``: the later of their two figures counts for it. The problem holds them in
+    the top-level forward (the simulator exactly, the DP as an upper bound,
+    ``Problem.held_in_forward``), through the post-chain's events when still held at the
+    chain's end.
+    """
+    stages = profile.stages
+    n = len(stages)
+    last: dict[int, int] = {}
+    output: list[tuple[int, int] | None] = [None] * n
+
+    def note(b: int, through: int | None) -> None:
+        if through is not None and through > b:
+            last[b] = max(last.get(b, through), through)
+
+    for i, s in enumerate(stages):
+        note(i, s.input_held_through)
+        if i + 1 >= n or s.output_held_through is None:
+            continue
+        if stages[i + 1].gets_previous_output:
+            note(i + 1, s.output_held_through)
+        elif s.output_held_through > i:
+            output[i] = (s.output_held_through, s.output_bytes)
+    return [last.get(i) for i in range(n)], output
+
+
+def let_go_at_return(profile: Profile, held_through: list[int | None],
+                     output_held: list[tuple[int, int] | None]) -> int:
+    """What the model's code still held at the chain's end and let go of by the post-chain's
+    backward, in the profiled step (no plan: a boundary whose stage saved it stayed): the
+    measured backward figure, taken from the chain's end, already has it gone."""
+    stages = profile.stages
+    last = len(stages) - 1
+    boundaries = sum(
+        stages[b].boundary_bytes
+        for b, through in enumerate(held_through[:last])
+        if through is not None and through >= last and not stages[b].saves_input
+    )
+    outputs = sum(held[1] for held in output_held[:last] if held and held[0] >= last)
+    return boundaries + outputs
+
+
+def no_checkpoint_plan(profile: Profile) -> Plan:
+    """The plan that checkpoints nothing: every stage keeps, no regions."""
+    return Plan(stages=profile.stage_names, solver="none")
+
+
+def predict_no_checkpoint_peak(profile: Profile) -> int:
+    """The simulator's peak for one training step of the profiled model without checkpointing."""
+    return simulate(no_checkpoint_plan(profile), problem_from_profile(profile)).peak_bytes

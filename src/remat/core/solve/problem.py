@@ -1,0 +1,547 @@
+"""The chain a solver works on: per-stage costs and the fixed bytes of one training step.
+
+Torch-free. A :class:`Problem` is what a profile measures (or what a fixture file says);
+the meaning of every field is fixed by the simulator (:mod:`remat.core.solve.simulator`) and
+written out in ``docs/cost-model.md``. In short, for stage ``i``:
+
+* ``boundary_bytes``: its input ``x_i``; the output of stage ``i`` is ``x_{i+1}``, so
+  ``output_bytes`` of every stage but the last must equal the next ``boundary_bytes``.
+* ``saved_bytes[option]``: what autograd keeps for the stage's backward when it runs
+  with grad under that option, *not counting its input and its output* (those are
+  boundaries, tracked once each by the simulator). ``keep`` is required; selective
+  options are optional; ``offload`` is the volume moved to the host and back (default:
+  the ``keep`` bytes plus the input).
+* transients: extra bytes alive at the peak of its forward (with saving, and without
+  saving) and of its backward, beyond input, output, saved bytes and gradients.
+* ``grad_bytes``: the parameter gradients its backward creates first; they join right
+  after its backward's peak (those created before the peak are part of its
+  ``bwd_transient_bytes``) and stay alive until the optimizer step. ``saves_input``:
+  whether it keeps its input under ``keep``.
+
+Outside the chain, ``grads_bytes`` is the total of all parameter gradients. The parts
+with a known creator (``grad_bytes`` of each stage, ``pre_chain_grads_bytes``,
+``post_chain_grads_bytes``) must add up to at most that total; the rest
+(:attr:`Problem.unattributed_grads_bytes`) is charged from the first backward event on,
+an upper bound. A problem file of schema version 1 has no such parts: all of its
+gradients are unattributed, which is exactly how version 1 counted them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from remat.core import fields
+from remat.core.artifact import JsonArtifact
+from remat.core.errors import UsageError
+from remat.core.plan_format import parse_option
+from remat.core.profile_format import HeldRead, reads_from
+
+__all__ = ["SCHEMA_VERSION", "Problem", "StageCost"]
+
+SCHEMA_VERSION = 2
+#: Versions this remat reads: 1 lacks the gradient parts, ``saves_input`` and the
+#: optimizer step's temporaries, whose defaults reproduce how version 1 counted.
+READABLE_VERSIONS = (1, 2)
+def _bytes(value: object, what: str) -> int:
+    return fields.byte_count(value, what, sizes=True)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs in memory and time (see the module docstring for meanings)."""
+
+    name: str
+    boundary_bytes: int
+    output_bytes: int
+    saved_bytes: Mapping[str, int] = field(hash=False)
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    rebuild_s: float = 0.0
+    extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    fwd_transient_bytes: int = 0
+    bwd_transient_bytes: int = 0
+    # Peak extra bytes of a forward that saves nothing (inside a region), beyond input and
+    # output; None: not measured, charge it like a keep forward (saved + fwd transient).
+    nosave_transient_bytes: int | None = None
+    # Parameter gradients this stage's backward creates first (alive until the optimizer).
+    grad_bytes: int = 0
+    # Whether autograd keeps the stage's input when it runs under keep (False: a stage
+    # whose first op saves only what it computes, so the input can go after its forward).
+    # Selective stages always keep it: torch's checkpoint frame holds the input.
+    saves_input: bool = True
+    # Why no region may span the link from the previous stage into this one (the model's
+    # code there cannot be replayed, Note [Glue between stages]); None: regions may.
+    break_before: str | None = None
+    # A selective option's backward transient where it differs from keep's
+    # (``bwd_transient_bytes``): its replay may make more than keep's backward holds (a
+    # block ending in a ReLU makes its output again). Same convention: beyond keep's saved
+    # bytes, which the backward of a selective stage holds too.
+    bwd_transient_by_option: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # Tensors made before this stage that its call or the code before it reads: a region
+    # containing the read but opening after the tensor was made holds it to its backward
+    # (remat.core.profile_format.HeldRead; the simulator counts it, the DP does not).
+    reads: tuple[HeldRead, ...] = field(default=(), hash=False)
+    # Gradients alive from this stage's backward (and the rebuilds just before it) beyond
+    # the chain's own: ones the model's code made for tensors passed on to later stages,
+    # waiting for backward to pass the stage that made them (plan-independent).
+    pending_grad_bytes: int = 0
+    # The last stage (by index) whose forward still finds this stage's input referenced by
+    # the model's own code beyond what the chain holds (a skip list, a caller's frame);
+    # n or more: through the chain's end. None: nothing. Only the top-level forward: the
+    # simulator holds the input there exactly, the DP charges it (Problem.held_in_forward).
+    held_through: int | None = None
+    # This stage's output where it is a tensor apart from the next stage's input (the
+    # model's code made that one from it: a concatenation, an upsampling) and the model's
+    # code still references it (a caller's frame): held from the next stage's top-level
+    # forward through this one's (n - 1 or more: through the chain's end), of these bytes.
+    output_held_through: int | None = None
+    output_held_bytes: int = 0
+    # Of saved_bytes (under every option), what the model's code between the previous
+    # stage and this one keeps for backward (a block the chain does not list: diffusers'
+    # mid-block attention). A region starting here does not drop it: that code runs
+    # before the region, so the region holds it from its forward to its backward.
+    link_saved_bytes: int = 0
+    # FSDP2 (a per-rank problem, remat.core.transforms): the bytes of this stage's unit when
+    # gathered (its unsharded parameters; the all-gather's flat output is as large), and
+    # of its gradients' reduce-scatter input; 0: the stage is not a unit of its own. The
+    # simulator keeps them as FSDP2 does (Note [FSDP2 units] in simulator.py).
+    unit_bytes: int = 0
+    reduce_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"stage name {self.name!r} is not a module path; give a string")
+        where = f"stage {self.name!r}"
+        for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
+                     "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes", "unit_bytes",
+                     "reduce_bytes"):
+            object.__setattr__(self, name, _bytes(getattr(self, name), f"{where} {name}"))
+        if self.nosave_transient_bytes is not None:
+            value = _bytes(self.nosave_transient_bytes, f"{where} nosave_transient_bytes")
+            object.__setattr__(self, "nosave_transient_bytes", value)
+        for name in ("fwd_s", "bwd_s", "rebuild_s"):
+            object.__setattr__(self, name, fields.seconds(getattr(self, name), f"{where} {name}"))
+        if not isinstance(self.saves_input, bool):
+            raise UsageError(f"{where} saves_input={self.saves_input!r} must be true or false")
+        if self.break_before is not None and not isinstance(self.break_before, str):
+            raise UsageError(f"{where} break_before={self.break_before!r} must be a reason or null")
+        if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
+            raise UsageError(
+                f"{where} saved_bytes={self.saved_bytes!r} has no 'keep' entry; give at least "
+                "{'keep': <bytes>}"
+            )
+        saved: dict[str, int] = {}
+        for option, nbytes in self.saved_bytes.items():
+            _check_option(option, where, "saved_bytes")
+            saved[option] = _bytes(nbytes, f"{where} saved_bytes[{option!r}]")
+        extra: dict[str, float] = {}
+        if not isinstance(self.extra_bwd_s, Mapping):
+            raise UsageError(f"{where} extra_bwd_s={self.extra_bwd_s!r} is not a mapping")
+        for option, seconds in self.extra_bwd_s.items():
+            _check_option(option, where, "extra_bwd_s")
+            if option != "offload" and option not in saved:
+                raise UsageError(
+                    f"{where} has extra_bwd_s for {option!r} but no saved_bytes for it; "
+                    "add saved_bytes for that option or drop the entry"
+                )
+            extra[option] = fields.seconds(seconds, f"{where} extra_bwd_s[{option!r}]")
+        if not isinstance(self.bwd_transient_by_option, Mapping):
+            raise UsageError(f"{where} bwd_transient_by_option must map options to bytes")
+        by_option: dict[str, int] = {}
+        for option, nbytes in self.bwd_transient_by_option.items():
+            if not (isinstance(option, str) and option.startswith("selective:")
+                    and option in saved):
+                raise UsageError(
+                    f"{where} has bwd_transient_by_option for {option!r}, which is not one of "
+                    "its measured selective options; drop the entry"
+                )
+            by_option[option] = _bytes(nbytes, f"{where} bwd_transient_by_option[{option!r}]")
+        object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
+        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
+        object.__setattr__(self, "bwd_transient_by_option", MappingProxyType(by_option))
+        object.__setattr__(self, "reads", reads_from(self.reads, where))
+        for name in ("held_through", "output_held_through"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise UsageError(f"{where} {name}={value!r} is not a stage index; "
+                                 "give an int >= 0 or null")
+        object.__setattr__(self, "output_held_bytes",
+                           _bytes(self.output_held_bytes, f"{where} output_held_bytes"))
+        link = _bytes(self.link_saved_bytes, f"{where} link_saved_bytes")
+        if any(link > nbytes for nbytes in self.saved_bytes.values()):
+            raise UsageError(f"{where} link_saved_bytes={link} is more than one of its "
+                             "saved_bytes, which include it; give at most the smallest")
+        object.__setattr__(self, "link_saved_bytes", link)
+
+    def bwd_transient(self, option: str) -> int:
+        """The backward transient under ``option`` (keep's unless measured apart)."""
+        return self.bwd_transient_by_option.get(option, self.bwd_transient_bytes)
+
+    @property
+    def selective_options(self) -> tuple[str, ...]:
+        """The selective options measured for this stage, in the order given."""
+        return tuple(o for o in self.saved_bytes if o.startswith("selective:"))
+
+    def keeps_input(self, option: str) -> bool:
+        """Whether the stage holds its input from its forward to its backward under ``option``."""
+        if option == "offload":
+            return False  # its saved tensors, input included, went to the host
+        return self.saves_input or option != "keep"
+
+    @property
+    def offload_bytes(self) -> int:
+        """Bytes moved to the host in forward and back in backward when offloaded."""
+        if "offload" in self.saved_bytes:
+            return self.saved_bytes["offload"]
+        return self.saved_bytes["keep"] + self.boundary_bytes
+
+    @property
+    def nosave_peak_extra_bytes(self) -> int:
+        """Extra bytes at the peak of a forward that saves nothing (beyond input, output)."""
+        if self.nosave_transient_bytes is not None:
+            return self.nosave_transient_bytes
+        return self.saved_bytes["keep"] + self.fwd_transient_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "boundary_bytes": self.boundary_bytes,
+            "output_bytes": self.output_bytes,
+            "saved_bytes": dict(self.saved_bytes),
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "rebuild_s": self.rebuild_s,
+            "extra_bwd_s": dict(self.extra_bwd_s),
+            "fwd_transient_bytes": self.fwd_transient_bytes,
+            "bwd_transient_bytes": self.bwd_transient_bytes,
+            "nosave_transient_bytes": self.nosave_transient_bytes,
+            "grad_bytes": self.grad_bytes,
+            "saves_input": self.saves_input,
+            **({"break_before": self.break_before} if self.break_before is not None else {}),
+            **({"bwd_transient_by_option": dict(self.bwd_transient_by_option)}
+               if self.bwd_transient_by_option else {}),
+            **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
+            **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
+               else {}),
+            **({"held_through": self.held_through} if self.held_through is not None else {}),
+            **({"output_held_through": self.output_held_through,
+                "output_held_bytes": self.output_held_bytes}
+               if self.output_held_through is not None else {}),
+            **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
+            **({"unit_bytes": self.unit_bytes} if self.unit_bytes else {}),
+            **({"reduce_bytes": self.reduce_bytes} if self.reduce_bytes else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], index: int = 0, version: int = SCHEMA_VERSION
+                  ) -> StageCost:
+        if not isinstance(data, Mapping):
+            raise UsageError(f"stage {index} must be a JSON object, got {type(data).__name__}")
+        where = f"stage {data.get('name', index)!r}"
+        known = _STAGE_KEYS if version >= 2 else _STAGE_KEYS_V1
+        fields.check_keys(data, _STAGE_REQUIRED, known, where)
+        return cls(**{key: data[key] for key in known if key in data})
+
+
+def _check_option(option: object, where: str, what: str) -> None:
+    try:
+        parse_option(option)
+    except UsageError as err:
+        raise UsageError(f"{where} {what}: {err}") from None
+
+
+_STAGE_REQUIRED = ("name", "boundary_bytes", "output_bytes", "saved_bytes")
+_STAGE_KEYS_V1 = (
+    *_STAGE_REQUIRED,
+    "fwd_s",
+    "bwd_s",
+    "rebuild_s",
+    "extra_bwd_s",
+    "fwd_transient_bytes",
+    "bwd_transient_bytes",
+    "nosave_transient_bytes",
+)
+_STAGE_KEYS = (
+    *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
+    "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
+    "link_saved_bytes", "unit_bytes", "reduce_bytes",
+)
+_FIXED_BYTES_V1 = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "pre_chain_bytes",
+    "post_chain_bytes",
+    "input_bytes",
+    "region_overhead_bytes",
+)
+_FIXED_BYTES = (
+    *_FIXED_BYTES_V1,
+    "pre_chain_grads_bytes",
+    "post_chain_grads_bytes",
+    "optimizer_step_bytes",
+)
+_PROBLEM_KEYS_V1 = (
+    "schema_version",
+    "description",
+    "stages",
+    *_FIXED_BYTES_V1,
+    "region_overhead_s",
+    "outside_chain_s",
+    "offload_bandwidth_bytes_per_s",
+    "measured_no_checkpoint_peak_bytes",
+    "early_stop",
+    "slots",
+)
+_PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
+                 "post_chain_backward_bytes", "root_unit_bytes", "collective_copies")
+
+
+@dataclass(frozen=True)
+class Problem(JsonArtifact):
+    """A chain of stages plus everything else one training step keeps on the device.
+
+    ``early_stop``: the runtime lets torch end a region's rebuild as soon as it has what
+    backward needs (torch's default). ``slots``: how finely the optimal solver divides the
+    memory left for the chain.
+    """
+
+    artifact: ClassVar[str] = "problem"
+
+    stages: tuple[StageCost, ...]
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    pre_chain_bytes: int = 0
+    post_chain_bytes: int = 0
+    input_bytes: int = 0
+    region_overhead_bytes: int = 0
+    region_overhead_s: float = 0.0
+    outside_chain_s: float = 0.0
+    offload_bandwidth_bytes_per_s: float | None = None
+    measured_no_checkpoint_peak_bytes: int | None = None
+    early_stop: bool = True
+    slots: int = 500
+    description: str = ""
+    # Parameter gradients the pre- and post-chain's backward create first (the stages'
+    # own are StageCost.grad_bytes), and the optimizer step's temporaries beyond
+    # parameters, gradients and optimizer state.
+    pre_chain_grads_bytes: int = 0
+    post_chain_grads_bytes: int = 0
+    optimizer_step_bytes: int = 0
+    # The post-chain's backward peak beyond the chain's end once the model's code has let
+    # go of what it held there (its forward has returned); post_chain_bytes is then the
+    # forward's alone. None: post_chain_bytes is both, with those holds alive.
+    post_chain_backward_bytes: int | None = None
+    # FSDP2: the root unit's gathered bytes (everything outside the stages' units), and
+    # whether the backend copies a collective's buffer (gloo: an all-gather's output, a
+    # reduce-scatter's input). Note [FSDP2 units] in simulator.py.
+    root_unit_bytes: int = 0
+    collective_copies: bool = False
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        if not stages:
+            raise UsageError("the problem has no stages; give at least one stage")
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, StageCost):
+                raise UsageError(f"stage {i} is {type(stage).__name__}, not a StageCost")
+        object.__setattr__(self, "stages", stages)
+        names = [s.name for s in stages]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise UsageError(f"stage {name!r} is listed twice; each stage must be distinct")
+        for a, b in itertools.pairwise(stages):
+            if a.output_bytes != b.boundary_bytes:
+                raise UsageError(
+                    f"stage {a.name!r} has output_bytes={a.output_bytes} but the next stage "
+                    f"{b.name!r} has boundary_bytes={b.boundary_bytes}; one stage's output is "
+                    "the next one's input, so give them the same size"
+                )
+        for name in _FIXED_BYTES:
+            object.__setattr__(self, name, _bytes(getattr(self, name), name))
+        if self.post_chain_backward_bytes is not None:
+            backward = _bytes(self.post_chain_backward_bytes, "post_chain_backward_bytes")
+            object.__setattr__(self, "post_chain_backward_bytes", backward)
+        parts = (sum(s.grad_bytes for s in stages) + self.pre_chain_grads_bytes
+                 + self.post_chain_grads_bytes)
+        if parts > self.grads_bytes:
+            raise UsageError(
+                f"the stages' grad_bytes plus pre_chain_grads_bytes and post_chain_grads_bytes "
+                f"add up to {parts} bytes, more than grads_bytes={self.grads_bytes}, the total "
+                "of all parameter gradients; give grads_bytes of at least their sum"
+            )
+        for name in ("region_overhead_s", "outside_chain_s"):
+            object.__setattr__(self, name, fields.seconds(getattr(self, name), name))
+        bandwidth = self.offload_bandwidth_bytes_per_s
+        if bandwidth is not None:
+            if fields.seconds(bandwidth, "offload_bandwidth_bytes_per_s") <= 0:
+                raise UsageError(
+                    "offload_bandwidth_bytes_per_s must be above zero, or null when the "
+                    "device has no host link"
+                )
+            object.__setattr__(self, "offload_bandwidth_bytes_per_s", float(bandwidth))
+        if self.measured_no_checkpoint_peak_bytes is not None:
+            value = _bytes(self.measured_no_checkpoint_peak_bytes,
+                           "measured_no_checkpoint_peak_bytes")
+            object.__setattr__(self, "measured_no_checkpoint_peak_bytes", value)
+        if not isinstance(self.early_stop, bool):
+            raise UsageError(f"early_stop={self.early_stop!r} must be true or false")
+        object.__setattr__(self, "root_unit_bytes", _bytes(self.root_unit_bytes,
+                                                           "root_unit_bytes"))
+        if not isinstance(self.collective_copies, bool):
+            raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise UsageError(f"slots={self.slots!r} must be a whole number of at least 1")
+        if not isinstance(self.description, str):
+            raise UsageError(f"description={self.description!r} must be a string")
+
+    # -- views ------------------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return len(self.stages)
+
+    @property
+    def post_chain_peak_bytes(self) -> int:
+        """The larger of the post-chain's two figures (an upper bound of both its events
+        for the solvers, which hold what the model's code held at the chain's end)."""
+        return max(self.post_chain_bytes, self.post_chain_backward_bytes or 0)
+
+    @property
+    def held_in_forward(self) -> tuple[int, ...]:
+        """Per stage, what the model's code holds during its top-level forward
+        (``held_through``, ``output_held_through``), summed: the DP's charge, an upper bound
+        of the simulator's exact holding (it also lands where the plan holds a boundary
+        already)."""
+        change = [0] * (self.n + 1)  # each hold's start and end, summed in one pass
+        for first, last, nbytes in self.model_holds():
+            change[first] += nbytes
+            change[last + 1] -= nbytes
+        return tuple(itertools.accumulate(change[:-1]))
+
+    @property
+    def held_at_chain_end(self) -> int:
+        """What the model's code still holds when the chain's forward ends, summed as in
+        ``held_in_forward``: the simulator keeps it through the post-chain's events, whose
+        figures are measured from the chain's end with it alive."""
+        return sum(nbytes for _, last, nbytes in self.model_holds() if last == self.n - 1)
+
+    def model_holds(self) -> list[tuple[int, int, int]]:
+        """(first, last, bytes): what the model's code holds beyond the chain from stage
+        ``first``'s top-level forward through stage ``last``'s (``last`` at most n - 1:
+        held at the chain's end). Boundary ``x_b`` from stage ``b + 1`` (skipped where every
+        plan holds it anyway: stage ``b`` keeps its input under every option and no region
+        can contain it without starting at it, ``b`` being 0 or a break); an output apart
+        from the next input from stage ``b + 1`` as well."""
+        n = self.n
+        out = []
+        for b, s in enumerate(self.stages[: n - 1]):
+            if s.held_through is not None and s.held_through > b:
+                always = all(s.keeps_input(o) for o in self.options(b)) and (
+                    b == 0 or s.break_before is not None)
+                if not always:
+                    out.append((b + 1, min(s.held_through, n - 1), s.boundary_bytes))
+            if s.output_held_through is not None and s.output_held_through > b:
+                out.append((b + 1, min(s.output_held_through, n - 1), s.output_held_bytes))
+        return out
+
+    @property
+    def breaks(self) -> tuple[int, ...]:
+        """The stages no region may enter from the previous one (``break_before`` set)."""
+        return tuple(i for i, s in enumerate(self.stages) if s.break_before is not None)
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    @property
+    def output_bytes(self) -> int:
+        """The chain's output ``x_n`` (what the post-chain receives)."""
+        return self.stages[-1].output_bytes
+
+    @property
+    def forward_base_bytes(self) -> int:
+        """Bytes alive through the whole forward whatever the plan (no gradients yet)."""
+        return self.params_bytes + self.optimizer_bytes + self.input_bytes + self.pre_chain_bytes
+
+    @property
+    def unattributed_grads_bytes(self) -> int:
+        """Parameter gradients no stage, pre- or post-chain claims: charged from the first
+        backward event on (an upper bound; all of them in a version-1 problem)."""
+        return (self.grads_bytes - sum(s.grad_bytes for s in self.stages)
+                - self.pre_chain_grads_bytes - self.post_chain_grads_bytes)
+
+    @property
+    def backward_base_bytes(self) -> int:
+        """Bytes alive from the first backward event to the optimizer step whatever the plan.
+
+        The forward's base plus the unattributed gradients; the post-chain's, the stages'
+        and the pre-chain's gradients come later (Note [Gradients by position] in
+        :mod:`remat.core.solve.dp`).
+        """
+        return self.forward_base_bytes + self.unattributed_grads_bytes
+
+    def options(self, i: int) -> tuple[str, ...]:
+        """The options stage ``i`` may take: keep, its measured selective ones, offload."""
+        stage = self.stages[i]
+        found = ("keep", *stage.selective_options)
+        return (*found, "offload") if self.offload_bandwidth_bytes_per_s is not None else found
+
+    def check_option(self, i: int, option: str) -> None:
+        """Raise UsageError if stage ``i`` cannot take ``option`` in this problem."""
+        if option == "keep":  # every stage can keep; the common case, on long chains too
+            return
+        stage = self.stages[i]
+        if option in self.options(i):
+            return
+        if option == "offload":
+            raise UsageError(
+                f"stage {stage.name!r} is set to offload but the problem has no host link "
+                "(offload_bandwidth_bytes_per_s is null); use keep or a selective option"
+            )
+        raise UsageError(
+            f"stage {stage.name!r} has no measured saved bytes for option {option!r}; "
+            f"profile it with that option or use one of {', '.join(self.options(i))}"
+        )
+
+    # -- building and serializing -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        if self.description:
+            data["description"] = self.description
+        data["stages"] = [s.to_dict() for s in self.stages]
+        for name in (*_FIXED_BYTES_V1, "region_overhead_s", "outside_chain_s",
+                     "offload_bandwidth_bytes_per_s", "measured_no_checkpoint_peak_bytes",
+                     "early_stop", "slots", *_FIXED_BYTES[len(_FIXED_BYTES_V1):]):
+            data[name] = getattr(self, name)
+        if self.post_chain_backward_bytes is not None:
+            data["post_chain_backward_bytes"] = self.post_chain_backward_bytes
+        if self.root_unit_bytes:
+            data["root_unit_bytes"] = self.root_unit_bytes
+        if self.collective_copies:
+            data["collective_copies"] = True
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Problem:
+        """Build from ``to_dict()`` output; byte fields also accept sizes such as ``"32MiB"``."""
+        if not isinstance(data, Mapping):
+            raise UsageError(f"a problem must be a JSON object, got {type(data).__name__}")
+        version = fields.schema_version(data, READABLE_VERSIONS, "problem",
+                                        "regenerate the problem with this version of remat",
+                                        default=SCHEMA_VERSION)
+        known = _PROBLEM_KEYS if version >= 2 else _PROBLEM_KEYS_V1
+        fields.check_keys(data, ("stages",), known, f"the problem (schema version {version})")
+        if not isinstance(data["stages"], list):
+            raise UsageError(f"problem key 'stages' must be a list, got {data['stages']!r}")
+        stages = tuple(StageCost.from_dict(s, i, version) for i, s in enumerate(data["stages"]))
+        rest = {k: v for k, v in data.items() if k not in ("schema_version", "stages")}
+        return cls(stages=stages, **rest)

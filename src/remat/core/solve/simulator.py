@@ -1,0 +1,754 @@
+"""The cost model: one training step of a plan, event by event (torch-free).
+
+This is the one place where memory and time are added up. Solvers, reports and
+benchmarks ask :func:`simulate`; the optimal solver's dynamic program
+(:mod:`remat.core.solve.dp`) restates the same arithmetic as a recursion, and the tests prove
+the two agree on every plan of small chains. ``docs/cost-model.md`` explains each choice.
+
+What is alive (``a_i`` = ``boundary_bytes`` of stage i, ``a_n`` the chain's output):
+
+* always: parameters, optimizer state, the input batch, the pre-chain's saved bytes
+  (until its backward).
+* parameter gradients, as backward creates them, until the optimizer step: the
+  unattributed ones from the post-chain's backward on (an upper bound); the post-chain's
+  and each stage's ``grad_bytes`` right after that part's backward event (the gradients
+  it creates before its peak are in its measured transient); the pre-chain's at its
+  backward.
+* boundaries ``x_i``, each counted once however many things hold it: the current
+  activation; a region whose input it is; a stage that ran with grad under ``keep`` (if
+  it ``saves_input``) or ``selective`` (it keeps its input). Offloaded stages keep
+  nothing on the device.
+* each stage that ran with grad: its ``saved_bytes[option]`` until its backward.
+* during backward: the incoming gradient of ``x_{i+1}`` and the outgoing one of ``x_i``
+  (gradients have the size of what they differentiate).
+* per event, the transient peak of that step of work (see
+  :class:`~remat.core.solve.problem.StageCost`); the optimizer step's temporaries at its event.
+
+Note [Nested non-reentrant regions]
+-----------------------------------
+Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
+
+* forward: outside regions a stage runs with grad under its option. A top-level region
+  keeps only its input; everything inside it (child regions too) runs without saving.
+* backward walks the top level last to first. A bare stage's backward frees what it
+  saved. A region R is rebuilt from its input when backward reaches it: R's own items
+  run again with grad, bare stages saving under their option, child regions keeping
+  only their inputs and running their insides without saving; then backward recurses
+  into R's items last to first, rebuilding each child the same way.
+* early stop (torch's default): a rebuild ends as soon as R holds everything its
+  backward will ask it for. Stages that keep (keep, selective) and child regions hand R
+  something (a selective stage and a child region hand over their input when they open,
+  before running); offloaded stages hand R nothing. So R's rebuild runs its items up to
+  the last one that hands it something; that item runs only if it is a keep stage; a
+  selective stage that did not run is rebuilt in full at its backward instead.
+* what the model's code between stages keeps for backward (``StageCost.link_saved_bytes``,
+  inside the next stage's saved bytes) is dropped inside a region, except before a
+  region's first stage: that code runs before the region, so the region holds it from
+  its forward to its backward (once however many regions start there).
+* a tensor a top-level region's stages made that stages after the region read (a
+  position bias passed on) outlives the region's forward: held from there to the
+  backward of its first reader (``StageCost.reads`` of the readers).
+* a region's fixed cost: ``region_overhead_s`` once per step, and
+  ``region_overhead_bytes`` from its rebuild to the end of its backward.
+* gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
+  model's code made for tensors it passed on, waiting for backward to reach their
+  maker), from the rebuilds before a stage's backward through that backward.
+* boundaries the model's own code holds in the forward (``StageCost.held_through``: a
+  skip list, a caller's frame), during the top-level forward only (those still held at
+  the chain's end through the post-chain's events, whose figures are measured from the
+  chain's end with them alive), counted once with their other holders; and likewise a
+  stage's output the model's code still references where it is a tensor apart from the
+  next stage's input (``StageCost.output_held_through``: the caller's ``h`` while the
+  block it called concatenates or upsamples it).
+* tensors a region reads from before it (``StageCost.reads``: a skip connection the code
+  between its stages concatenates, a position bias a stage is passed) are held by the
+  region from its forward (or its opening in the parent's rebuild) to the end of its
+  backward: its rebuild needs them. A boundary counts once with its other holders; any
+  other tensor once however many regions hold it.
+
+Note [FSDP2 units]
+------------------
+A per-rank problem under FSDP2 (:func:`remat.core.transforms.per_rank_problem`) gives each
+stage that is a unit its gathered bytes ``u`` (``StageCost.unit_bytes``) and its
+gradients' reduce-scatter input ``r`` (``StageCost.reduce_bytes``), and the root unit
+(everything else) ``Problem.root_unit_bytes``; the sharded parameters are in
+``params_bytes``, the root's unsharded ones in ``pre_chain_bytes``. The simulator keeps
+them as FSDP2 (torch 2.13, ``reshard_after_forward=True``, implicit prefetch) does,
+measured on 2 gloo ranks (``benchmarks/distributed_steadiness.md``):
+
+* forward: a unit's pre-forward all-gathers into a flat buffer (``u``) and copies out the
+  unsharded parameters (``u``); the flat buffer stays until the next unit's all-gather
+  (the root's, gathered first, until the first stage's; the last stage's through the
+  post-chain's forward); the unsharded parameters go after the unit's forward. So a
+  stage's forward runs with ``2u`` more, and its all-gather's event adds the previous
+  flat buffer too. Regions do not change the forward.
+* backward: a unit's pre-backward (when backward reaches its output, before a region
+  ending there rebuilds) unshards it and prefetches the unit before it (its flat buffer,
+  ``u``); the root's prefetches the last stage at the post-chain's backward. A forward
+  that runs during backward (a rebuild) unshards its unit if needed and does not reshard
+  it: a unit stays gathered from its rebuild (or pre-backward) to its post-backward.
+* a unit's post-backward, right after its backward: it reshards, frees the previous
+  unit's reduce-scatter input, and reduce-scatters its gradients through an input of
+  ``r`` bytes kept to the next unit's post-backward (the last, stage 0's, to the root's,
+  at the end of backward).
+* ``collective_copies`` (gloo): an all-gather's output and a reduce-scatter's input are
+  copied for the collective, the copy alive while it runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.profile_format import HeldRead
+from remat.core.solve.problem import Problem
+
+__all__ = ["Event", "Item", "Simulation", "StepTime", "baseline_time", "plan_tree", "simulate"]
+
+
+class Event(NamedTuple):
+    """One step of the timeline and the bytes alive at its peak."""
+
+    label: str
+    live_bytes: int
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted step time, by kind of work (all in seconds)."""
+
+    forward_s: float
+    backward_s: float
+    rebuild_s: float
+    option_s: float  # selective stages' partial rebuilds and offload transfers
+    overhead_s: float  # the fixed cost of each region
+    outside_chain_s: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.forward_s + self.backward_s + self.rebuild_s + self.option_s
+                + self.overhead_s + self.outside_chain_s)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The memory timeline, peak and step time of one training step under a plan."""
+
+    labels: tuple[str, ...]  # each event's label, in order
+    live: tuple[int, ...]  # the bytes alive at each event's peak
+    peak_bytes: int
+    peak_event: str
+    time: StepTime
+    forward_runs: tuple[int, ...]  # how many times each stage's forward ran in full
+
+    @cached_property
+    def events(self) -> tuple[Event, ...]:
+        """The timeline as (label, live bytes) pairs (built on first use: long chains
+        have tens of thousands of events and most callers need only the peak)."""
+        return tuple(map(Event._make, zip(self.labels, self.live, strict=True)))
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total_s
+
+
+class Item(NamedTuple):
+    """One entry of a level of the region tree: a bare stage, or a region and its items."""
+
+    start: int
+    stop: int
+    region: Region | None = None
+    items: tuple[Item, ...] = ()
+
+
+def plan_tree(plan: Plan) -> tuple[Item, ...]:
+    """The top level of ``plan`` as items in stage order (regions carry their inside)."""
+    regions = list(plan.regions)  # sorted by (start, -stop): parents before children
+    pos = 0
+
+    def level(start: int, stop: int) -> tuple[Item, ...]:
+        nonlocal pos
+        items: list[Item] = []
+        i = start
+        while i < stop:
+            if pos < len(regions) and regions[pos].start == i and regions[pos].stop <= stop:
+                r = regions[pos]
+                pos += 1
+                items.append(Item(r.start, r.stop, r, level(r.start, r.stop)))
+                i = r.stop
+            else:
+                items.append(Item(i, i + 1))
+                i += 1
+        return tuple(items)
+
+    return level(0, len(plan.stages))
+
+
+
+
+class _Walker:
+    """Walks one step, keeping the live bytes (boundaries deduplicated by holder).
+
+    Each stage's numbers under its option are read once up front: a step visits every
+    stage a few times, and chains of thousands of stages make those visits the cost.
+    """
+
+    def __init__(self, problem: Problem, options: Sequence[str]) -> None:
+        self.p = problem
+        self.options = options
+        stages = problem.stages
+        n = problem.n
+        self.a = [s.boundary_bytes for s in stages] + [problem.output_bytes]
+        # Who holds each boundary: how many (the current activation, its stage, regions
+        # starting there), and whether the current activation and the stage are among them.
+        # Counts and flags rather than a set per boundary: at ten thousand stages, that
+        # many sets cost a full garbage collection.
+        self.holders = [0] * (n + 1)
+        self.current = [False] * (n + 1)
+        self.by_stage = [False] * (n + 1)
+        self.blocks: dict[Hashable, int] = {}
+        # boundaries the model's code holds at the chain's end: through the post-chain's
+        # events (their figures are measured from the chain's end with these alive)
+        self.held_to_post: list[tuple[bool, int]] = []
+        self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
+        # tensors held by whoever needs them, counted once: a read tensor (by its id: regions
+        # reading it from before them, readers of one a region made), a link (("link", start):
+        # the regions starting there) -> how many hold it
+        self.shared: dict[Hashable, int] = {}
+        # what each open region reads from before it (read once, at its opening)
+        self.any_reads = any(s.reads for s in stages)
+        self.open_reads: dict[Region, list[HeldRead]] = {}
+        # stage -> tensors made inside a region before it that it reads, held to its backward
+        self.escapes: dict[int, list[tuple[int, int]]] = {}
+        # made_after -> (tensor, bytes, its readers in order): tensors a region may make
+        # for stages after it (Walker.hold_escapes)
+        self.made: dict[int, list[tuple[int, int, list[int]]]] = {}
+        if self.any_reads:
+            readers: dict[int, tuple[int, int, list[int]]] = {}
+            for j, st in enumerate(stages):
+                for r in st.reads:
+                    if not r.boundary:
+                        readers.setdefault(r.tensor, (r.made_after, r.nbytes, []))[2].append(j)
+            for tensor, (made_after, nbytes, js) in readers.items():
+                self.made.setdefault(made_after, []).append((tensor, nbytes, sorted(set(js))))
+        self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
+        self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
+        self.grads_made = [False] * n  # each stage's parameter gradients, once created
+        self.live = 0
+        self.labels: list[str] = []
+        self.lives: list[int] = []
+        self.runs = [0] * n
+        self.fwd_s = self.bwd_s = self.rebuild_s = self.option_s = self.overhead_s = 0.0
+        self.rebuilt_in_full: set[int] = set()  # selective stages whose rebuild stopped early
+        self.names = [s.name for s in stages]
+        self.forward_labels = [f"forward {s.name}" for s in stages]
+        off = [o == "offload" for o in options]
+        self.save = [0 if f else s.saved_bytes[o]
+                     for s, o, f in zip(stages, options, off, strict=True)]
+        # Offloaded copies leave as they are packed: a taped forward peaks like no saving.
+        self.taped_extra = [
+            s.nosave_peak_extra_bytes if f else s.saved_bytes[o] + s.fwd_transient_bytes
+            for s, o, f in zip(stages, options, off, strict=True)
+        ]
+        self.keeps = [s.keeps_input(o) for s, o in zip(stages, options, strict=True)]
+        self.nosave_extra = [s.nosave_peak_extra_bytes for s in stages]
+        # During its backward a keep or selective stage holds everything keep saves (a
+        # selective one rebuilds the rest first); an offloaded one has its saved tensors
+        # back from the host. That replaces what it held since its forward.
+        self.backward_extra = [
+            s.offload_bytes + s.bwd_transient_bytes if f
+            else s.saved_bytes["keep"] + s.bwd_transient(o)
+            for s, o, f in zip(stages, options, off, strict=True)
+        ]
+        # FSDP2 units (Note [FSDP2 units])
+        self.u = [s.unit_bytes for s in stages]
+        self.fsdp = any(self.u) or problem.root_unit_bytes > 0
+        self.copies = problem.collective_copies
+        self.unsharded: dict[int, bool] = {}  # gathered unit -> unsharded (False: prefetched)
+        self.pre_backward_done: set[int] = set()
+        self.forward_flat = 0  # the last forward all-gather's flat buffer
+        self.reduce_input = 0  # the last reduce-scatter's input
+        self.transfer_s: list[float | None] = [None] * n
+        if any(off):
+            bandwidth = problem.offload_bandwidth_bytes_per_s
+            assert bandwidth is not None
+            self.transfer_s = [2 * s.offload_bytes / bandwidth if f else None
+                               for s, f in zip(stages, off, strict=True)]
+
+    # -- the live set ------------------------------------------------------------------------
+
+    def hold(self, i: int) -> None:
+        if not self.holders[i]:
+            self.live += self.a[i]
+        self.holders[i] += 1
+
+    def release(self, i: int) -> None:
+        self.holders[i] -= 1
+        assert self.holders[i] >= 0, i
+        if not self.holders[i]:
+            self.live -= self.a[i]
+
+    def hold_current(self, i: int) -> None:
+        assert not self.current[i], i
+        self.current[i] = True
+        self.hold(i)
+
+    def release_current(self, i: int) -> None:
+        assert self.current[i], i
+        self.current[i] = False
+        self.release(i)
+
+    def hold_by_stage(self, i: int) -> None:
+        assert not self.by_stage[i], i
+        self.by_stage[i] = True
+        self.hold(i)
+
+    def region_reads(self, region: Region) -> list[HeldRead]:
+        """What ``region`` holds from before it besides its input (Note [Nested ...])."""
+        start, stages = region.start, self.p.stages
+        return [
+            r
+            for j in range(start, region.stop)
+            for r in stages[j].reads
+            if r.made_after <= start
+            and (r.by_call or j > start)  # the code before the first stage runs outside
+            and not (r.boundary and r.made_after == start)  # the region's input
+        ]
+
+    def open_region(self, region: Region) -> None:
+        """The region holds its input, what the code before its first stage keeps for
+        backward (that code ran before the region) and what it reads from before it."""
+        self.hold(region.start)
+        start = region.start
+        if self.p.stages[start].link_saved_bytes:
+            self.hold_shared(("link", start), self.p.stages[start].link_saved_bytes)
+        reads = self.region_reads(region) if self.any_reads else []
+        self.open_reads[region] = reads
+        for r in reads:
+            if r.boundary:
+                self.hold(r.made_after)
+            else:
+                self.hold_shared(r.tensor, r.nbytes)
+
+    def close_region(self, region: Region) -> None:
+        self.release(region.start)
+        start = region.start
+        if self.p.stages[start].link_saved_bytes:
+            self.release_shared(("link", start), self.p.stages[start].link_saved_bytes)
+        for r in self.open_reads.pop(region):
+            if r.boundary:
+                self.release(r.made_after)
+            else:
+                self.release_shared(r.tensor, r.nbytes)
+
+    def hold_shared(self, key: Hashable, nbytes: int) -> None:
+        count = self.shared.get(key, 0)
+        if not count:
+            self.live += nbytes
+        self.shared[key] = count + 1
+
+    def release_shared(self, key: Hashable, nbytes: int) -> None:
+        self.shared[key] -= 1
+        if not self.shared[key]:
+            del self.shared[key]
+            self.live -= nbytes
+
+    def let_go(self, is_output: bool, b: int) -> None:
+        """The model's code lets go of stage ``b``'s output or of boundary ``x_b``."""
+        if is_output:
+            self.drop(("model holds", b))
+        else:
+            self.release(b)
+
+    def hold_escapes(self, region: Region) -> None:
+        """Tensors the region's stages made that stages after it read (T5's position bias,
+        made by the first block and passed to the rest): the region's forward drops its
+        stages' saved bytes, which count them, but the readers keep them, to the backward
+        of the first reader (the last of them to run backward)."""
+        for made_after in range(region.start + 1, region.stop):
+            for tensor, nbytes, readers in self.made.get(made_after, ()):
+                k = bisect.bisect_left(readers, region.stop)
+                if k < len(readers):  # read after the region, first by readers[k]
+                    self.hold_shared(tensor, nbytes)
+                    self.escapes.setdefault(readers[k], []).append((tensor, nbytes))
+
+    def let_escapes_go(self, i: int) -> None:
+        for tensor, nbytes in self.escapes.pop(i, ()):
+            self.release_shared(tensor, nbytes)
+
+    def add(self, key: Hashable, nbytes: int) -> None:
+        assert key not in self.blocks, key
+        self.blocks[key] = nbytes
+        self.live += nbytes
+
+    def drop(self, key: Hashable) -> int:
+        nbytes = self.blocks.pop(key)
+        self.live -= nbytes
+        return nbytes
+
+    def keep_saved(self, i: int, nbytes: int) -> None:
+        assert self.saved[i] is None, i
+        self.saved[i] = nbytes
+        self.live += nbytes
+
+    def event(self, label: str, extra: int = 0) -> None:
+        self.labels.append(label)
+        self.lives.append(self.live + extra)
+
+    # -- FSDP2 units (Note [FSDP2 units]) ----------------------------------------------------
+
+    def forward_gather(self, i: int) -> None:
+        """Stage i's unit gathers for its forward: its flat buffer and unsharded parameters
+        join, the previous all-gather's flat buffer goes after the copy-out."""
+        u = self.u[i]
+        if not u:
+            return
+        self.event(f"all-gather {self.names[i]}", 2 * u)
+        self.live += 2 * u - self.forward_flat
+        self.forward_flat = u
+
+    def forward_reshard(self, i: int) -> None:
+        self.live -= self.u[i]
+
+    def end_forward(self) -> None:
+        """The root's post-forward frees the last all-gather's flat buffer."""
+        self.live -= self.forward_flat
+        self.forward_flat = 0
+
+    def unshard(self, j: int, label: str) -> None:
+        """Unit j's parameters are needed in backward (or a rebuild): copied out of its
+        prefetched flat buffer, or gathered now; they stay to its post-backward."""
+        u = self.u[j]
+        state = self.unsharded.get(j)
+        if not u or state:
+            return
+        if state is None:
+            self.event(label, 2 * u)  # the flat buffer, then gloo's copy or the copy-out
+            self.live += u
+        else:
+            self.event(label, u)  # the copy-out next to the flat buffer it replaces
+        self.unsharded[j] = True
+
+    def prefetch(self, j: int) -> None:
+        """A pre-backward all-gathers unit j (the one before it in forward order) ahead."""
+        if j < 0 or not self.u[j] or j in self.unsharded:
+            return
+        u = self.u[j]
+        self.event(f"all-gather {self.names[j]} (prefetch)", u + (u if self.copies else 0))
+        self.live += u
+        self.unsharded[j] = False
+
+    def pre_backward(self, i: int) -> None:
+        if not self.fsdp or i in self.pre_backward_done:
+            return
+        self.pre_backward_done.add(i)
+        self.unshard(i, f"all-gather {self.names[i]} (backward)")
+        self.prefetch(i - 1)
+
+    def post_backward(self, i: int) -> None:
+        """Unit i reshards and reduce-scatters its gradients (their shard is grad_bytes)."""
+        if not self.u[i]:
+            return
+        if self.unsharded.pop(i, None) is not None:
+            self.live -= self.u[i]
+        stage = self.p.stages[i]
+        r = stage.reduce_bytes
+        self.live += r - self.reduce_input
+        self.reduce_input = r
+        if r:
+            # the input next to the unsharded gradients it replaces, then gloo's copy of it
+            extra = r if self.copies else max(0, r - stage.grad_bytes)
+            self.event(f"reduce-scatter {stage.name}", extra)
+
+    # -- one stage ---------------------------------------------------------------------------
+
+    def held_link(self, i: int) -> int:
+        """Stage i's link bytes when a region starting at i holds them (they are in its
+        saved figures, and the code that made them ran before the region)."""
+        if ("link", i) in self.shared and self.options[i] != "offload":
+            return self.p.stages[i].link_saved_bytes
+        return 0
+
+    def taped(self, i: int, label: str) -> None:
+        """Stage i runs with grad under its option; its input is the current activation."""
+        self.runs[i] += 1
+        self.hold_current(i + 1)
+        link = self.held_link(i)
+        self.event(label, self.taped_extra[i] - link)
+        if self.keeps[i]:
+            self.hold_by_stage(i)
+        self.keep_saved(i, self.save[i] - link)
+        self.release_current(i)
+
+    def not_saved(self, i: int, label: str) -> None:
+        """Stage i runs inside a region's forward (or a child's, in a rebuild): nothing kept."""
+        self.runs[i] += 1
+        self.hold_current(i + 1)
+        self.event(label, self.nosave_extra[i])
+        self.release_current(i)
+
+    def pending_at(self, i: int) -> None:
+        """Backward has reached stage ``i``: the gradients pending there are alive."""
+        nbytes = self.p.stages[i].pending_grad_bytes if i >= 0 else 0
+        self.live += nbytes - self.pending
+        self.pending = nbytes
+
+    def backward_stage(self, i: int) -> None:
+        self.pending_at(i)
+        self.pre_backward(i)
+        stage = self.p.stages[i]
+        saved = self.saved[i]
+        assert saved is not None, i
+        assert self.grad[i] is None, i
+        self.saved[i] = None
+        self.grad[i] = self.a[i]
+        self.live += self.a[i] - saved
+        self.event(f"backward {stage.name}", self.backward_extra[i] - self.held_link(i))
+        assert not self.grads_made[i], i
+        self.grads_made[i] = True  # after its peak, alive to the optimizer step
+        self.live += stage.grad_bytes
+        self.bwd_s += stage.bwd_s
+        transfer = self.transfer_s[i]
+        if transfer is not None:
+            self.option_s += transfer
+        if i in self.rebuilt_in_full:
+            self.runs[i] += 1
+            self.rebuild_s += stage.rebuild_s
+        else:
+            self.option_s += stage.extra_bwd_s.get(self.options[i], 0.0)
+        if self.by_stage[i]:
+            self.by_stage[i] = False
+            self.release(i)
+        grad = self.grad[i + 1]
+        assert grad is not None, i
+        self.grad[i + 1] = None
+        self.live -= grad
+        if i in self.escapes:
+            self.let_escapes_go(i)
+        if self.fsdp:
+            self.post_backward(i)
+
+    # -- levels ------------------------------------------------------------------------------
+
+    def forward_level(self, items: Sequence[Item]) -> None:
+        """The top-level forward; the model's code holds boundaries as their
+        ``held_through`` says (each counted once with its other holders) and outputs apart
+        from the next stage's input as their ``output_held_through`` says."""
+        stages, labels = self.p.stages, self.forward_labels
+        n = self.p.n
+        starts: dict[int, list[tuple[bool, int]]] = {}  # stage -> (is an output, b)
+        ends: dict[int, list[tuple[bool, int]]] = {}
+        for b, s in enumerate(stages[: n - 1]):
+            for is_output, through in ((False, s.held_through), (True, s.output_held_through)):
+                if through is None or through <= b:
+                    continue
+                starts.setdefault(b + 1, []).append((is_output, b))
+                if through >= n - 1:  # still held at the chain's end
+                    self.held_to_post.append((is_output, b))
+                else:
+                    ends.setdefault(through, []).append((is_output, b))
+
+        def model_holds(i: int) -> None:
+            for is_output, b in starts.get(i, ()):
+                if is_output:
+                    self.add(("model holds", b), stages[b].output_held_bytes)
+                else:
+                    self.hold(b)
+
+        def model_lets_go(i: int) -> None:
+            for is_output, b in ends.get(i, ()):
+                self.let_go(is_output, b)
+
+        for item in items:
+            if item.region is None:
+                self.fwd_s += stages[item.start].fwd_s
+                model_holds(item.start)
+                self.forward_gather(item.start)
+                self.taped(item.start, labels[item.start])
+                self.forward_reshard(item.start)
+                model_lets_go(item.start)
+                continue
+            self.open_region(item.region)
+            where = f"(in {item.region}, not saved)"
+            for i in range(item.start, item.stop):
+                self.fwd_s += stages[i].fwd_s
+                model_holds(i)
+                self.forward_gather(i)
+                self.not_saved(i, f"{labels[i]} {where}")
+                self.forward_reshard(i)
+                model_lets_go(i)
+            if self.any_reads:
+                self.hold_escapes(item.region)
+
+    def rebuild(self, region: Region, items: Sequence[Item]) -> None:
+        """Region's rebuild: its items run again, with early stop as in the module note."""
+        run, opener = len(items), None  # items[:run] run; items[opener] only opens
+        if self.p.early_stop:
+            packers = [k for k, it in enumerate(items)
+                       if it.region is not None or self.options[it.start] != "offload"]
+            run = 0
+            if packers:
+                last = packers[-1]
+                keeps = items[last].region is None and self.options[items[last].start] == "keep"
+                run, opener = (last + 1, None) if keeps else (last, last)
+        stages, names = self.p.stages, self.names
+        cur = region.start
+        self.hold_current(cur)
+        for_region = f"(for {region})"
+        for item in items[:run]:
+            if item.region is None:
+                self.rebuild_s += stages[item.start].rebuild_s
+                if self.fsdp:
+                    self.unshard(item.start, f"all-gather {names[item.start]} {for_region}")
+                self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
+            else:
+                self.open_region(item.region)
+                where = f"(for {region}, in {item.region}, not saved)"
+                for i in range(item.start, item.stop):
+                    self.rebuild_s += stages[i].rebuild_s
+                    if self.fsdp:
+                        self.unshard(i, f"all-gather {names[i]} {where}")
+                    self.not_saved(i, f"rebuild {names[i]} {where}")
+            cur = item.stop
+        for k in range(run, len(items)):
+            item = items[k]
+            if k == opener and item.region is not None:
+                self.open_region(item.region)
+            elif k == opener:  # a selective stage: hands over its input, caches nothing
+                self.hold_by_stage(item.start)
+                self.keep_saved(item.start, 0)
+                self.rebuilt_in_full.add(item.start)
+            else:  # an offloaded stage after the last hand-over: nothing on the device
+                self.keep_saved(item.start, 0)
+        self.release_current(cur)
+
+    def backward_level(self, items: Sequence[Item]) -> None:
+        for item in reversed(items):
+            if item.region is None:
+                self.backward_stage(item.start)
+                continue
+            self.overhead_s += self.p.region_overhead_s
+            self.pending_at(item.stop - 1)
+            self.pre_backward(item.stop - 1)
+            self.add(("overhead", item.region), self.p.region_overhead_bytes)
+            self.rebuild(item.region, item.items)
+            self.backward_level(item.items)
+            self.drop(("overhead", item.region))
+            self.close_region(item.region)
+
+
+def simulate(plan: Plan, problem: Problem) -> Simulation:
+    """The memory timeline, peak and step time of one training step of ``plan``.
+
+    The plan must name the problem's stages in order, and each option must be available
+    for its stage (measured selective bytes; offload only with a host link).
+    """
+    names = problem.stage_names
+    if len(plan.stages) != len(names):
+        raise UsageError(
+            f"the plan has {len(plan.stages)} stages but the problem has {len(names)}; "
+            "plan and problem must list the same stages in the same order"
+        )
+    for i, (ours, theirs) in enumerate(zip(plan.stages, names, strict=True)):
+        if ours != theirs:
+            raise UsageError(
+                f"the plan's stage {i} is {ours!r} but the problem's is {theirs!r}; plan and "
+                "problem must list the same stages in the same order"
+            )
+    for i, option in enumerate(plan.options):
+        problem.check_option(i, option)
+    for b in problem.breaks:
+        r = next((r for r in plan.regions if r.start < b < r.stop), None)
+        if r is not None:
+            raise UsageError(
+                f"region {r} spans a chain break before stage {names[b]!r} "
+                f"({problem.stages[b].break_before}); end the region at stage {b}"
+            )
+    p = problem
+    w = _Walker(problem, plan.options)
+    w.add("params", p.params_bytes)
+    w.add("optimizer", p.optimizer_bytes)
+    w.add("input", p.input_bytes)
+    w.add("pre-chain", p.pre_chain_bytes)
+    w.hold_current(0)
+    w.forward_flat = p.root_unit_bytes  # the root's all-gather, kept to the first unit's
+    w.live += w.forward_flat
+    w.event("forward pre-chain", w.forward_flat if p.collective_copies else 0)
+    top = plan_tree(plan)
+    w.forward_level(top)
+    n = p.n
+    w.event("forward post-chain", p.post_chain_bytes)
+    w.end_forward()
+    if w.fsdp:
+        w.prefetch(n - 1)  # the root's pre-backward
+    # Gradients nobody claims, from the first backward event on (an upper bound).
+    w.add(("param grads", "unattributed"), p.unattributed_grads_bytes)
+    # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
+    if p.post_chain_backward_bytes is not None:
+        # the model's forward has returned: what its code held is gone (the figure is
+        # measured so, from the chain's end less what that let go of without a plan)
+        for is_output, b in w.held_to_post:
+            w.let_go(is_output, b)
+        w.event("backward post-chain", p.post_chain_backward_bytes)
+    else:
+        w.event("backward post-chain", p.post_chain_bytes)
+        for is_output, b in w.held_to_post:
+            w.let_go(is_output, b)
+    w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
+    w.release_current(n)
+    w.grad[n] = w.a[n]
+    w.live += w.a[n]
+    w.backward_level(top)
+    w.pending_at(-1)
+    w.add(("param grads", "pre-chain"), p.pre_chain_grads_bytes)
+    w.event("backward pre-chain")
+    assert w.grad[0] is not None
+    w.live -= w.grad[0]
+    w.grad[0] = None
+    w.drop("pre-chain")
+    if w.fsdp:  # the root's post-backward: stage 0's reduce-scatter input goes, its own
+        root = p.root_unit_bytes
+        w.live -= w.reduce_input
+        w.event("reduce-scatter root", root + (root if p.collective_copies else 0))
+        w.reduce_input = 0
+        assert not w.unsharded, w.unsharded
+    w.event("optimizer step", p.optimizer_step_bytes)
+    grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
+             ("param grads", "pre-chain")}
+    assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
+    assert not w.shared and not w.open_reads and not w.escapes, w.shared
+    assert set(w.blocks) == {
+        "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
+    assert all(s is None for s in w.saved) and all(g is None for g in w.grad)
+    assert all(w.grads_made)
+    peak_bytes = max(w.lives)
+    peak = w.lives.index(peak_bytes)  # the first event at the peak
+    time = StepTime(
+        forward_s=w.fwd_s,
+        backward_s=w.bwd_s,
+        rebuild_s=w.rebuild_s,
+        option_s=w.option_s,
+        overhead_s=w.overhead_s,
+        outside_chain_s=p.outside_chain_s,
+    )
+    return Simulation(tuple(w.labels), tuple(w.lives), peak_bytes, w.labels[peak], time,
+                      tuple(w.runs))
+
+
+def baseline_time(problem: Problem) -> StepTime:
+    """The step time :func:`simulate` predicts without checkpointing, without walking the
+    timeline: the same sums in the same order (forward from the first stage, backward
+    from the last), so the same floats."""
+    fwd = bwd = option = 0.0
+    for stage in problem.stages:
+        fwd += stage.fwd_s
+    for stage in reversed(problem.stages):
+        bwd += stage.bwd_s
+        option += stage.extra_bwd_s.get("keep", 0.0)
+    return StepTime(forward_s=fwd, backward_s=bwd, rebuild_s=0.0, option_s=option,
+                    overhead_s=0.0, outside_chain_s=problem.outside_chain_s)

@@ -1,0 +1,409 @@
+"""Solvers: each turns a Problem (and a budget) into a Plan with its predicted costs.
+
+The classic recipes (``none``, ``per-stage``, ``every-k``, ``segments-k``,
+``megatron-uniform``, ``megatron-block``, ``selective-everywhere``) ignore the budget
+except to record it; ``optimal`` finds the fastest plan whose predicted peak fits it and
+raises CheckFailed, naming the smallest feasible budget, when none does. Every plan's
+peak and time come from the simulator.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from remat.core import recipes
+from remat.core.errors import CheckFailed, UsageError
+from remat.core.plan_format import Plan, Region
+from remat.core.solve import dp
+from remat.core.solve.budget import parse_budget
+from remat.core.solve.minimum import min_peak_plan
+from remat.core.solve.problem import Problem
+from remat.core.solve.simulator import baseline_time, simulate
+from remat.core.units import format_bytes
+
+__all__ = [
+    "SOLVERS",
+    "every",
+    "megatron_block",
+    "megatron_uniform",
+    "min_peak",
+    "minimum_budget",
+    "none",
+    "optimal",
+    "per_stage",
+    "segments",
+    "segments_optimal",
+    "selective_everywhere",
+    "solve",
+]
+
+Budget = int | str | float | None
+
+
+def _budget(budget: Budget, problem: Problem) -> int | None:
+    return None if budget is None else parse_budget(budget, problem)
+
+
+def _unlimited(problem: Problem, limit: int) -> bool:
+    """Whether ``limit`` holds the plan without checkpointing, so nothing need be rebuilt.
+
+    Every region, rebuild and option only adds time (all are measured as times >= 0), so
+    that plan is then the fastest; answering here keeps budgets of any size (1e99 bytes)
+    out of the tables' int64 arithmetic.
+    """
+    return simulate(_as_plan(problem, ([], None)), problem).peak_bytes <= limit
+
+
+def _finish(
+    problem: Problem,
+    regions: Sequence[tuple[int, int]],
+    options: Sequence[str] | None,
+    solver: str,
+    budget: int | None,
+    started: float,
+) -> Plan:
+    # A recipe's region over a chain break is cut there (the optimal tables never span one).
+    regions = recipes.split_at_breaks(list(regions), problem.breaks)
+    names = problem.stage_names
+    plan = Plan(
+        names,
+        tuple(Region(*r) for r in regions),
+        tuple(options) if options else ("keep",) * len(names),
+    )
+    sim = simulate(plan, problem)
+    baseline = baseline_time(problem).total_s
+    return Plan(
+        stages=plan.stages,
+        regions=plan.regions,
+        options=plan.options,
+        solver=solver,
+        budget_bytes=budget,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_step_time_s=sim.step_time_s,
+        baseline_step_time_s=baseline,
+        solve_time_s=time.perf_counter() - started,
+    )
+
+
+def none(problem: Problem, budget: Budget = None) -> Plan:
+    """No checkpointing: every stage keeps what autograd saves."""
+    t0 = time.perf_counter()
+    return _finish(problem, [], None, "none", _budget(budget, problem), t0)
+
+
+def per_stage(problem: Problem, budget: Budget = None) -> Plan:
+    """One region per stage (transformers' ``gradient_checkpointing_enable``)."""
+    t0 = time.perf_counter()
+    regions = recipes.per_stage(problem.n)
+    return _finish(problem, regions, None, "per-stage", _budget(budget, problem), t0)
+
+
+def every(problem: Problem, k: int = 2, budget: Budget = None) -> Plan:
+    """Single-stage regions on stages 0, k, 2k, ...; the others keep."""
+    t0 = time.perf_counter()
+    regions = recipes.every(problem.n, k)
+    return _finish(problem, regions, None, f"every-{k}", _budget(budget, problem), t0)
+
+
+def segments(problem: Problem, k: int | None = None, budget: Budget = None) -> Plan:
+    """``k`` regions of near-equal length covering the chain (default ``round(sqrt(n))``)."""
+    t0 = time.perf_counter()
+    regions = recipes.segments(problem.n, k)
+    k = len(regions)
+    return _finish(problem, regions, None, f"segments-{k}", _budget(budget, problem), t0)
+
+
+def megatron_uniform(problem: Problem, num_layers: int = 1, budget: Budget = None) -> Plan:
+    """Megatron's uniform method: groups of ``num_layers`` consecutive stages, one region each."""
+    t0 = time.perf_counter()
+    regions = recipes.groups(problem.n, num_layers)
+    size = num_layers
+    return _finish(problem, regions, None, f"megatron-uniform-{size}", _budget(budget, problem), t0)
+
+
+def megatron_block(problem: Problem, num_layers: int = 1, budget: Budget = None) -> Plan:
+    """Megatron's block method: the first ``num_layers`` stages each alone, the rest keep."""
+    t0 = time.perf_counter()
+    regions = recipes.block(problem.n, num_layers)
+    count = num_layers
+    return _finish(problem, regions, None, f"megatron-block-{count}", _budget(budget, problem), t0)
+
+
+def selective_everywhere(
+    problem: Problem, policy: str = "save-matmuls", budget: Budget = None
+) -> Plan:
+    """No regions; every stage measured under ``selective:<policy>`` uses it, others keep."""
+    t0 = time.perf_counter()
+    option = f"selective:{policy}"
+    options = [option if option in s.saved_bytes else "keep" for s in problem.stages]
+    return _finish(problem, [], options, "selective-everywhere", _budget(budget, problem), t0)
+
+
+def minimum_budget(problem: Problem) -> int:
+    """The least predicted peak over all plans (exact); where regions hold tensors read
+    from before them (which the tables do not count: Note [Reads from before a region]),
+    the simulated peak of the tables' smallest-peak plan: a budget that plan fits, which
+    another plan may undercut."""
+    return _least_plan(problem)[0]
+
+
+def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[str]]:
+    least, regions, options = min_peak_plan(problem)
+    if any(s.reads or s.link_saved_bytes for s in problem.stages):
+        least = max(least, simulate(_as_plan(problem, (regions, options)), problem).peak_bytes)
+    return least, regions, options
+
+
+def min_peak(problem: Problem, budget: Budget = None) -> Plan:
+    """The plan with the smallest predicted peak (ignores time)."""
+    t0 = time.perf_counter()
+    _, regions, options = _least_plan(problem)
+    return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0)
+
+
+def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
+    if path == "auto":
+        from remat.core.solve import dp_numba
+
+        path = "numba" if dp_numba.available() else "numpy"
+    if path == "numba":
+        from remat.core.solve import dp_numba
+
+        if not dp_numba.available():
+            raise UsageError("path='numba' needs numba; install it with pip install remat[fast]")
+        return dp_numba.numba_tables
+    fill = {"numpy": dp.numpy_tables, "python": dp.python_tables}.get(path)
+    if fill is None:
+        raise UsageError(f"path={path!r} is not known; use 'auto', 'numba', 'numpy' or 'python'")
+    return fill
+
+
+Found = tuple[list[tuple[int, int]], list[str] | None]
+
+
+def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
+    """``limit`` above the backward base in slots: (slot bytes, whole slots, the bytes
+    left over); None when the base alone is over it."""
+    avail = limit - problem.backward_base_bytes
+    if avail < 0:
+        return None
+    slot = max(1, -(-avail // problem.slots))
+    m = avail // slot
+    return slot, m, avail - m * slot
+_TIGHTEN_ROUNDS = 4
+
+
+def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None]) -> Found | None:
+    """``solve_at(limit)``'s plan if it fits ``limit`` in the simulator, else the plan for
+    ``limit`` less the overshoot (Note [Reads from before a region]), a few times at most.
+
+    Note [Reads from before a region]
+    ---------------------------------
+    The tables do not count what a region holds from before it (``StageCost.reads``: a
+    skip tensor, a position bias passed on): that depends on where the region opens
+    relative to where each tensor was made, a pair the recursion does not carry. The
+    simulator counts it, so a table plan can overshoot by it; filling the tables again
+    under the budget less the overshoot finds one that fits, possibly not the fastest.
+    Chains without such reads (most transformer stacks) fit on the first fill.
+    """
+    dp_limit = limit
+    for _ in range(_TIGHTEN_ROUNDS):
+        found = solve_at(dp_limit)
+        if found is None:
+            return None
+        over = simulate(_as_plan(problem, found), problem).peak_bytes - limit
+        if over <= 0:
+            return found
+        dp_limit -= over
+    return None
+
+
+def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
+    """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
+
+    Memory is divided into ``problem.slots`` slots; ``path`` is ``numba`` (compiled,
+    fastest; needs the ``fast`` extra), ``numpy``, ``python`` (the reference loops) or
+    ``auto`` (numba when installed, else numpy): all fill bitwise equal tables. When
+    rounding to slots leaves no plan
+    although one fits (budgets within a few slots of the minimum), the plan with the
+    smallest peak is returned. Raises CheckFailed when no plan fits at all.
+    """
+    t0 = time.perf_counter()
+    limit = _budget(budget, problem)
+    if limit is None:
+        raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
+    fill = _fill(path)
+    if _unlimited(problem, limit):
+        return _finish(problem, [], None, "optimal", limit, t0)
+
+    def tables_plan(dp_limit: int) -> Found | None:
+        slots = _slots(problem, dp_limit)
+        if slots is None:
+            return None
+        slot, m, spare = slots
+        tables = fill(dp.Model(problem, slot, spare), m)
+        return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
+
+    found = _within(problem, limit, tables_plan)
+    # Note [Recipes beside the tables]: slot rounding charges every held quantity a whole
+    # slot, so at a budget within a few slots of a recipe's exact peak the tables can
+    # miss that recipe. The classic recipes are few and scored exactly in bytes, so the
+    # fastest one that fits competes with the table's plan: optimal is never slower
+    # than a recipe that fits the same budget.
+    # Only a recipe faster than the table's plan can win, and a flat recipe's time is
+    # cheap to bound (its regions' rebuilds), so the recipes are simulated fastest first
+    # and only while they could still beat the best plan that fits.
+    best_s = math.inf
+    if found is not None:
+        sim = simulate(_as_plan(problem, found), problem)
+        best_s = sim.step_time_s if sim.peak_bytes <= limit else math.inf
+    simulated: set[tuple[tuple[int, int], ...]] = set()  # recipes can coincide
+    for estimate, least, family, k in _recipes_by_time(problem):
+        if estimate > best_s * (1 + 1e-9):
+            break
+        if least > limit:
+            continue
+        regions = recipes.split_at_breaks(_recipe(problem.n, family, k), problem.breaks)
+        if tuple(regions) in simulated:
+            continue
+        simulated.add(tuple(regions))
+        sim = simulate(_as_plan(problem, (regions, None)), problem)
+        if sim.peak_bytes <= limit and sim.step_time_s < best_s:
+            found, best_s = (regions, None), sim.step_time_s
+    if found is None:
+        least, regions, options = _least_plan(problem)
+        if limit < least:
+            fixed = problem.backward_base_bytes
+            raise CheckFailed(
+                f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes): the smallest "
+                f"peak any plan reaches is {format_bytes(least)} ({least} bytes, of which "
+                f"{format_bytes(fixed)} is fixed), so give a budget of at least that"
+            )
+        found = regions, options
+    plan = _finish(problem, found[0], found[1], "optimal", limit, t0)
+    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+    return plan
+
+
+def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
+    """The classic recipes, fastest first: (estimated step time, least peak, family, k).
+
+    Every stage of a recipe keeps, so each region adds its overhead and its stages'
+    rebuilds (with early stop too: each stage hands the next its output) to the time
+    without regions; the estimate differs from the simulator's only by float rounding.
+    The least peak is a lower bound: at the end of the forward every bare stage still
+    holds what it saved, on top of the forward's base. Both are closed forms per family
+    (``every`` alone needs a strided sum), so the regions are built (:func:`_recipe`) only
+    for the few recipes that get simulated.
+    """
+    n = problem.n
+    if n == 0:
+        return []
+    base = baseline_time(problem).total_s  # no regions: every stage keeps
+    rebuild = np.array([s.rebuild_s for s in problem.stages])
+    kept = np.array([s.saved_bytes["keep"] for s in problem.stages], dtype=np.int64)
+    rebuilt, kept_before = np.cumsum(rebuild), np.cumsum(kept)
+    ovh, fwd_base, all_kept = problem.region_overhead_s, problem.forward_base_bytes, int(kept.sum())
+    ks = np.arange(1, n + 1)
+    timed: list[tuple[float, int, str, int]] = [(base, fwd_base + all_kept, "none", 0)]
+    for k in range(1, n + 1):  # every-k: stages 0, k, 2k, ... alone
+        count = -(-n // k)
+        timed.append((base + ovh * count + float(rebuild[::k].sum()),
+                      fwd_base + all_kept - int(kept[::k].sum()), "every", k))
+    # groups of k and k segments cover the chain: every stage is rebuilt, nothing kept.
+    for family, counts in (("groups", -(-n // ks)), ("segments", ks)):
+        estimates = base + ovh * counts + float(rebuilt[-1])
+        timed += [(float(t), fwd_base, family, int(k)) for t, k in zip(estimates, ks, strict=True)]
+    block = base + ovh * ks + rebuilt  # the first k stages alone
+    timed += [(float(t), fwd_base + all_kept - int(c), "block", int(k))
+              for t, c, k in zip(block, kept_before, ks, strict=True)]
+    timed.sort(key=lambda item: item[0])
+    return timed
+
+
+def _recipe(n: int, family: str, k: int) -> list[tuple[int, int]]:
+    """The regions of one classic recipe (none, every-k, groups, segments-k, block)."""
+    if family == "none":
+        return []
+    build = {"every": recipes.every, "groups": recipes.groups, "segments": recipes.segments,
+             "block": recipes.block}[family]
+    return build(n, k)
+
+
+def _as_plan(
+    problem: Problem, found: tuple[Sequence[tuple[int, int]], Sequence[str] | None]
+) -> Plan:
+    regions, options = found
+    names = problem.stage_names
+    return Plan(
+        names,
+        tuple(Region(*r) for r in regions),
+        tuple(options) if options else ("keep",) * len(names),
+    )
+
+
+def segments_optimal(problem: Problem, budget: Budget) -> Plan:
+    """The fastest flat plan (disjoint regions, every stage keeps) whose peak fits ``budget``.
+
+    The one-level solver of :mod:`remat.core.solve.flat`: no ``O(n^3)`` term, for chains too
+    long for ``optimal``. Raises CheckFailed when no flat plan fits (in slots).
+    """
+    from remat.core.solve import flat
+
+    t0 = time.perf_counter()
+    limit = _budget(budget, problem)
+    if limit is None:
+        raise UsageError("segments-optimal needs a budget; give one such as 6GiB or 50%")
+    if _unlimited(problem, limit):
+        return _finish(problem, [], None, "segments-optimal", limit, t0)
+
+    def flat_plan(dp_limit: int) -> Found | None:
+        slots = _slots(problem, dp_limit)
+        if slots is None:
+            return None
+        slot, m, spare = slots
+        tables = flat.flat_tables(flat.FlatInputs.build(problem, slot, spare), m)
+        return (flat.flat_plan(tables, m), None) if math.isfinite(tables.top[0, m]) else None
+
+    found = _within(problem, limit, flat_plan)
+    if found is not None:
+        plan = _finish(problem, found[0], None, "segments-optimal", limit, t0)
+        assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+        return plan
+    raise CheckFailed(
+        f"no flat plan (disjoint regions, every stage keeping) fits a budget of "
+        f"{format_bytes(limit)} ({limit} bytes) in {problem.slots} slots; give a larger "
+        "budget, or use the optimal solver (nested regions and options)"
+    )
+
+
+SOLVERS: dict[str, Callable[..., Plan]] = {
+    "none": none,
+    "per-stage": per_stage,
+    "every-k": every,
+    "segments-k": segments,
+    "megatron-uniform": megatron_uniform,
+    "megatron-block": megatron_block,
+    "selective-everywhere": selective_everywhere,
+    "min-peak": min_peak,
+    "optimal": optimal,
+    "segments-optimal": segments_optimal,
+}
+
+
+def solve(name: str, problem: Problem, budget: Budget = None, **params: Any) -> Plan:
+    """Run the solver called ``name`` (a key of :data:`SOLVERS`) with its ``params``."""
+    solver = SOLVERS.get(name)
+    if solver is None:
+        raise UsageError(f"solver {name!r} is not known; choose one of {', '.join(SOLVERS)}")
+    try:
+        inspect.signature(solver).bind(problem, budget=budget, **params)
+    except TypeError as err:
+        raise UsageError(f"solver {name!r} does not take these parameters ({err})") from None
+    return solver(problem, budget=budget, **params)

@@ -1,0 +1,339 @@
+"""``remat.profile``: measure what each stage of a model's chain costs, into a Profile.
+
+The measuring is in :mod:`remat.profiling` (what runs, in which order, and what it costs
+is described in :mod:`remat.profiling.run`); this module checks the arguments, builds the
+:class:`~remat.core.profile_format.Profile` and asks the simulator for its prediction of the
+step without checkpointing. The model's parameters are trained by the profiling steps
+(as by ``measure_step``); buffers changed by the extra forwards, the model's training
+mode and the caller's RNG state are put back.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.errors import UsageError
+from remat.core.plan_format import parse_option
+from remat.core.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
+from remat.core.solve.from_profile import predict_no_checkpoint_peak
+from remat.measure.step import make_optimizer
+from remat.measure.tracker import iter_tensors
+from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
+from remat.profiling.calibrate import calibrated
+from remat.profiling.noise import timing_noise
+from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
+from remat.profiling.rounds import timed_rounds
+from remat.profiling.run import measure_all, part_names
+from remat.profiling.twins import merge_twin_options
+from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
+from remat.runtime.identity import model_stages, stage_identity
+from remat.runtime.install import applied
+from remat.runtime.stages import discover_stages, resolve_stages
+
+__all__ = ["Progress", "fit_scaling", "notes", "profile", "profile_scaling"]
+
+#: ``progress(what, done, total)``: called before each part of a profile and at the end.
+Progress = Callable[[str, int, int], None]
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The model's output if it is a scalar, else the sum of its main output."""
+    out = model(batch)
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise UsageError(
+            f"the model returned {type(out).__name__}; pass loss_fn(model, batch) that "
+            "runs the forward and returns the scalar loss"
+        )
+    return out if out.numel() == 1 else out.sum()
+
+
+def _no_progress(_what: str, _done: int, _total: int) -> None:
+    return None
+
+
+def _check_options(options: Sequence[str]) -> tuple[str, ...]:
+    found = tuple(dict.fromkeys(options))
+    if "keep" not in found:
+        raise UsageError("options must include 'keep'; the simulator needs it for every stage")
+    for option in found:
+        if option != "keep" and parse_option(option).kind != "selective":
+            raise UsageError(
+                f"option {option!r} cannot be profiled; give keep or selective:<policy>"
+            )
+    return found
+
+
+def _device_name(device: torch.device | None) -> str:
+    if device is None:
+        return "cpu"
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+@without_own_checkpointing  # flags and checkpoint_wrapper off while profiling, with a warning
+def profile(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    stages: Sequence[str] | None = None,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    *,
+    repeats: int = 2,
+    options: Sequence[str] = OPTIONS,
+    batch_size: int | None = None,
+    description: str | None = None,
+    lr: float = 1e-3,
+    progress: Progress | None = None,
+) -> Profile:
+    """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` runs the forward and returns the scalar loss;
+            by default the model's output (summed if it is not a scalar).
+        stages: module paths of the chain, in call order; by default the repeated-block
+            container the forward runs (:func:`remat.runtime.stages.discover_stages`).
+        optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9) or an optimizer of the model.
+        repeats: timed steps of each kind (plain, per-stage regions) after one warm-up
+            step of each; times are medians.
+        options: ``keep`` and the selective options to measure saved bytes for.
+        batch_size: recorded in the profile; by default the first tensor's first dimension.
+        description: the model's name in the profile (default: its class name).
+        progress: ``progress(what, done, total)`` before each part and once at the end.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"repeats={repeats!r} is invalid; give a whole number >= 1")
+    options = _check_options(options)
+    loss_fn = loss_fn or _default_loss
+    names = (
+        resolve_stages(model, stages)
+        if stages is not None
+        else discover_stages(model, batch, loss_fn)
+    )
+    if not applied(model):  # with a plan applied, remat's own rebuilds would count
+        refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code
+    # what plans made from this profile record, so apply can tell another model
+    identities = [stage_identity(model.get_submodule(name)) for name in names]
+    batch_shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+    dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
+    if batch_size is None:
+        tensor = next(iter_tensors(batch), None)
+        batch_size = int(tensor.shape[0]) if tensor is not None and tensor.dim() else None
+    progress = progress or _no_progress
+
+    began = time.perf_counter()
+    with ExitStack() as stack:
+        devices = [device] if device is not None and device.type == "cuda" else []
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.callback(model.train, model.training)
+        model.train()
+        opt = make_optimizer(model, optimizer, lr=lr)
+        m = measure_all(
+            model,
+            batch,
+            loss_fn,
+            names,
+            opt,
+            options=options,
+            repeats=repeats,
+            device=device,
+            dtype=dtype,
+            progress=progress,
+        )
+    profile_s = time.perf_counter() - began
+
+    post_grads, grads, pre_grads = gradient_owners(model, names, m.spans.post_modules)
+    stage_list = [
+        replace(s, identity=identity)
+        for s, identity in zip(stage_profiles(m, grads), identities, strict=True)
+    ]
+    floor = m.overhead.time_s
+    residuals = region_overhead_rounds(m.plain_steps, m.per_stage_steps)
+    noise = timing_noise(
+        m.plain_steps, m.per_stage_steps, m.same_as, extra=m.extra_rounds,
+        region_overhead_range_s=(max(floor, min(residuals)), max(floor, max(residuals))),
+    )
+    overhead_s = region_overhead_s(m.plain_steps, m.per_stage_steps, floor)
+    # per round, so that one slow round's step is not set against another's stages
+    outside = statistics.median(m.outside_rounds)
+    result = Profile(
+        model=description or type(model).__name__,
+        batch_size=batch_size,
+        stages=tuple(stage_list),
+        # the loss (its whole storage: CPU mse_loss returns a view of its elementwise
+        # losses) and its gradient, a scalar of the model's dtype or float32 above it
+        fixed=fixed_bytes(m, stage_list[0].boundary_bytes, post_grads, pre_grads,
+                          loss_bytes=m.nosave.loss_storage_bytes + max(dtype.itemsize, 4)),
+        region_overhead_s=overhead_s,
+        region_link_s=(region_link_s(m.plain_steps, m.per_stage_steps, m.spanning_steps,
+                                     m.spanning, ceiling_s=overhead_s - floor)
+                       if m.spanning else None),
+        region_overhead_bytes=m.overhead.memory_bytes,
+        outside_chain_s=max(0.0, outside),
+        step_s=float(statistics.median(m.plain_step_s)),
+        measured_peak_bytes=m.step.peak_bytes,
+        optimizer=optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower(),
+        device=_device_name(device),
+        torch_version=str(torch.__version__),
+        dtype=str(dtype).removeprefix("torch."),
+        profile_s=profile_s,
+        model_stages=len(model_stages(model, names)),
+        batch_shapes=batch_shapes,
+        timing_noise=noise,
+    )
+    result = merge_twin_options(calibrated(result, m), m)
+    result = replace(result, timed_rounds=timed_rounds(m))
+    result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
+    transformers_model = type(model).__module__.startswith("transformers.")
+    for note in notes(result, transformers_model=transformers_model):
+        warnings.warn(note, stacklevel=2)
+    total = len(part_names(options))
+    progress("done", total, total)
+    return result
+
+
+def notes(result: Profile, *, transformers_model: bool = False) -> tuple[str, ...]:
+    """Things about the profiled model that make checkpointing free less than planned.
+
+    ``profile`` also issues each as a warning (``use_cache=True`` is warned about by
+    ``remat.apply``, which profiling runs). ``transformers_model``: the model is a
+    transformers one, whose ``output_hidden_states=True`` is the usual cause of outputs
+    the model returns.
+    """
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    n = len(result.stages)
+    returned = [s.name for s in result.stages if s.output_held_through == n]
+    during = [
+        s.name
+        for s in result.stages
+        if s.output_held_through is not None and s.output_held_through < n
+    ]
+    # A profile from before the held-through fields knows only that the output was kept.
+    other = [
+        s.name
+        for s in result.stages
+        if s.output_kept_outside and s.name not in returned and s.name not in during
+    ]
+    found = []
+    if returned:
+        cause = (
+            "output_hidden_states=True returns every layer's output: turn it off for training"
+            if transformers_model
+            else "return only what the loss needs"
+        )
+        found.append(
+            f"the outputs of stages {shown(returned)} are still referenced after the model's "
+            f"forward returns (in what it returns), so checkpointing them frees less than "
+            f"planned ({cause})"
+        )
+    if during:
+        found.append(
+            f"the outputs of stages {shown(during)} stay referenced by the model's own code "
+            "while later stages run (a caller holding the input of a container it called, "
+            "as nested nn.Sequential calls do, or a skip connection kept for a later block), "
+            "so a region frees them only after that; the predicted peak counts it "
+            "(docs/cost-model.md, \"Held outside the chain\")"
+        )
+    if other:
+        found.append(
+            f"the outputs of stages {shown(other)} stay referenced outside the chain, so "
+            "checkpointing them frees less than planned"
+        )
+    return tuple(found)
+
+
+# -- batch scaling -------------------------------------------------------------------------
+
+# Not fitted: bookkeeping, the prediction (recomputed), and the region's fixed cost, a
+# residual of a few per-stage steps (or the tiny chain's figure) whose two values differ
+# mostly by noise: a line through them would extrapolate the noise.
+_NOT_FITTED = frozenset(
+    {
+        "schema_version",
+        "batch_size",
+        "predicted_peak_bytes",
+        "profile_s",
+        "region_overhead_s",
+        "region_overhead_bytes",
+    }
+)
+
+
+def fit_scaling(first: Profile, second: Profile) -> Scaling:
+    """Lines through every quantity of two profiles of one model at two batch sizes."""
+    if first.stage_names != second.stage_names:
+        raise UsageError(
+            "the two profiles have different stages; profile the same model at both sizes"
+        )
+    n1, n2 = first.batch_size, second.batch_size
+    if n1 is None or n2 is None or n1 == n2:
+        raise UsageError(
+            f"batch sizes {n1} and {n2} cannot be fitted; profile at two different batch sizes"
+        )
+    y1, y2 = numeric_paths(first.to_dict()), numeric_paths(second.to_dict())
+    fits = {
+        path: LinearFit.through(n1, y1[path], n2, y2[path])
+        for path in y1
+        if path in y2
+        and path not in _NOT_FITTED
+        and not path.startswith(("scaling.", "timing_noise."))
+        and ".time_spread." not in path
+        and not path.endswith(".same_as")
+        and y1[path] != y2[path]
+    }
+    return Scaling((n1, n2), fits)
+
+
+def profile_scaling(
+    factory: Callable[[int], tuple[nn.Module, Any, LossFn]],
+    batch_sizes: Sequence[int],
+    stages: Sequence[str] | None = None,
+    optimizer: str = "adamw",
+    *,
+    progress: Progress | None = None,
+    **kwargs: Any,
+) -> Profile:
+    """Profile at two batch sizes and fit every quantity linearly in the batch size.
+
+    ``factory(batch_size)`` returns ``(model, batch, loss_fn)``, a fresh model each time.
+    The result is the profile at ``batch_sizes[0]`` with :class:`Scaling` fits through
+    both, so ``remat.core.transforms.at_batch_size(result, n)`` predicts other batch sizes.
+    Other keyword arguments go to :func:`profile`.
+    """
+    sizes = list(batch_sizes)
+    if len(sizes) != 2 or len(set(sizes)) != 2:
+        raise UsageError(f"batch_sizes={batch_sizes!r} must be two different batch sizes")
+    report = progress or _no_progress
+    found = []
+    for k, n in enumerate(sizes):
+        model, batch, loss_fn = factory(n)
+
+        def part(what: str, done: int, total: int, k: int = k, n: int = n) -> None:
+            report(f"batch {n}: {what}", k * total + done, 2 * total)
+
+        found.append(
+            profile(model, batch, loss_fn, stages, optimizer, batch_size=n, progress=part, **kwargs)
+        )
+        del model, batch, loss_fn
+    return replace(found[0], scaling=fit_scaling(found[0], found[1]))

@@ -1,0 +1,314 @@
+"""``remat.apply(model, plan)`` and ``remat.remove(model)``: install a plan in place, reversibly.
+
+Applying replaces each stage module's ``forward`` with an instance attribute (module
+objects, parameters and ``state_dict`` keys stay the same), adds a forward pre-hook
+and an ``always_call`` forward hook to the root model, and a forward pre-hook and a
+forward hook to each stage inside a multi-stage region. Everything is checked before the
+first change, so an error never leaves the model half-wrapped; ``remove`` deletes
+exactly what ``apply`` added.
+
+Side effects: unlike plain ``torch.utils.checkpoint``, which re-runs in-place buffer
+updates during its rebuild (BatchNorm's running statistics move twice per step), remat
+puts mutated buffers back after each rebuild, so they change once per step, as without
+checkpointing (see Note [Buffers mutated in forward] in ``engine.py``).
+
+Limits: the model must be called as ``model(...)`` (the hooks mark the pass); in a
+multi-stage region each stage's input must be made inside the region and the code between
+stages must not read tensor values (checked at run time; Note [Glue between stages] in
+``glue.py``); tensors a region uses from outside it are kept alive until its rebuild
+(usually masks and rotary tables, alive anyway); the model must not wrap single
+stage calls in saved-tensor hooks of its own (regions span calls, and those hooks are a
+stack), nor enable its own gradient checkpointing; a rebuild repeats non-tensor side
+effects of a stage (e.g. appending to a key/value cache object); remove the plan before
+``copy.deepcopy`` or pickling the whole model (the wrapped forwards are closures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
+from remat.runtime._torch_checkpoint import check_available
+from remat.runtime.engine import Engine, StageObserver, opaque
+from remat.runtime.existing import check_apply
+from remat.runtime.fsdp_units import check_fsdp_units
+from remat.runtime.identity import check_made_for
+from remat.runtime.policies import resolve
+from remat.runtime.stages import unknown_path_message
+
+__all__ = ["Handle", "applied", "apply", "installed_hook_ids", "observe", "remove"]
+
+_MISSING = object()
+
+
+@dataclass(eq=False)
+class _Installation:
+    """What ``apply`` changed on one model; never refers to the root (registry value)."""
+
+    engine: Engine
+    stages: tuple[nn.Module, ...]
+    previous: tuple[Any, ...]  # each stage's own instance-level ``forward``, or _MISSING
+    hooks: tuple[RemovableHandle, ...]
+
+    def uninstall(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for module, previous in zip(self.stages, self.previous, strict=True):
+            _WRAPPED.discard(module)
+            if previous is _MISSING:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, _Installation] = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # stage modules of applied plans
+
+
+class Handle:
+    """A plan applied to a model: ``handle.remove()`` undoes it, as ``remat.remove`` does."""
+
+    def __init__(self, model: nn.Module, plan: Plan, installation: _Installation) -> None:
+        self.model = model
+        self.plan = plan
+        self._installation = installation
+
+    @property
+    def stages(self) -> tuple[nn.Module, ...]:
+        """The stage modules, in plan order."""
+        return self._installation.stages
+
+    @property
+    def rebuilds(self) -> int:
+        """How many region rebuilds ran so far (each backward rebuilds each region once)."""
+        return self._installation.engine.rebuilds
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Things worth knowing about how the plan ran, e.g. offloads that did nothing."""
+        engine = self._installation.engine
+        return tuple(
+            f"offload of stage {engine.names[i]!r} was a no-op: its input is on {device}, "
+            "and offloading only pays for inputs on an accelerator"
+            for i, device in sorted(engine.offload_noop.items())
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether the plan is still applied to the model."""
+        return _APPLIED.get(self.model) is self._installation
+
+    def remove(self) -> None:
+        """Restore the model exactly; same as ``remat.remove(model)``."""
+        if not self.active:
+            raise UsageError("this plan was already removed from the model; nothing to undo")
+        remove(self.model)
+
+    def __repr__(self) -> str:
+        return (
+            f"Handle({len(self.plan.stages)} stages, {len(self.plan.regions)} regions, "
+            f"solver={self.plan.solver!r}, active={self.active})"
+        )
+
+
+def kv_cache_in_training(model: nn.Module) -> bool:
+    """Whether a transformers model builds a key/value cache in its training forwards.
+
+    ``config.use_cache`` is True by default almost everywhere, but only decoders read it:
+    a config that declares ``is_decoder`` (BERT, RoBERTa, ...) has a cache only when that
+    or ``is_encoder_decoder`` is set or the model generates (a causal LM head).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is not True:
+        return False
+    if not hasattr(config, "is_decoder") or getattr(config, "is_decoder", False):
+        return True
+    if getattr(config, "is_encoder_decoder", False):
+        return True
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
+
+
+USE_CACHE_NOTE = (
+    "the model's config has use_cache=True, which checkpointing cannot replay (a rebuild "
+    "appends to the key/value cache again), so remat set model.config.use_cache = False for "
+    "this run, as transformers' gradient_checkpointing_enable does; set it so in your "
+    "training too"
+)
+
+
+_NOTED: list[str] = []  # notes already issued in this process
+_CACHE_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def cache_off_for_training(model: nn.Module) -> bool:
+    """Switch a transformers model's key/value cache off, with a note, where it has one.
+
+    For models remat builds itself to train (``remat profile``, ``auto``, ``bench``). Every
+    submodule's config counts (T5's stacks keep copies). The note is issued once per
+    process, however many models a command builds.
+    """
+    if not kv_cache_in_training(model):
+        return False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False  # type: ignore[union-attr]
+    if USE_CACHE_NOTE not in _NOTED:
+        _NOTED.append(USE_CACHE_NOTE)
+        warnings.warn(USE_CACHE_NOTE, stacklevel=2)
+    return True
+
+
+def apply(
+    model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True, force: bool = False
+) -> Handle:
+    """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
+
+    Training-mode forwards with grad enabled then run the plan's regions and options;
+    eval or no-grad forwards call each stage's own forward directly.
+
+    A plan that records what it was made for (``plan.made_for``) is refused, with a
+    UsageError naming the first stage whose class or parameter shapes differ, before the
+    model is touched; ``force=True`` applies it anyway (with a warning). A model with
+    more stages than the plan names gets a warning naming those left out.
+
+    ``preserve_rng_state=False`` is a debugging switch, never for training: rebuilds then
+    draw fresh random numbers (another dropout mask), so gradients are wrong; it exists
+    so that ``remat.verify`` can be shown catching exactly that.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(plan, Plan):
+        raise UsageError(
+            f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
+        )
+    for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force)):
+        if not isinstance(flag, bool):
+            raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
+    if model in _APPLIED:
+        raise UsageError(
+            "a plan is already applied to this model; call remat.remove(model) before "
+            "applying another"
+        )
+    plan.validate()  # again: a frozen dataclass can still be changed behind its back
+    check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
+    check_available()
+    stages = _resolve_stages(model, plan)
+    check_fsdp_units(model, plan.stages, stages, plan.regions)  # again at the first pass
+    notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
+    if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
+        _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
+        # transformers: a key/value cache appended to in forward is appended to again by
+        # every rebuild, so the rebuilt attention sees other keys (remat verify: hazard).
+        # Only a warning: the model is the caller's, and eval forwards may want the cache.
+        warnings.warn(
+            "the model's config has use_cache=True: a rebuild would append to the key/value "
+            "cache again and compute other values; set model.config.use_cache = False for "
+            "training",
+            stacklevel=2,
+        )
+    policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
+
+    for note in notes:  # before any change: a warning turned into an error leaves no trace
+        warnings.warn(note, stacklevel=2)
+
+    # Everything is checked: from here on nothing can fail half-way.
+    engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state)
+    previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
+    for i, module in enumerate(stages):
+        module.forward = engine.wrap(i, module.forward)
+        _WRAPPED.add(module)
+    hooks = (  # opaque: see Note [torch.compile sees the engine ...] in engine.py
+        model.register_forward_pre_hook(opaque(engine.begin_pass)),
+        model.register_forward_hook(opaque(engine.end_pass), always_call=True),
+        *engine.install_stage_hooks(),  # Note [Stages with hooks of their own] in engine.py
+    )
+    installation = _Installation(engine, stages, previous, hooks)
+    _APPLIED[model] = installation
+    return Handle(model, plan, installation)
+
+
+def remove(model: nn.Module) -> None:
+    """Undo ``apply``: stage forwards and root hooks go back to what they were."""
+    installation = _APPLIED.pop(model, None)
+    if installation is None:
+        raise UsageError("no remat plan is applied to this model; there is nothing to remove")
+    installation.uninstall()
+
+
+def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
+    """The plan's stage modules; UsageError for unknown, nested or already-wrapped ones."""
+    modules: list[nn.Module] = []
+    for path in plan.stages:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise UsageError(unknown_path_message(model, path)) from None
+        if module is model:
+            raise UsageError(f"stage {path!r} is the model itself; stages must be submodules")
+        if module in _WRAPPED:
+            raise UsageError(
+                f"stage {path!r} is already a stage of another applied plan; remove that "
+                "plan first"
+            )
+        modules.append(module)
+    index: dict[int, int] = {}
+    for i, module in enumerate(modules):
+        index.setdefault(id(module), i)
+    for i, module in enumerate(modules):
+        if index[id(module)] != i:
+            other = plan.stages[index[id(module)]]
+            raise UsageError(
+                f"stages {other!r} and {plan.stages[i]!r} are the same module; list it once"
+            )
+        for sub in module.modules():
+            j = index.get(id(sub))
+            if sub is not module and j is not None:
+                raise UsageError(
+                    f"stage {plan.stages[j]!r} lies inside stage {plan.stages[i]!r}; "
+                    "stages must not contain each other"
+                )
+    return tuple(modules)
+
+
+@contextlib.contextmanager
+def observe(model: nn.Module, observer: StageObserver) -> Iterator[None]:
+    """Within the block, tell ``observer`` about every stage call of the applied plan.
+
+    A debugging aid for ``remat.verify`` (see Note [Observing stage calls] in
+    ``engine.py``); one observer per model at a time.
+    """
+    installation = _APPLIED.get(model)
+    if installation is None:
+        raise UsageError("no remat plan is applied to this model; apply one before observing it")
+    engine = installation.engine
+    if engine.observer is not None:
+        raise UsageError("this model's stages are already observed; end that observation first")
+    engine.observer = observer
+    try:
+        yield
+    finally:
+        engine.observer = None
+
+
+def installed_hook_ids(model: nn.Module) -> frozenset[int]:
+    """Ids of the hooks ``apply`` put on ``model`` and its stages (``remat.verify`` counts
+    only the model's own)."""
+    installation = _APPLIED.get(model)
+    return frozenset(h.id for h in installation.hooks) if installation is not None else frozenset()
+
+
+def applied(model: nn.Module) -> bool:
+    """Whether a remat plan is currently applied to ``model``."""
+    return model in _APPLIED
+

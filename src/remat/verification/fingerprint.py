@@ -1,0 +1,387 @@
+"""The value check: every op a rebuild runs is compared with what the same op gave in forward.
+
+torch's own determinism check compares only the shapes, dtypes and devices of the
+tensors a rebuild saves. This one fingerprints the output of every aten op a stage runs
+in forward (op name, shapes, dtypes, three checksums) and, when backward rebuilds
+the stage, compares the rebuilt ops one by one with that record. The first difference
+says which stage and which op: another op name means the code took another path
+(data-dependent control flow), the same op with other values means the rebuild read
+other inputs or drew other random numbers.
+
+A debug mode, not for training: every op output of the observed stages is reduced to a
+checksum. Use it directly on a model with an applied plan::
+
+    handle = remat.apply(model, plan)
+    with ValueCheck(handle) as check:
+        loss_fn(model, batch).backward()
+    print(check.result().first)
+
+Not compared: ``aten.detach`` (torch's checkpoint detaches saved tensors during a
+rebuild only); in a selective stage, the ops its policy saves (torch's selective
+checkpoint hands their cached outputs back without running them, so a rebuild may skip
+them); the values of ops that update one of the stage's buffers in place (the runtime
+undoes those updates after the rebuild, so only what the stage computes from the buffer
+matters, and that is compared); the values of ``empty``-like ops. With early stop a
+rebuild ends as soon as backward has what it needs, so a rebuilt sequence may be a
+prefix of the forward one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _python_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.core.plan_format import Plan, Region
+from remat.measure.tracker import iter_tensors
+from remat.runtime.install import Handle, observe
+from remat.runtime.policies import resolve
+from remat.verification.report import OpMismatch, ValueCheckResult
+from remat.verification.tolerance import TolerancePolicy, parse_tolerance
+
+__all__ = [
+    "Fingerprint",
+    "OpRecorder",
+    "ValueCheck",
+    "checksum",
+    "compare_call",
+    "outside_dispatch_modes",
+    "rebuilt_stages",
+]
+
+Checksum = tuple[float, float, float]
+
+_PERIOD = 1021  # a prime: position weights repeat with this period
+_WEIGHTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_IGNORED = frozenset({"aten.detach.default", "prim.device.default"})
+# Ops whose outputs hold whatever memory they got: compare their shapes, not their values.
+_UNINITIALIZED = frozenset({
+    "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided",
+    "resize_",
+})
+
+
+def outside_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """Run bookkeeping ops past every active dispatch mode (ours and torch's selective ones).
+
+    The one private torch function remat.verify calls; selective checkpoint's caching modes
+    must not see our checksums, or they would cache or replay them.
+    """
+    return _python_dispatch._disable_current_modes()
+
+
+def _position_weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    weights = _WEIGHTS.get((device, dtype))
+    if weights is None:
+        # A private generator: the fingerprints must not move the RNG the model draws from.
+        gen = torch.Generator().manual_seed(0x5EED)
+        weights = 2 * torch.rand(_PERIOD, generator=gen, dtype=torch.float64) - 1
+        weights = weights.to(device=device, dtype=dtype)
+        _WEIGHTS[(device, dtype)] = weights
+    return weights
+
+
+def checksum(tensor: torch.Tensor) -> Checksum | None:
+    """(sum, sum of squares, weighted sum); None for tensors without strided storage.
+
+    Equal tensors give equal triples (the same reductions on the same values). The
+    weights are fixed pseudo-random numbers in [-1, 1) by position, so the weighted sum
+    tells apart tensors with the same values in other places (two dropout masks that
+    keep as many elements), and a change in a fraction f of the elements moves it by
+    about ``sqrt(f)`` times the tensor's norm whatever its size. float32 and float64 are
+    reduced in their own precision (sums accumulate in float64), other types in float64.
+    """
+    x = tensor.detach()
+    if x.layout != torch.strided or x.device.type == "meta" or type(x) is not torch.Tensor:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.to(torch.float64)
+    x = x.reshape(-1)
+    n, weights = x.numel(), _position_weights(x.device, x.dtype)
+    whole = n - n % _PERIOD
+    weighted = (x[whole:] * weights[: n - whole]).sum(dtype=torch.float64)
+    if whole:
+        weighted = weighted + torch.mv(x[:whole].view(-1, _PERIOD), weights).sum(
+            dtype=torch.float64
+        )
+    stats = torch.stack((x.sum(dtype=torch.float64), torch.dot(x, x).double(), weighted))
+    total, squares, weighted_sum = stats.tolist()
+    return (total, squares, weighted_sum)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """One op's outputs as seen by the value check."""
+
+    op: str  # e.g. "aten.mm.default"
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    sums: tuple[Checksum | None, ...]
+    explicit_generator: bool = False  # called with a generator= other than torch's default
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None  # sparse, nested or opaque tensors have no single storage
+
+
+def _fingerprint(
+    op: str, out: Any, explicit_generator: bool, buffers: frozenset[int]
+) -> Fingerprint:
+    if isinstance(out, (bool, int, float)):  # e.g. aten._local_scalar_dense from .item()
+        value = float(out)
+        return Fingerprint(op, ((),), (torch.float64,), ((value, value * value, value),),
+                           explicit_generator)
+    tensors = list(iter_tensors(out))
+    uninitialized = op.split(".")[1 if "." in op else 0] in _UNINITIALIZED
+    return Fingerprint(
+        op,
+        tuple(tuple(t.shape) for t in tensors),
+        tuple(t.dtype for t in tensors),
+        tuple(
+            None if uninitialized or _storage(t) in buffers else checksum(t) for t in tensors
+        ),
+        explicit_generator,
+    )
+
+
+def _is_default_generator(gen: torch.Generator) -> bool:
+    """Whether ``gen`` is the device's default generator (the one torch's checkpoint restores).
+
+    The dispatcher hands over a new Python object for it, so compare the state.
+    """
+    device = gen.device
+    if device.type == "cpu":
+        default = torch.default_generator
+    elif device.type == "cuda":
+        default = torch.cuda.default_generators[device.index or 0]
+    else:
+        return False
+    return bool(torch.equal(gen.get_state(), default.get_state()))
+
+
+class OpRecorder(TorchDispatchMode):
+    """Appends a :class:`Fingerprint` of each op's outputs to ``target`` while it is set.
+
+    Outputs stored in one of ``buffers`` (storage addresses) keep no checksum.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target: list[Fingerprint] | None = None
+        self.buffers: frozenset[int] = frozenset()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        target = self.target
+        if target is None:
+            return func(*args, **kwargs)
+        gen = kwargs.get("generator")
+        explicit = isinstance(gen, torch.Generator) and not _is_default_generator(gen)
+        out = func(*args, **kwargs)
+        name = str(func)
+        if name not in _IGNORED:
+            target.append(_fingerprint(name, out, explicit, self.buffers))
+        return out
+
+
+def rebuilt_stages(plan: Plan) -> dict[int, Region | None]:
+    """Stages whose code runs again in backward -> their innermost region.
+
+    Stages inside regions are rebuilt, and selective stages outside regions are partly
+    rebuilt by torch's selective checkpoint (region None).
+    """
+    stages: dict[int, Region | None] = {}
+    for region in plan.regions:  # parents before children: the last one seen is innermost
+        for i in range(region.start, region.stop):
+            stages[i] = region
+    for i, option in enumerate(plan.options):
+        if option.startswith("selective:"):
+            stages.setdefault(i, None)
+    return stages
+
+
+def _values_differ(forward: Checksum, rebuilt: Checksum, rtol: float) -> tuple[bool, float, float]:
+    """Whether two checksums differ beyond ``rtol``; the largest absolute and relative error.
+
+    Sums are relative to the norm ``sqrt(sum of squares)`` (noise of size ``eps * |x|``
+    moves them by about ``eps`` times the norm), the sum of squares relative to itself.
+    """
+    norm = math.sqrt(max(forward[1], rebuilt[1]))
+    scales = (norm, norm**2, norm)
+    abs_err = rel_err = 0.0
+    for a, b, scale in zip(forward, rebuilt, scales, strict=True):
+        if a == b or (math.isnan(a) and math.isnan(b)):
+            continue
+        diff = abs(a - b)
+        diff = math.inf if math.isnan(diff) else diff
+        abs_err = max(abs_err, diff)
+        rel_err = max(rel_err, diff / scale if 0 < scale < math.inf else math.inf)
+    return rel_err > rtol, abs_err, rel_err
+
+
+@dataclass(frozen=True)
+class _Difference:
+    kind: str
+    op_index: int
+    forward_op: str | None
+    rebuilt_op: str
+    output_index: int | None = None
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+
+
+def compare_call(
+    forward: Sequence[Fingerprint],
+    rebuilt: Sequence[Fingerprint],
+    tolerance: TolerancePolicy,
+    skippable: frozenset[str] = frozenset(),
+) -> tuple[_Difference | None, _Difference | None]:
+    """The first difference of a rebuilt op sequence from the forward one, and the first
+    difference in the sequence itself (another op, shape or dtype), or None for each.
+
+    The scan goes on past a value difference to find where the path splits (a branch on
+    a value the rebuild computed differently). Forward ops named in ``skippable`` may be
+    missing from the rebuild (a selective stage's saved ops); a rebuild that stops early
+    is a prefix and matches.
+    """
+    first: _Difference | None = None
+    p = 0
+    for r in rebuilt:
+        while p < len(forward) and forward[p].op != r.op and forward[p].op in skippable:
+            p += 1
+        if p == len(forward) or forward[p].op != r.op:
+            path = _Difference("op", p, None if p == len(forward) else forward[p].op, r.op)
+            return first or path, path
+        f = forward[p]
+        if f.shapes != r.shapes or f.dtypes != r.dtypes:
+            path = _Difference("metadata", p, f.op, r.op)
+            return first or path, path
+        for j, (a, b) in enumerate(zip(f.sums, r.sums, strict=True)):
+            if first is not None or a is None or b is None:
+                continue
+            differ, abs_err, rel_err = _values_differ(a, b, tolerance.rebuild_rtol(f.dtypes[j]))
+            if differ:
+                first = _Difference("value", p, f.op, r.op, j, abs_err, rel_err)
+        p += 1
+    return first, None
+
+
+class ValueCheck:
+    """Compares every rebuilt op of a model with an applied plan against its forward record.
+
+    As a context manager it observes the model's stages and records ops (see the module
+    docstring); ``remat.verify`` instead drives it as one of several observers, entering
+    :meth:`recording` itself.
+    """
+
+    def __init__(self, handle: Handle, *, tolerance: object = "auto") -> None:
+        self._handle = handle
+        plan = handle.plan
+        self._names = plan.stages
+        self._rebuilt = rebuilt_stages(plan)
+        self._skippable = {
+            i: frozenset(str(op) for op in resolve(option, name).ops)
+            for i, (name, option) in enumerate(zip(plan.stages, plan.options, strict=True))
+            if option.startswith("selective:")
+        }
+        self._tolerance = parse_tolerance(tolerance)
+        self._stage_modules = {i: handle.model.get_submodule(plan.stages[i]) for i in self._rebuilt}
+        self.recorder = OpRecorder()
+        self.forward: dict[int, list[Fingerprint]] = {}  # stage -> its last forward's ops
+        self._stack: list[tuple[int, bool, list[Fingerprint] | None]] = []
+        self._first: dict[int, OpMismatch] = {}  # stage -> its first mismatch
+        self._path: dict[int, OpMismatch] = {}  # stage -> where its op sequence split
+        self._rebuilt_calls = 0
+        self._ops_compared = 0
+        self._exits: contextlib.ExitStack | None = None
+
+    # -- as a debug mode ------------------------------------------------------------------
+
+    def __enter__(self) -> ValueCheck:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(observe(self._handle.model, self))
+            stack.enter_context(self.recording())
+            self._exits = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        exits, self._exits = self._exits, None
+        if exits is not None:
+            exits.close()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """The dispatch mode that sees the ops; keep it active over forward and backward."""
+        with self.recorder:
+            yield
+
+    # -- the StageObserver protocol -------------------------------------------------------
+
+    def stage_started(
+        self, stage: int, rebuild: bool, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        calls: list[Fingerprint] | None = [] if stage in self._rebuilt else None
+        self._stack.append((stage, rebuild, calls))
+        if calls is not None:
+            self.recorder.buffers = frozenset(
+                p for b in self._stage_modules[stage].buffers() if (p := _storage(b)) is not None
+            )
+        self.recorder.target = calls
+
+    def stage_finished(self, stage: int, rebuild: bool, output: Any) -> None:
+        started, _, calls = self._stack.pop()
+        assert started == stage, (started, stage)
+        self.recorder.target = self._stack[-1][2] if self._stack else None
+        if calls is None:
+            return
+        if not rebuild:
+            self.forward[stage] = calls
+            return
+        forward = self.forward.get(stage)
+        if forward is None:  # the check started after this stage's forward
+            return
+        self._rebuilt_calls += 1
+        self._ops_compared += len(calls)
+        skippable = self._skippable.get(stage, frozenset())
+        first, path = compare_call(forward, calls, self._tolerance, skippable)
+        for store, diff in ((self._first, first), (self._path, path)):
+            if diff is not None and stage not in store:
+                store[stage] = self._mismatch(stage, diff)
+
+    def _mismatch(self, stage: int, diff: _Difference) -> OpMismatch:
+        region = self._rebuilt.get(stage)
+        return OpMismatch(
+            stage=self._names[stage],
+            stage_index=stage,
+            region=None if region is None else str(region),
+            kind=diff.kind,
+            op_index=diff.op_index,
+            forward_op=diff.forward_op,
+            rebuilt_op=diff.rebuilt_op,
+            output_index=diff.output_index,
+            max_abs_error=diff.max_abs_error,
+            max_rel_error=diff.max_rel_error,
+        )
+
+    # -- the result -----------------------------------------------------------------------
+
+    def result(self) -> ValueCheckResult:
+        return ValueCheckResult(
+            rebuilt_calls=self._rebuilt_calls,
+            ops_compared=self._ops_compared,
+            mismatches=tuple(self._first[i] for i in sorted(self._first)),
+            control_flow=tuple(self._path[i] for i in sorted(self._path)),
+        )

@@ -1,0 +1,400 @@
+"""``remat.verify``: run a model with and without a plan from one state and compare everything.
+
+The twins (``twins.py``) are one plain model and one with the plan applied. Step 1
+compares the loss, the gradients of floating-point inputs and of every parameter; one SGD
+and one AdamW step from those gradients compare every parameter after an update;
+``steps`` steps of the chosen optimizer compare the trajectory (losses, final parameters
+and buffers). Step 1 of the twin with the plan also runs the value check of rebuilt
+tensors (``fingerprint.py``) and the hazard detectors (``hazards.py``); when step 1
+disagrees, ``divergence.py`` says where the twins first parted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
+from remat.measure.step import OPTIMIZERS, make_optimizer
+from remat.runtime.install import Handle, apply, observe
+from remat.verification.compare import check_tensors
+from remat.verification.divergence import StageRecords, first_divergence
+from remat.verification.fingerprint import ValueCheck
+from remat.verification.hazards import HazardProbe
+from remat.verification.report import Check, Divergence, Hazard, ValueCheckResult, VerifyReport
+from remat.verification.tolerance import TolerancePolicy, parse_tolerance
+from remat.verification.twins import (
+    LossFn,
+    PlanLike,
+    build_twins,
+    cuda_devices,
+    fresh_batch,
+    resolve_plan,
+    scalar_loss,
+    seeded,
+)
+
+__all__ = ["verify"]
+
+
+# -- running steps ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Hooks:
+    """What the step calls around its forward and backward (the hazard probe's seams)."""
+
+    begin: Callable[[], None]
+    before_backward: Callable[[], None]
+    after_backward: Callable[[], None]
+
+
+def _step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    hooks: _Hooks | None = None,
+) -> torch.Tensor:
+    if hooks is not None:
+        hooks.begin()
+    loss = scalar_loss(model, batch, loss_fn)
+    if hooks is not None:
+        hooks.before_backward()
+    loss.backward()
+    if hooks is not None:
+        hooks.after_backward()
+    return loss.detach()
+
+
+class _Observers:
+    """Several stage observers as one (the runtime takes one)."""
+
+    def __init__(self, *observers: Any) -> None:
+        self._observers = observers
+
+    def stage_started(self, stage: int, rebuild: bool, args: Any, kwargs: Any) -> None:
+        for o in self._observers:
+            o.stage_started(stage, rebuild, args, kwargs)
+
+    def stage_finished(self, stage: int, rebuild: bool, output: Any) -> None:
+        for o in reversed(self._observers):
+            o.stage_finished(stage, rebuild, output)
+
+
+def _named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {
+        n: None if p.grad is None else p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _after_one_step(model: nn.Module, optimizer: str, lr: float) -> dict[str, torch.Tensor]:
+    """Parameters after one ``optimizer`` step from the current gradients; then put back."""
+    params = _named_params(model)
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    opt = make_optimizer(model, optimizer, lr=lr)
+    opt.step()
+    after = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+    return after
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **{n: p.detach().clone() for n, p in model.named_parameters()},
+        **{n: b.detach().clone() for n, b in model.named_buffers()},
+    }
+
+
+def _skipped(names: tuple[str, ...], reason: str) -> list[Check]:
+    return [Check(n, "skip", reason) for n in names]
+
+
+def verify(
+    model_or_factory: nn.Module | Callable[[], Any],
+    batch: Any,
+    plan: PlanLike,
+    loss_fn: LossFn | None = None,
+    steps: int = 3,
+    optimizer: str = "adamw",
+    tolerance: object = "auto",
+    *,
+    seed: int = 0,
+    lr: float = 1e-3,
+    check_rebuilds: bool = True,
+    preserve_rng_state: bool = True,
+    force: bool = False,
+) -> VerifyReport:
+    """Prove that ``plan`` changes memory and time only, never the training.
+
+    ``model_or_factory`` is a model (deep-copied twice and left as given) or a
+    zero-argument factory returning a model or a ``(model, batch, loss_fn)`` triple
+    (``batch`` and ``loss_fn`` may then be None). ``plan`` is a :class:`remat.Plan` or a
+    builder such as ``remat.plans.per_stage``. ``loss_fn(model, batch)`` runs the forward
+    and returns the scalar loss (default:
+    :func:`remat.verification.twins.default_loss`). ``tolerance`` is ``"auto"`` (by
+    dtype), ``"exact"`` or a number used as rtol and atol.
+
+    ``check_rebuilds`` runs the value check and the hazard detectors in step 1;
+    ``preserve_rng_state=False`` applies the plan with RNG preservation off, a debugging
+    switch that shows verification catching the wrong dropout masks it causes.
+    ``force=True`` applies a plan made for another model anyway (see ``remat.apply``).
+    Returns a :class:`VerifyReport`; ``report.ok`` is True only when every check passed
+    and no uncovered hazard was found.
+    """
+    start = time.perf_counter()
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"steps={steps!r} is invalid; give a whole number >= 1")
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"optimizer {optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise UsageError(f"seed={seed!r} is invalid; give a whole number")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
+        raise UsageError(f"lr={lr!r} is invalid; give a positive number")
+    policy = parse_tolerance(tolerance)
+    plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
+    resolved = resolve_plan(plan, twin)
+    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state, force=force)
+    run = _Run(plain, twin, batch, loss, resolved, policy, seed, lr, cuda_devices())
+    try:
+        checks, hazards, divergence, values = run.all(
+            steps, optimizer, handle,
+            check_rebuilds=check_rebuilds, preserve_rng_state=preserve_rng_state,
+        )
+    finally:
+        handle.remove()
+    return VerifyReport(
+        checks=tuple(checks),
+        hazards=hazards,
+        first_divergence=divergence,
+        value_check=values,
+        steps=steps,
+        optimizer=optimizer,
+        tolerance=policy.describe(),
+        seed=seed,
+        preserve_rng_state=preserve_rng_state,
+        plan_solver=resolved.solver,
+        plan_regions=tuple(str(r) for r in resolved.regions),
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+@dataclass(eq=False)
+class _Run:
+    """One verification: the twins and everything their steps share."""
+
+    plain: nn.Module
+    twin: nn.Module
+    batch: Any
+    loss_fn: LossFn
+    plan: Plan
+    policy: TolerancePolicy
+    seed: int
+    lr: float
+    devices: list[int]
+
+    def all(
+        self,
+        steps: int,
+        optimizer: str,
+        handle: Handle,
+        *,
+        check_rebuilds: bool,
+        preserve_rng_state: bool,
+    ) -> tuple[list[Check], tuple[Hazard, ...], Divergence | None, ValueCheckResult | None]:
+        probe = value_check = None
+        if check_rebuilds:
+            probe = HazardProbe(self.twin, self.plan, preserve_rng_state=preserve_rng_state)
+            value_check = ValueCheck(handle, tolerance=self.policy)
+        names = self.plan.stages
+        captures = (StageRecords.install(self.twin, names), StageRecords.install(self.plain, names))
+        try:
+            checks, divergence = self._compare(steps, optimizer, probe, value_check, captures)
+        finally:
+            for capture in captures:
+                capture.close()
+            if probe is not None:
+                probe.close()
+        values = None if value_check is None else value_check.result()
+        hazards = (
+            () if probe is None or value_check is None
+            else probe.hazards(values, value_check.forward)
+        )
+        checks.append(self._values_check(values, check_rebuilds))
+        return checks, hazards, divergence, values
+
+    def _compare(
+        self,
+        steps: int,
+        optimizer: str,
+        probe: HazardProbe | None,
+        value_check: ValueCheck | None,
+        captures: tuple[StageRecords, StageRecords],
+    ) -> tuple[list[Check], Divergence | None]:
+        plain_batch, plain_leaves = fresh_batch(self.batch, grad=True)
+        twin_batch, twin_leaves = fresh_batch(self.batch, grad=True)
+        plain_loss, plain_error = _guarded(lambda: self._first_step(self.plain, plain_batch))
+        twin_loss, twin_error = _guarded(
+            lambda: self._first_step(self.twin, twin_batch, probe, value_check)
+        )
+        if plain_loss is None or twin_loss is None:
+            failed = "; ".join(
+                f"the {who} model's step 1 raised {error}"
+                for who, error in (("plain", plain_error), ("planned", twin_error))
+                if error is not None
+            )
+            return [Check("runs", "error", failed), *_skipped(_COMPARED, "step 1 failed")], None
+
+        checks = [check_tensors("loss", [("loss", twin_loss, plain_loss)], self.policy)]
+        if plain_leaves:
+            checks.append(check_tensors(
+                "input-gradients",
+                [(k, twin_leaves[k].grad, plain_leaves[k].grad) for k in plain_leaves],
+                self.policy, what="input gradients",
+            ))
+        else:
+            checks.append(Check("input-gradients", "skip",
+                                "the batch has no floating-point tensors"))
+        grads = (_grads(self.twin), _grads(self.plain))
+        checks.append(check_tensors(
+            "parameter-gradients", [(n, grads[0].get(n), g) for n, g in grads[1].items()],
+            self.policy, what="parameter gradients",
+        ))
+        divergence = None
+        if not all(c.passed for c in checks):
+            divergence = first_divergence(
+                *captures, grads, self._stage_parameters(), self.policy,
+                None if value_check is None else value_check.result(),
+            )
+        for name in ("sgd", "adamw"):
+            ours = _after_one_step(self.twin, name, self.lr)
+            theirs = _after_one_step(self.plain, name, self.lr)
+            checks.append(check_tensors(
+                f"{name}-step", [(n, ours[n], t) for n, t in theirs.items()], self.policy,
+                what="parameters",
+            ))
+        trajectory, error = _guarded(
+            lambda: self._trajectory(steps, optimizer, twin_loss, plain_loss)
+        )
+        if trajectory is None:
+            checks += [
+                Check("trajectory-losses", "error", f"a later step raised {error}"),
+                Check("trajectory-parameters", "skip", "a later step failed"),
+            ]
+            runs = Check("runs", "pass", "both models ran step 1")
+        else:
+            checks += trajectory
+            runs = Check("runs", "pass", f"both models ran {steps} training step(s)")
+        return [runs, *checks], divergence
+
+    def _first_step(
+        self,
+        model: nn.Module,
+        batch: Any,
+        probe: HazardProbe | None = None,
+        value_check: ValueCheck | None = None,
+    ) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(seeded(self.seed, self.devices))
+            hooks = None
+            if probe is not None and value_check is not None:
+                stack.enter_context(observe(model, _Observers(probe, value_check)))
+                stack.enter_context(value_check.recording())
+                hooks = _Hooks(probe.begin_step, probe.before_backward, probe.after_backward)
+            return _step(model, batch, self.loss_fn, hooks)
+
+    def _trajectory(
+        self, steps: int, optimizer: str, twin_loss: torch.Tensor, plain_loss: torch.Tensor
+    ) -> list[Check]:
+        """Step 1's gradients, then ``steps - 1`` more steps, all with one ``optimizer``."""
+        losses: tuple[list[torch.Tensor], list[torch.Tensor]] = ([twin_loss], [plain_loss])
+        models = (self.twin, self.plain)
+        opts = [make_optimizer(m, optimizer, lr=self.lr) for m in models]
+        for opt in opts:
+            opt.step()
+        for t in range(1, steps):
+            for k, (model, opt) in enumerate(zip(models, opts, strict=True)):
+                opt.zero_grad(set_to_none=True)
+                batch, _ = fresh_batch(self.batch, grad=False)
+                with seeded(self.seed + t, self.devices):
+                    losses[k].append(_step(model, batch, self.loss_fn))
+                opt.step()
+        for model in models:
+            model.zero_grad(set_to_none=True)
+        ours, theirs = _state(self.twin), _state(self.plain)
+        return [
+            check_tensors(
+                "trajectory-losses",
+                [(f"step {t + 1} loss", a, b)
+                 for t, (a, b) in enumerate(zip(*losses, strict=True))],
+                self.policy, what="losses",
+            ),
+            check_tensors(
+                "trajectory-parameters", [(n, ours.get(n), t) for n, t in theirs.items()],
+                self.policy, what=f"parameters and buffers after {steps} {optimizer} step(s)",
+            ),
+        ]
+
+    def _stage_parameters(self) -> list[list[str]]:
+        """Each stage's parameters under their model-level names (tied ones appear once)."""
+        names = {id(p): n for n, p in self.twin.named_parameters()}
+        return [
+            [names[id(p)] for p in self.twin.get_submodule(stage).parameters() if id(p) in names]
+            for stage in self.plan.stages
+        ]
+
+    @staticmethod
+    def _values_check(values: ValueCheckResult | None, check_rebuilds: bool) -> Check:
+        if values is None:
+            reason = "turned off (check_rebuilds=False)" if not check_rebuilds else "step 1 failed"
+            return Check("rebuilt-values", "skip", reason)
+        if values.rebuilt_calls == 0:
+            return Check("rebuilt-values", "skip", "the plan rebuilds nothing in this step")
+        first = values.first
+        if first is None:
+            return Check(
+                "rebuilt-values", "pass",
+                f"{values.ops_compared} ops of {values.rebuilt_calls} rebuilt stage call(s) "
+                "match their forward fingerprints",
+                compared=values.ops_compared, tolerance="checksums",
+            )
+        return Check(
+            "rebuilt-values", "fail",
+            f"{len(values.mismatches)} stage(s) rebuilt other values; first: {first.message}",
+            compared=values.ops_compared,
+            max_abs_error=first.max_abs_error,
+            max_rel_error=first.max_rel_error,
+            worst=f"{first.stage} op {first.op_index} {first.rebuilt_op}",
+            tolerance="checksums",
+        )
+
+
+_COMPARED = (
+    "loss", "input-gradients", "parameter-gradients", "sgd-step", "adamw-step",
+    "trajectory-losses", "trajectory-parameters",
+)
+
+
+def _guarded(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``fn()``, or None and the error: a failing step is a finding, a usage error is not."""
+    try:
+        return fn(), None
+    except UsageError:
+        raise
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}"
