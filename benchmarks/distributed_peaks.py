@@ -195,7 +195,7 @@ def _write(args: argparse.Namespace, rows: list[str], every: list[str], failures
         "ranks' peaks of one step read by `rd.plan_rank_memory` (Note [Steady per-rank "
         "peaks] in `src/remat/distributed.py`). Predicted: the simulator on "
         "`per_rank_problem(profile of one rank's shard)` (Note [FSDP2 units] in "
-        "`src/remat/solve/simulator.py`). Budget: for `optimal`, the fraction of the "
+        "`src/remat/core/solve/simulator.py`). Budget: for `optimal`, the fraction of the "
         "predicted peak without a plan the plan was solved for.",
         "",
         "Wraps: `fsdp blocks`, `fully_shard` on every block and then on the root (the "

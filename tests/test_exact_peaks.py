@@ -323,7 +323,7 @@ def test_a_tensor_a_region_made_for_later_stages_outlives_its_forward() -> None:
     # T5's first block makes the position bias the later blocks are passed: a region over
     # the first blocks drops their saved bytes, which count it, but the readers keep it
     # (0.24% under before, on hf:t5 with region [0, 2)).
-    from remat.core.profile_format import HeldRead
+    from remat.core.stage_record import HeldRead
 
     bias = HeldRead(tensor=7, made_after=1, nbytes=50, by_call=True)
 

@@ -1,5 +1,5 @@
 """The paired overhead: each profiling round's figures kept, a plan's overhead predicted as the
-median of per-round ratios (remat/solve/paired.py), and rounds added while it is uncertain."""
+median of per-round ratios (remat/core/solve/paired.py), and rounds added while it is uncertain."""
 
 from __future__ import annotations
 

@@ -60,18 +60,38 @@ def test_region_basics() -> None:
 
 
 @pytest.mark.parametrize(
-    "text,parsed",
+    "text,parts",
     [
-        ("keep", Option("keep")),
-        ("offload", Option("offload")),
-        *[(f"selective:{p}", Option("selective", policy=p)) for p in POLICIES],
-        ("selective:mm", Option("selective", ops=("mm",))),
-        ("selective:mm,addmm,bmm", Option("selective", ops=("mm", "addmm", "bmm"))),
-        ("selective:convolution.default", Option("selective", ops=("convolution.default",))),
+        ("keep", ("keep", None, ())),
+        ("offload", ("offload", None, ())),
+        *[(f"selective:{p}", ("selective", p, ())) for p in POLICIES],
+        ("selective:mm", ("selective", None, ("mm",))),
+        ("selective:mm,addmm,bmm", ("selective", None, ("mm", "addmm", "bmm"))),
+        ("selective:convolution.default", ("selective", None, ("convolution.default",))),
     ],
 )
-def test_parse_option_accepts(text: str, parsed: Option) -> None:
-    assert parse_option(text) == parsed
+def test_parse_option_accepts(text: str, parts: tuple[str, str | None, tuple[str, ...]]) -> None:
+    parsed = parse_option(text)
+    assert isinstance(parsed, Option) and parsed == text  # a str, equal to what was written
+    assert (parsed.kind, parsed.policy, parsed.ops) == parts
+    assert (parsed.is_keep, parsed.is_offload, parsed.is_selective) == (
+        parts[0] == "keep", parts[0] == "offload", parts[0] == "selective")
+    assert parse_option(parsed) is parsed  # parsed once
+
+
+def test_a_plan_parses_its_options_once_and_they_stay_strings() -> None:
+    import json
+    import pickle
+
+    plan = Plan(NAMES[:3], options=("keep", "selective:save-matmuls", "offload"))
+    assert all(isinstance(o, Option) for o in plan.options)
+    assert plan.option(1).policy == "save-matmuls" and plan.option(2).is_offload
+    assert plan.options == ("keep", "selective:save-matmuls", "offload")
+    assert json.loads(plan.to_json())["options"] == list(plan.options)
+    again = pickle.loads(pickle.dumps(plan))  # torchrun ranks broadcast plans
+    assert again == plan and again.option(1).is_selective
+    with pytest.raises(AttributeError):
+        plan.option(0).kind = "offload"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(

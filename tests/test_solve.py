@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from remat.core import theory
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan, Region
-from remat.core.profile_format import HeldRead
 from remat.core.solve import Problem, Simulation, StageCost, dp, parse_budget, simulate, solvers
 from remat.core.solve.simulator import plan_tree
+from remat.core.stage_record import HeldRead
 from remat.core.units import format_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -15,7 +15,7 @@ from torch import nn
 
 from remat.core import recipes
 from remat.core.errors import UsageError
-from remat.core.plan_format import Plan, Region
+from remat.core.plan_format import KEEP, Option, Plan, Region
 from remat.runtime.identity import made_for_model
 from remat.runtime.stages import resolve_stages
 
@@ -27,7 +27,7 @@ def _plan(
     stages: list[str],
     regions: Sequence[tuple[int, int]],
     solver: str,
-    option: str = "keep",
+    option: str = KEEP,
 ) -> Plan:
     return Plan(
         stages=tuple(stages),
@@ -85,4 +85,4 @@ def selective(
     names = resolve_stages(model, stages)
     if not isinstance(policy, str) or not policy:
         raise UsageError(f"policy must be a name such as 'save-matmuls', got {policy!r}")
-    return _plan(model, names, [], f"selective-{policy}", option=f"selective:{policy}")
+    return _plan(model, names, [], f"selective-{policy}", option=Option.selective(policy))

@@ -406,7 +406,7 @@ def _run(
 
 def _paired_predictions(rows: dict[str, Row], specs: Sequence[RowSpec], prof: Profile) -> None:
     """Each planned row's predicted overhead as the median of the profile's per-round ratios,
-    the statistic its measured overhead is (Note [Paired overhead] in remat/solve/paired.py);
+    the statistic its measured overhead is (Note [Paired overhead] in remat/core/solve/paired.py);
     rows keep the ratio of the medians where the profile kept no rounds."""
     from remat.core.solve.paired import paired_overhead
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from remat.core.errors import CheckFailed, UsageError
-from remat.core.plan_format import Plan
+from remat.core.plan_format import KEEP, Plan
 from remat.core.planner import plan as make_plan
 from remat.core.solve import Problem, StageCost, parse_budget
 
@@ -48,7 +48,7 @@ _EVERY = re.compile(r"^every-([0-9]+)$")
 # A stand-in problem whose only use is to let parse_budget check the syntax of a budget
 # before anything is measured (its measured peak makes fractions parse too).
 _SYNTAX = Problem(
-    stages=(StageCost("stage", 1, 1, {"keep": 0}),), measured_no_checkpoint_peak_bytes=1 << 50
+    stages=(StageCost("stage", 1, 1, {KEEP: 0}),), measured_no_checkpoint_peak_bytes=1 << 50
 )
 
 

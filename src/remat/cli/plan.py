@@ -105,7 +105,7 @@ def _no_limit(plan: Any) -> bool:
     return (
         plan.solver in ("optimal", "segments-optimal")
         and not plan.regions
-        and all(o == "keep" for o in plan.options)
+        and all(plan.option(i).is_keep for i in range(len(plan.options)))
         and plan.budget_bytes is not None
         and plan.predicted_peak_bytes is not None
         and plan.predicted_peak_bytes <= plan.budget_bytes

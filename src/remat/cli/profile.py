@@ -12,15 +12,12 @@ from rich.table import Table
 from remat.cli.common import add_model_options, load, profile_with_progress, runs_one_thread
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.coverage import coverage_lines
+from remat.core.profile_format import OPTIONS
 from remat.core.solve.uncertainty import noise_lines
 from remat.core.units import format_bytes
 
-_OPTION_COLUMNS = (
-    ("keep", "keep"),
-    ("selective:save-matmuls", "matmuls"),
-    ("selective:save-attention", "attn"),
-    ("selective:save-nothing", "nothing"),
-)
+# the options every profile measures, under their column titles
+_OPTION_COLUMNS = tuple(zip(OPTIONS, ("keep", "matmuls", "attn", "nothing"), strict=True))
 
 
 def add_parser(sub: Any, name: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from remat.core.plan_format import KEEP
 from remat.core.profile_format import Profile
 
 __all__ = [
@@ -73,7 +74,7 @@ def coverage(profile: Profile, *, given: bool | None = None) -> Coverage:
     :func:`coverage_line`.
     """
     stages = profile.stages
-    chain = stages[-1].output_bytes + sum(s.saved_bytes["keep"] for s in stages)
+    chain = stages[-1].output_bytes + sum(s.saved_bytes[KEEP] for s in stages)
     for i, s in enumerate(stages):
         if s.saves_input or (i > 0 and stages[i - 1].saves_output):
             chain += s.boundary_bytes

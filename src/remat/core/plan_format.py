@@ -33,7 +33,8 @@ from remat.core.artifact import JsonArtifact
 from remat.core.errors import UsageError
 from remat.core.model_identity import MadeFor
 
-__all__ = ["POLICIES", "SCHEMA_VERSION", "Option", "Plan", "Region", "parse_option"]
+__all__ = ["KEEP", "OFFLOAD", "POLICIES", "SCHEMA_VERSION", "Option", "Plan", "Region",
+           "parse_option"]
 
 SCHEMA_VERSION = 1
 
@@ -78,27 +79,78 @@ class Region:
         return self.start <= other.start and other.stop <= self.stop
 
 
-@dataclass(frozen=True)
-class Option:
-    """A parsed stage option: ``kind`` plus, for ``selective``, a policy name or op names."""
+class Option(str):
+    """A stage option, parsed once: ``keep``, ``offload`` or ``selective:<spec>``.
 
-    kind: str  # "keep" | "selective" | "offload"
-    policy: str | None = None  # one of POLICIES, or None for a custom op list
-    ops: tuple[str, ...] = ()  # custom aten op names, e.g. ("mm", "convolution.default")
+    A ``str`` (so it is its own JSON, a key of ``saved_bytes`` and equal to the name it
+    was written as) that carries its parts: ``kind`` (``keep``, ``selective`` or
+    ``offload``), for a selective option ``policy`` (one of :data:`POLICIES`, or None for
+    a custom op list) and ``ops`` (custom aten op names, e.g. ``("mm",
+    "convolution.default")``). Code asks ``option.is_keep``, never compares names; the
+    parser (:func:`parse_option`, or ``Option(text)``) is the one place that reads them.
+    """
+
+    kind: str
+    policy: str | None
+    ops: tuple[str, ...]
+
+    def __new__(cls, text: object) -> Option:
+        if isinstance(text, Option):
+            return text
+        ops: tuple[str, ...] = ()
+        policy: str | None = None
+        if text in ("keep", "offload"):
+            kind = str(text)
+        elif isinstance(text, str) and text.startswith("selective:"):
+            spec = text[len("selective:"):]
+            names = tuple(name.strip() for name in spec.split(","))
+            kind = "selective"
+            if spec in POLICIES:
+                policy = spec
+            elif names and all(_OP_NAME.match(name) for name in names):
+                ops = names
+            else:
+                raise UsageError(f"option {text!r} is not valid; {_OPTION_HINT}")
+        else:
+            raise UsageError(f"option {text!r} is not valid; {_OPTION_HINT}")
+        option = super().__new__(cls, text)
+        object.__setattr__(option, "kind", kind)
+        object.__setattr__(option, "policy", policy)
+        object.__setattr__(option, "ops", ops)
+        return option
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("an Option is immutable")
+
+    def __reduce__(self) -> tuple[type[Option], tuple[str]]:
+        return Option, (str(self),)
+
+    @property
+    def is_keep(self) -> bool:
+        return self.kind == "keep"
+
+    @property
+    def is_offload(self) -> bool:
+        return self.kind == "offload"
+
+    @property
+    def is_selective(self) -> bool:
+        return self.kind == "selective"
+
+    @classmethod
+    def selective(cls, spec: str) -> Option:
+        """``selective:<spec>`` for a policy name or comma-separated op names."""
+        return cls(f"selective:{spec}")
+
+
+#: The two options without parts.
+KEEP = Option("keep")
+OFFLOAD = Option("offload")
 
 
 def parse_option(text: object) -> Option:
     """Parse ``keep``, ``offload`` or ``selective:<policy|op,op,...>``; raise UsageError."""
-    if text in ("keep", "offload"):
-        return Option(str(text))
-    if isinstance(text, str) and text.startswith("selective:"):
-        spec = text[len("selective:"):]
-        if spec in POLICIES:
-            return Option("selective", policy=spec)
-        names = tuple(name.strip() for name in spec.split(","))
-        if names and all(_OP_NAME.match(name) for name in names):
-            return Option("selective", ops=names)
-    raise UsageError(f"option {text!r} is not valid; {_OPTION_HINT}")
+    return Option(text)
 
 
 _META_FIELDS = (
@@ -125,6 +177,7 @@ class Plan(JsonArtifact):
 
     stages: tuple[str, ...]
     regions: tuple[Region, ...] = ()
+    # Given as names (str); parsed on construction into Option objects, which are str.
     options: tuple[str, ...] = field(default=())
     solver: str = "manual"
     budget_bytes: int | None = None
@@ -142,11 +195,16 @@ class Plan(JsonArtifact):
         regions = tuple(
             sorted((_as_region(r) for r in self.regions), key=lambda r: (r.start, -r.stop))
         )
-        options = tuple(self.options) if self.options else ("keep",) * len(stages)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "regions", regions)
-        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "options", _parsed(self.options, stages))
         self.validate()
+
+    def option(self, index: int) -> Option:
+        """Stage ``index``'s option, parsed (``plan.option(i).is_offload``)."""
+        option = self.options[index]
+        assert isinstance(option, Option)  # parsed in __post_init__
+        return option
 
     # -- checks -------------------------------------------------------------------------
 
@@ -164,16 +222,10 @@ class Plan(JsonArtifact):
             raise UsageError(
                 f"the plan has {len(self.options)} options for {n} stages; give one per stage"
             )
-        valid: set[str] = set()  # each distinct option parsed once: chains can be long
         for name, option in zip(self.stages, self.options, strict=True):
-            if isinstance(option, str) and option in valid:
-                continue
-            try:
-                parse_option(option)
-            except UsageError as err:
-                raise UsageError(f"stage {name!r}: {err}") from None
-            if isinstance(option, str):
-                valid.add(option)
+            if not isinstance(option, Option):
+                raise UsageError(f"stage {name!r}: option {option!r} was not parsed; build "
+                                 "plans with Plan(...) or dataclasses.replace")
         for a, b in itertools.pairwise(self.regions):
             if a == b:
                 raise UsageError(f"region {a} is listed twice; list each region once")
@@ -285,6 +337,29 @@ class Plan(JsonArtifact):
             made_for=None if data.get("made_for") is None else MadeFor.from_dict(data["made_for"]),
             **{name: data[name] for name in _META_FIELDS},
         )
+
+
+def _parsed(options: Iterable[object], stages: tuple[str, ...]) -> tuple[Option, ...]:
+    """The plan's options parsed, each distinct one once (chains can be long); keep for
+    every stage when none are given."""
+    if isinstance(options, str) or not isinstance(options, Iterable):
+        raise UsageError(f"options={options!r} is not a list; give one option per stage")
+    given = tuple(options)
+    if not given:
+        return (KEEP,) * len(stages)
+    seen: dict[object, Option] = {}
+    out = []
+    for i, option in enumerate(given):
+        try:
+            parsed = seen.get(option) if isinstance(option, str) else None
+            if parsed is None:
+                parsed = Option(option)
+                seen[option] = parsed
+        except UsageError as err:
+            name = stages[i] if i < len(stages) else f"#{i}"
+            raise UsageError(f"stage {name!r}: {err}") from None
+        out.append(parsed)
+    return tuple(out)
 
 
 def _as_region(value: object) -> Region:

@@ -45,6 +45,8 @@ from remat.core import fields
 from remat.core.artifact import JsonArtifact
 from remat.core.errors import UsageError
 from remat.core.model_identity import StageIdentity, digest
+from remat.core.plan_format import KEEP, Option
+from remat.core.stage_record import StageRecord
 
 __all__ = [
     "OPTIONS",
@@ -64,10 +66,10 @@ READABLE_VERSIONS = (1, 2)
 
 #: The options every profile measures for every stage.
 OPTIONS = (
-    "keep",
-    "selective:save-matmuls",
-    "selective:save-attention",
-    "selective:save-nothing",
+    KEEP,
+    Option.selective("save-matmuls"),
+    Option.selective("save-attention"),
+    Option.selective("save-nothing"),
 )
 
 
@@ -92,83 +94,18 @@ def _check_keys(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> N
 
 
 @dataclass(frozen=True)
-class HeldRead:
-    """A tensor made before a stage that the stage's call, or the model's code just
-    before it, reads (a skip connection, a position bias passed on): a region holding
-    that stage but opening after the tensor was made keeps it from its forward to its
-    backward (docs/cost-model.md, "Tensors a region reads from before it").
+class StageProfile(StageRecord):
+    """One stage's measured costs: the :class:`StageRecord` fields and the measurement's
+    own (see the module docstring for what each counts)."""
 
-    ``tensor`` names the tensor (its reads share it); ``made_after``: the stages called
-    before it was made, so ``x_q`` (the boundary stage ``q`` receives) has ``made_after``
-    ``q``; ``boundary``: it is that boundary; ``by_call``: the stage's call reads it (else
-    the code before the stage).
-    """
+    record: ClassVar[str] = "profile stage"
 
-    tensor: int
-    made_after: int
-    nbytes: int
-    boundary: bool = False
-    by_call: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("tensor", "made_after", "nbytes"):
-            object.__setattr__(self, name, _int(getattr(self, name), f"read {name}"))
-        for flag in ("boundary", "by_call"):
-            if not isinstance(getattr(self, flag), bool):
-                raise UsageError(f"profile read {flag} must be true or false")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tensor": self.tensor, "made_after": self.made_after, "bytes": self.nbytes,
-                "boundary": self.boundary, "by": "call" if self.by_call else "code"}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> HeldRead:
-        _check_keys(data, ("tensor", "made_after", "bytes", "boundary", "by"), "a stage read")
-        if data["by"] not in ("call", "code"):
-            raise UsageError(f"profile read by={data['by']!r} must be 'call' or 'code'")
-        return cls(data["tensor"], data["made_after"], data["bytes"], data["boundary"],
-                   data["by"] == "call")
-
-
-def reads_from(value: Any, where: str) -> tuple[HeldRead, ...]:
-    """``value`` as a tuple of reads: HeldRead objects or their JSON dicts."""
-    if not isinstance(value, (list, tuple)):
-        raise UsageError(f"{where} reads must be a list of reads, got {type(value).__name__}")
-    return tuple(r if isinstance(r, HeldRead) else HeldRead.from_dict(r) for r in value)
-
-
-@dataclass(frozen=True)
-class StageProfile:
-    """One stage's measured costs (see the module docstring for what each counts)."""
-
-    name: str
-    boundary_bytes: int
-    output_bytes: int
-    saved_bytes: Mapping[str, int] = field(hash=False)
-    fwd_s: float = 0.0
-    bwd_s: float = 0.0
-    rebuild_s: float = 0.0
-    fwd_transient_bytes: int = 0
-    bwd_transient_bytes: int = 0
-    nosave_transient_bytes: int = 0
-    grad_bytes: int = 0  # parameter gradients first created by this stage's backward
     # The output stays referenced from outside the chain (a list of hidden states, a skip
     # connection), so a region cannot free it: checkpointing saves less than predicted.
     output_kept_outside: bool = False
-    # Whether autograd keeps the stage's input / output for its backward (a stage that
-    # keeps neither lets the chain free its input early; one that ends in a ReLU keeps
-    # its output into its own backward).
-    saves_input: bool = True
+    # Whether autograd keeps the stage's output into its own backward (one that ends in a
+    # ReLU does).
     saves_output: bool = False
-    # option -> seconds a selective option adds to the backward (its ops rebuilt)
-    extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
-    # Why no region may span the link from the previous stage into this one (the model's
-    # code there cannot be replayed in a rebuild); None: regions may. Written only when set.
-    break_before: str | None = None
-    # What the model's code between the previous stage and this one keeps for backward
-    # (remat.profiling.assemble); the problem counts it with this stage's saved bytes.
-    # Written only when not 0.
-    link_saved_bytes: int = 0
     # The last stage (by index) whose forward runs while the model's own code still
     # references this stage's input / output beyond what the chain holds (a caller's frame
     # around a nested container, a list of skip tensors); len(stages): past the chain, into
@@ -184,15 +121,6 @@ class StageProfile:
     # replay included) where the simulator charges keep's saved bytes; measured with the
     # option on. Written only when set.
     selective_bwd_transient_bytes: Mapping[str, int] = field(default_factory=dict, hash=False)
-    # Tensors made before this stage that its call or the code before it reads (measured
-    # in the chain-break pass); written only when set.
-    reads: tuple[HeldRead, ...] = ()
-    # Bytes alive at this stage's backward peak beyond what the simulator counts there,
-    # in the step without checkpointing: gradients the model's code made for tensors it
-    # passed on to later stages (a skip connection's, held as a view of the later
-    # stage's input gradient) and that wait for backward to pass the stage that made them.
-    # They depend on where backward is, not on the plan. Written only when set.
-    pending_grad_bytes: int = 0
     # The stage module's class, parameter shapes and dtypes (remat.core.model_identity), which
     # plans made from the profile record so apply can check the model. Written only when set.
     identity: StageIdentity | None = None
@@ -205,65 +133,29 @@ class StageProfile:
     time_spread: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise UsageError(f"profile stage name {self.name!r} is not a module path")
-        where = f"stage {self.name!r}"
-        for name in (
-            "boundary_bytes",
-            "output_bytes",
-            "fwd_transient_bytes",
-            "bwd_transient_bytes",
-            "nosave_transient_bytes",
-            "grad_bytes",
-            "link_saved_bytes",
-            "pending_grad_bytes",
-        ):
-            object.__setattr__(self, name, _int(getattr(self, name), f"{where} {name}"))
-        for name in ("fwd_s", "bwd_s", "rebuild_s"):
-            object.__setattr__(self, name, _float(getattr(self, name), f"{where} {name}"))
-        if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
-            raise UsageError(f"profile {where} saved_bytes has no 'keep' entry")
-        saved = {
-            str(k): _int(v, f"{where} saved_bytes[{k!r}]") for k, v in self.saved_bytes.items()
-        }
-        object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
-        if not isinstance(self.extra_bwd_s, Mapping):
-            raise UsageError(f"profile {where} extra_bwd_s must map options to seconds")
-        extra = {
-            str(k): _float(v, f"{where} extra_bwd_s[{k!r}]") for k, v in self.extra_bwd_s.items()
-        }
-        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
-        for flag in ("output_kept_outside", "saves_input", "saves_output",
-                     "gets_previous_output"):
+        super().__post_init__()
+        where = self.where
+        for flag in ("output_kept_outside", "saves_output", "gets_previous_output"):
             if not isinstance(getattr(self, flag), bool):
-                raise UsageError(f"profile {where} {flag} must be true or false")
-        if self.break_before is not None and not isinstance(self.break_before, str):
-            raise UsageError(f"profile {where} break_before must be a reason or null")
+                raise UsageError(f"{where} {flag} must be true or false")
         if not isinstance(self.selective_bwd_transient_bytes, Mapping):
-            raise UsageError(f"profile {where} selective_bwd_transient_bytes must map options "
+            raise UsageError(f"{where} selective_bwd_transient_bytes must map options "
                              "to bytes")
         replay = {
-            str(k): _int(v, f"{where} selective_bwd_transient_bytes[{k!r}]")
+            str(k): self.nbytes(v, f"selective_bwd_transient_bytes[{k!r}]")
             for k, v in self.selective_bwd_transient_bytes.items()
         }
         object.__setattr__(self, "selective_bwd_transient_bytes", MappingProxyType(replay))
-        object.__setattr__(self, "reads", reads_from(self.reads, f"profile {where}"))
         if self.identity is not None and not isinstance(self.identity, StageIdentity):
-            raise UsageError(f"profile {where} identity must be a StageIdentity or null")
+            raise UsageError(f"{where} identity must be a StageIdentity or null")
         if not isinstance(self.time_spread, Mapping):
-            raise UsageError(f"profile {where} time_spread must map times to [low, high]")
+            raise UsageError(f"{where} time_spread must map times to [low, high]")
         object.__setattr__(self, "time_spread", MappingProxyType({
-            str(k): _range(v, f"{where} time_spread[{k!r}]") for k, v in self.time_spread.items()
+            str(k): fields.seconds_range(v, f"{where} time_spread[{k!r}]")
+            for k, v in self.time_spread.items()
         }))
         for name in ("input_held_through", "output_held_through", "same_as"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise UsageError(
-                    f"profile {where} {name}={value!r} is not a stage index; give an int >= 0 "
-                    "or null"
-                )
+            fields.stage_index(getattr(self, name), f"{where} {name}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -496,7 +388,7 @@ class TimingNoise:
 @dataclass(frozen=True)
 class TimedRound:
     """One timed profiling round's figures, in the profile's terms (Note [Paired
-    overhead] in ``remat/solve/paired.py``): each stage's forward and backward (the plain
+    overhead] in ``remat/core/solve/paired.py``): each stage's forward and backward (the plain
     step), its rebuild (the step with one region per stage) and each selective option's
     extra (its step), each the median of the stage and the stages identical to it within
     the round; one region's cost and a link's (``None``: not measured) as that round showed
@@ -657,7 +549,7 @@ class Profile(JsonArtifact):
     # [Links inside a region] in remat/profiling/optimes.py); None where no region can
     # span two stages, or from a remat before it. Written only when set.
     region_link_s: float | None = None
-    # each timed round's figures, for the paired overhead (remat/solve/paired.py); written
+    # each timed round's figures, for the paired overhead (remat/core/solve/paired.py); written
     # only when set, dropped by transforms.at_batch_size at another batch size
     timed_rounds: tuple[TimedRound, ...] | None = None
 

@@ -51,6 +51,7 @@ from typing import Any
 
 from torch import nn
 
+from remat.core.plan_format import KEEP
 from remat.core.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
 from remat.profiling.noise import option_extras, stage_times
@@ -109,7 +110,8 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     times = stage_times(m.plain_steps, m.per_stage_steps, same_as)
     for i, name in enumerate(m.names):
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
-        saved = {"keep": max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)}
+        kept = max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)
+        saved: dict[str, int] = {KEEP: kept}
         for option, stages in m.measured_in.items():
             if i in stages:
                 saved[option] = m.selective[option].stages[i].kept_bytes
@@ -136,7 +138,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
             spans = m.selective_backward.get(option if measured else NOTHING)
             if spans is not None:
                 rise = spans[i].peak_bytes - spans[i].entry_bytes
-                replay[option] = max(0, rise + saved[option] - saved["keep"] - input_grad)
+                replay[option] = max(0, rise + saved[option] - saved[KEEP] - input_grad)
         found.append(
             StageProfile(
                 name=name,

@@ -23,7 +23,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan, Region
-from remat.core.profile_format import HeldRead
+from remat.core.stage_record import HeldRead
 from remat.profiling._tensors import buffers_restored
 
 __all__ = ["Links", "find_breaks"]

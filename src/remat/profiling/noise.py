@@ -127,7 +127,7 @@ def paired_se(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]) -> flo
     over the plain step of the same round (0 below two rounds).
 
     Note [Rounds for the paired overhead]: the predicted overhead is a median of per-round
-    ratios (``remat/solve/paired.py``), and its error shrinks with the rounds: on the
+    ratios (``remat/core/solve/paired.py``), and its error shrinks with the rounds: on the
     built-in gpt, from a standard deviation of 3.0 points over four rounds to 2.3 over
     eight and 1.5 over twelve. A profile adds rounds, one at a time, while this error of
     the ratio that rebuilds most (one region per stage) is above :data:`PAIRED_SE`, up to

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
-from remat.core.plan_format import parse_option
+from remat.core.plan_format import Option
 from remat.core.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.measure.step import make_optimizer
@@ -64,12 +64,12 @@ def _no_progress(_what: str, _done: int, _total: int) -> None:
     return None
 
 
-def _check_options(options: Sequence[str]) -> tuple[str, ...]:
-    found = tuple(dict.fromkeys(options))
-    if "keep" not in found:
+def _check_options(options: Sequence[str]) -> tuple[Option, ...]:
+    found = tuple(dict.fromkeys(map(Option, options)))
+    if not any(option.is_keep for option in found):
         raise UsageError("options must include 'keep'; the simulator needs it for every stage")
     for option in found:
-        if option != "keep" and parse_option(option).kind != "selective":
+        if option.is_offload:
             raise UsageError(
                 f"option {option!r} cannot be profiled; give keep or selective:<policy>"
             )

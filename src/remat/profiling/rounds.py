@@ -1,4 +1,4 @@
-"""Each timed round's figures, kept for the paired overhead (``remat/solve/paired.py``).
+"""Each timed round's figures, kept for the paired overhead (``remat/core/solve/paired.py``).
 
 A round is one step with one region per stage, one with regions over the longest runs,
 one plain step and one step per selective option, run back to back; what a plan adds to

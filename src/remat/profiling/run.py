@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from remat import plans
-from remat.core.plan_format import Plan, Region
-from remat.core.profile_format import HeldRead
+from remat.core.plan_format import KEEP, Option, Plan, Region
+from remat.core.stage_record import HeldRead
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.profiling._tensors import buffers_restored
@@ -107,12 +107,12 @@ class Measurements:
 
     @property
     def selective_options(self) -> tuple[str, ...]:
-        return tuple(o for o in self.options if o != "keep")
+        return tuple(o for o in self.options if Option(o).is_selective)
 
 
 def part_names(options: Sequence[str]) -> list[str]:
     """The parts of a run, as reported to ``progress``."""
-    selective = [o for o in options if o != "keep"]
+    selective = [o for o in options if Option(o).is_selective]
     return [
         "no-save forward",
         "rebuild timing",
@@ -140,7 +140,7 @@ def _fixed_counts(
     }
 
 
-NOTHING = "selective:save-nothing"
+NOTHING = Option.selective("save-nothing")
 
 
 def _replayed(
@@ -209,9 +209,9 @@ def measure_all(
     # which made the step without checkpointing look up to 40% slower than it is.
     per_stage = plans.per_stage(model, stages=names)
     option_plans = {
-        option: plans.selective(model, option.removeprefix("selective:"), stages=names)
+        option: plans.selective(model, str(Option(option).policy), stages=names)
         for option in options
-        if option != "keep"
+        if Option(option).is_selective
     }
     spanning = spanning_regions(links.breaks)
     spanning_plan = (Plan(names, tuple(Region(a, b) for a, b in spanning), solver="profile")
@@ -292,7 +292,7 @@ def measure_all(
     selective: dict[str, ForwardPass] = {}
     selective_backward: dict[str, tuple[Span, ...]] = {}
     measured_in: dict[str, frozenset[int]] = {}
-    for option in (o for o in options if o != "keep"):
+    for option in (o for o in options if Option(o).is_selective):
         part(f"saved bytes, {option}")
         wanted = frozenset(
             i for i, name in enumerate(names) if spans.stage_ops[i] & policy_op_names(option, name)
@@ -301,13 +301,13 @@ def measure_all(
             continue
         plan = Plan(
             stages=names,
-            options=tuple(option if i in wanted else "keep" for i in range(len(names))),
+            options=tuple(option if i in wanted else KEEP for i in range(len(names))),
             solver="profile",
         )
         selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
         measured_in[option] = wanted
         selective_backward[option] = _replayed(model, batch, loss_fn, names, optimizer, option)
-    if any(o != "keep" for o in options):
+    if any(Option(o).is_selective for o in options):
         # A stage that runs none of an option's ops replays like save-nothing.
         selective_backward[NOTHING] = _replayed(model, batch, loss_fn, names, optimizer, NOTHING)
 

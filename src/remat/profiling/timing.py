@@ -145,7 +145,7 @@ def bare_step_s(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any]
     The hooks that time each stage cost the plain step about 1% of its time on the built-in
     gpt (2.4 ms of 221 ms, 30 interleaved rounds) and a checkpointed step nothing
     measurable, which made every plan's overhead look 1.4 points smaller than it runs
-    (Note [Paired overhead] in remat/solve/paired.py); the step without checkpointing is
+    (Note [Paired overhead] in remat/core/solve/paired.py); the step without checkpointing is
     therefore timed bare.
     """
     sync = device is not None and device.type == "cuda"

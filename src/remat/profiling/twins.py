@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from remat.core.plan_format import KEEP
 from remat.core.profile_format import Profile, StageProfile
 from remat.profiling.noise import option_diffs, pooled_extras
 from remat.profiling.optimes import policy_op_names
@@ -70,7 +71,7 @@ def merge_twin_options(profile: Profile, m: Measurements) -> Profile:
         replay = s.selective_bwd_transient_bytes
         stages.append(replace(
             s,
-            saved_bytes={"keep": s.saved_bytes["keep"],
+            saved_bytes={KEEP: s.saved_bytes[KEEP],
                          **{o: s.saved_bytes[lead[o]] for o in order}},
             extra_bwd_s={o: times[o].median for o in order},
             selective_bwd_transient_bytes={

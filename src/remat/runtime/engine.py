@@ -797,9 +797,9 @@ class Engine:
     ) -> Any:
         """Run stage ``i`` with its option (Note [Options inside regions])."""
         policy = self.policies[i]
-        if policy.kind == "keep":
+        if policy.is_keep:
             return orig(*args, **kwargs)
-        if policy.kind == "offload":
+        if policy.is_offload:
             boundary = main_input(args, kwargs)
             if not wants_offload(boundary):
                 device = boundary.device.type if isinstance(boundary, torch.Tensor) else "none"

@@ -299,8 +299,7 @@ def check_apply(model: nn.Module, plan: Plan) -> None:
     if not found:
         return
     inside = {i for region in plan.regions for i in range(region.start, region.stop)}
-    options = plan.options or ("keep",) * len(plan.stages)
-    checked = [s for i, s in enumerate(plan.stages) if i in inside or options[i] != "keep"]
+    checked = [s for i, s in enumerate(plan.stages) if i in inside or not plan.option(i).is_keep]
     for stage in checked:
         flag = next((p for p in found.flagged if _overlap(p, stage)), None)
         if flag is not None:

@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from remat.core.errors import UsageError
-from remat.core.plan_format import parse_option
+from remat.core.plan_format import KEEP, OFFLOAD, parse_option
 
 __all__ = [
     "ATTENTION_OPS",
@@ -53,7 +53,11 @@ class StagePolicy:
 
     @property
     def is_keep(self) -> bool:
-        return self.kind == "keep"
+        return self.kind == KEEP.kind
+
+    @property
+    def is_offload(self) -> bool:
+        return self.kind == OFFLOAD.kind
 
 
 def resolve(option: str, stage: str) -> StagePolicy:

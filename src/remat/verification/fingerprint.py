@@ -38,7 +38,7 @@ import torch
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.core.plan_format import Plan, Region
+from remat.core.plan_format import Option, Plan, Region
 from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
 from remat.runtime.policies import resolve
@@ -207,8 +207,8 @@ def rebuilt_stages(plan: Plan) -> dict[int, Region | None]:
     for region in plan.regions:  # parents before children: the last one seen is innermost
         for i in range(region.start, region.stop):
             stages[i] = region
-    for i, option in enumerate(plan.options):
-        if option.startswith("selective:"):
+    for i in range(len(plan.options)):
+        if plan.option(i).is_selective:
             stages.setdefault(i, None)
     return stages
 
@@ -295,7 +295,7 @@ class ValueCheck:
         self._skippable = {
             i: frozenset(str(op) for op in resolve(option, name).ops)
             for i, (name, option) in enumerate(zip(plan.stages, plan.options, strict=True))
-            if option.startswith("selective:")
+            if Option(option).is_selective
         }
         self._tolerance = parse_tolerance(tolerance)
         self._stage_modules = {i: handle.model.get_submodule(plan.stages[i]) for i in self._rebuilt}

@@ -6,6 +6,7 @@ import math
 import re
 
 from remat.core.errors import UsageError
+from remat.core.plan_format import KEEP
 from remat.core.solve.problem import Problem, StageCost
 from remat.core.units import parse_size
 
@@ -68,6 +69,6 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
 
 def check_budget(text: str | int | float) -> None:
     """Raise UsageError for a budget no problem could read, before anything is measured."""
-    stand_in = Problem(stages=(StageCost("stage", 1, 1, {"keep": 0}),),
+    stand_in = Problem(stages=(StageCost("stage", 1, 1, {KEEP: 0}),),
                        measured_no_checkpoint_peak_bytes=1 << 50)
     parse_budget(text, stand_in)

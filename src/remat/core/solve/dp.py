@@ -93,6 +93,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.core.plan_format import KEEP as KEEP_OPTION
+from remat.core.plan_format import OFFLOAD, Option
 from remat.core.solve.problem import Problem
 
 __all__ = [
@@ -172,7 +174,7 @@ class Model:
         # simulator's exact holding: Problem.held_in_forward).
         self.held = problem.held_in_forward
         self.opts = [problem.options(k) for k in range(n)]
-        self.kinds = [[KEEP if o == "keep" else OFF if o == "offload" else SEL for o in os]
+        self.kinds = [[KEEP if o.is_keep else OFF if o.is_offload else SEL for o in os]
                       for os in self.opts]
         # keeps[k][j]: stage k holds its input from forward to backward under option j.
         self.keeps = [[s.keeps_input(o) for o in os] for s, os in zip(st, self.opts, strict=True)]
@@ -201,7 +203,8 @@ class Model:
                     tf.append(s.saved_bytes[o] + s.fwd_transient_bytes)
                     save.append(s.saved_bytes[o])
                     # bwd() adds keep's transient; a selective option's own replaces it
-                    dev.append(s.saved_bytes["keep"] + s.bwd_transient(o) - s.bwd_transient_bytes)
+                    dev.append(s.saved_bytes[KEEP_OPTION] + s.bwd_transient(o)
+                               - s.bwd_transient_bytes)
                     t = s.extra_bwd_s.get(o, 0.0)
                     tt.append(t)
                     tr.append(s.rebuild_s + t)
@@ -623,11 +626,11 @@ def segp_value(t: Tables, k: int, e: int, h: int, m: int) -> float:
                default=INF)
 
 
-def reconstruct(t: Tables, m: int) -> tuple[list[tuple[int, int]], list[str]]:
+def reconstruct(t: Tables, m: int) -> tuple[list[tuple[int, int]], list[Option]]:
     """The plan behind ``t.top[0, m]``: regions as (start, stop) and one option per stage."""
     model = t.model
     regions: list[tuple[int, int]] = []
-    options = ["keep"] * model.n
+    options: list[Option] = [KEEP_OPTION] * model.n
 
     def pick(target: float, candidates: Iterator[tuple[float, Choice]]) -> Choice:
         for value, c in candidates:
@@ -643,7 +646,7 @@ def reconstruct(t: Tables, m: int) -> tuple[list[tuple[int, int]], list[str]]:
             kind = "AO"
         if kind == "AO":
             for i in range(k, e):
-                options[i] = "offload"
+                options[i] = OFFLOAD
             return
         c = pick(target, ((_seg_value(t, k, e, h, m, c), c) for c in seg_choices(model, k, e, h)))
         if c.kind == "stage":

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.core.plan_format import KEEP as KEEP_OPTION
 from remat.core.solve.dp import BREAK_BYTES, KEEP, Model
 from remat.core.solve.problem import Problem
 
@@ -104,10 +105,11 @@ class FlatInputs:
         sg = np.full(n + 1, problem.post_chain_grads_bytes, dtype=i64)
         sg[:n] += np.cumsum(ints(s.grad_bytes for s in st)[::-1])[::-1]
         sg[1:] += ints(s.pending_grad_bytes for s in st)  # as dp.Model's T(p)
-        save = ints(s.saved_bytes["keep"] for s in st)
+        save = ints(s.saved_bytes[KEEP_OPTION] for s in st)
         tf = save + ints(s.fwd_transient_bytes for s in st)
-        keeps = np.fromiter((s.keeps_input("keep") for s in st), dtype=bool, count=n)
-        t_top = np.fromiter((s.extra_bwd_s.get("keep", 0.0) for s in st), dtype=float, count=n)
+        keeps = np.fromiter((s.keeps_input(KEEP_OPTION) for s in st), dtype=bool, count=n)
+        t_top = np.fromiter((s.extra_bwd_s.get(KEEP_OPTION, 0.0) for s in st), dtype=float,
+                            count=n)
         t_run = np.fromiter((s.rebuild_s for s in st), dtype=float, count=n) + t_top
         bwd_tr = ints(s.bwd_transient_bytes for s in st)
         top_held = ints(iter(problem.held_in_forward))  # as dp.Model.held

@@ -32,6 +32,7 @@ from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.core.solve.problem import Problem, StageCost
 from remat.core.solve.simulator import simulate
+from remat.core.stage_record import shared_fields
 
 __all__ = ["no_checkpoint_plan", "predict_no_checkpoint_peak", "problem_from_profile"]
 
@@ -55,30 +56,21 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         }
         costs.append(
             StageCost(
-                name=s.name,
-                boundary_bytes=links[i - 1] if i > 0 else s.boundary_bytes,
-                output_bytes=links[i] if i < len(links) else s.output_bytes,
-                # What the code before the stage keeps goes where the stage's does: held
-                # at the top level, dropped inside a region (not at a region's first stage,
-                # where it stays outside the region: docs/cost-model.md).
-                saved_bytes={o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
-                fwd_s=s.fwd_s,
-                bwd_s=s.bwd_s,
-                rebuild_s=s.rebuild_s + link,
-                extra_bwd_s={o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
-                fwd_transient_bytes=s.fwd_transient_bytes,
-                bwd_transient_bytes=s.bwd_transient_bytes,
+                **{
+                    **shared_fields(s),
+                    "boundary_bytes": links[i - 1] if i > 0 else s.boundary_bytes,
+                    "output_bytes": links[i] if i < len(links) else s.output_bytes,
+                    # What the code before the stage keeps goes where the stage's does:
+                    # held at the top level, dropped inside a region (not at a region's
+                    # first stage, where it stays outside the region: docs/cost-model.md).
+                    "saved_bytes": {o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
+                    "rebuild_s": s.rebuild_s + link,
+                    "extra_bwd_s": {o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
+                },
                 bwd_transient_by_option=by_option,
-                nosave_transient_bytes=s.nosave_transient_bytes,
-                grad_bytes=s.grad_bytes,
-                saves_input=s.saves_input,
-                break_before=s.break_before,
-                reads=s.reads,
-                pending_grad_bytes=s.pending_grad_bytes,
                 held_through=held_through[i],
                 output_held_through=out_held[0] if out_held else None,
                 output_held_bytes=out_held[1] if out_held else 0,
-                link_saved_bytes=s.link_saved_bytes,
             )
         )
     fixed = profile.fixed

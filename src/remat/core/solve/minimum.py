@@ -8,13 +8,15 @@ the optimal solver a plan when rounding to slots leaves none close to that minim
 
 from __future__ import annotations
 
+from remat.core.plan_format import KEEP as KEEP_OPTION
+from remat.core.plan_format import OFFLOAD, Option
 from remat.core.solve.dp import INF, KEEP, Choice, Model, seg_choices, subproblems, top_choices
 from remat.core.solve.problem import Problem
 
 __all__ = ["min_peak_plan"]
 
 
-def min_peak_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[str]]:
+def min_peak_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[Option]]:
     """The smallest peak of any plan (bytes, exact) and one plan that reaches it.
 
     The same recursion as the tables with ``max`` for events and ``min`` over choices,
@@ -76,7 +78,7 @@ def min_peak_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[st
 
     # Rebuild the plan: take the first choice reaching each requirement.
     regions: list[tuple[int, int]] = []
-    options = ["keep"] * n
+    options: list[Option] = [KEEP_OPTION] * n
 
     def seg(k: int, e: int, h: int, kind: str) -> None:
         if k == e:
@@ -85,7 +87,7 @@ def min_peak_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[st
             kind = "AO"
         if kind == "AO":
             for i in range(k, e):
-                options[i] = "offload"
+                options[i] = OFFLOAD
             return
         target = reqp[h][k][e]
         c = next(c for c in seg_choices(model, k, e, h) if seg_req(k, e, h, c) == target)

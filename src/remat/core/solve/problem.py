@@ -37,8 +37,8 @@ from typing import Any, ClassVar
 from remat.core import fields
 from remat.core.artifact import JsonArtifact
 from remat.core.errors import UsageError
-from remat.core.plan_format import parse_option
-from remat.core.profile_format import HeldRead, reads_from
+from remat.core.plan_format import KEEP, OFFLOAD, Option
+from remat.core.stage_record import StageRecord
 
 __all__ = ["SCHEMA_VERSION", "Problem", "StageCost"]
 
@@ -51,44 +51,17 @@ def _bytes(value: object, what: str) -> int:
 
 
 @dataclass(frozen=True)
-class StageCost:
-    """What one stage costs in memory and time (see the module docstring for meanings)."""
+class StageCost(StageRecord):
+    """What one stage costs in memory and time: the :class:`StageRecord` fields in the
+    simulator's conventions, and the figures it derives (see the module docstring)."""
 
-    name: str
-    boundary_bytes: int
-    output_bytes: int
-    saved_bytes: Mapping[str, int] = field(hash=False)
-    fwd_s: float = 0.0
-    bwd_s: float = 0.0
-    rebuild_s: float = 0.0
-    extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
-    fwd_transient_bytes: int = 0
-    bwd_transient_bytes: int = 0
-    # Peak extra bytes of a forward that saves nothing (inside a region), beyond input and
-    # output; None: not measured, charge it like a keep forward (saved + fwd transient).
-    nosave_transient_bytes: int | None = None
-    # Parameter gradients this stage's backward creates first (alive until the optimizer).
-    grad_bytes: int = 0
-    # Whether autograd keeps the stage's input when it runs under keep (False: a stage
-    # whose first op saves only what it computes, so the input can go after its forward).
-    # Selective stages always keep it: torch's checkpoint frame holds the input.
-    saves_input: bool = True
-    # Why no region may span the link from the previous stage into this one (the model's
-    # code there cannot be replayed, Note [Glue between stages]); None: regions may.
-    break_before: str | None = None
+    takes_sizes: ClassVar[bool] = True
+
     # A selective option's backward transient where it differs from keep's
     # (``bwd_transient_bytes``): its replay may make more than keep's backward holds (a
     # block ending in a ReLU makes its output again). Same convention: beyond keep's saved
     # bytes, which the backward of a selective stage holds too.
     bwd_transient_by_option: Mapping[str, int] = field(default_factory=dict, hash=False)
-    # Tensors made before this stage that its call or the code before it reads: a region
-    # containing the read but opening after the tensor was made holds it to its backward
-    # (remat.core.profile_format.HeldRead; the simulator counts it, the DP does not).
-    reads: tuple[HeldRead, ...] = field(default=(), hash=False)
-    # Gradients alive from this stage's backward (and the rebuilds just before it) beyond
-    # the chain's own: ones the model's code made for tensors passed on to later stages,
-    # waiting for backward to pass the stage that made them (plan-independent).
-    pending_grad_bytes: int = 0
     # The last stage (by index) whose forward still finds this stage's input referenced by
     # the model's own code beyond what the chain holds (a skip list, a caller's frame);
     # n or more: through the chain's end. None: nothing. Only the top-level forward: the
@@ -100,11 +73,6 @@ class StageCost:
     # forward through this one's (n - 1 or more: through the chain's end), of these bytes.
     output_held_through: int | None = None
     output_held_bytes: int = 0
-    # Of saved_bytes (under every option), what the model's code between the previous
-    # stage and this one keeps for backward (a block the chain does not list: diffusers'
-    # mid-block attention). A region starting here does not drop it: that code runs
-    # before the region, so the region holds it from its forward to its backward.
-    link_saved_bytes: int = 0
     # FSDP2 (a per-rank problem, remat.core.transforms): the bytes of this stage's unit when
     # gathered (its unsharded parameters; the all-gather's flat output is as large), and
     # of its gradients' reduce-scatter input; 0: the stage is not a unit of its own. The
@@ -113,100 +81,64 @@ class StageCost:
     reduce_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise UsageError(f"stage name {self.name!r} is not a module path; give a string")
-        where = f"stage {self.name!r}"
-        for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
-                     "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes", "unit_bytes",
-                     "reduce_bytes"):
-            object.__setattr__(self, name, _bytes(getattr(self, name), f"{where} {name}"))
-        if self.nosave_transient_bytes is not None:
-            value = _bytes(self.nosave_transient_bytes, f"{where} nosave_transient_bytes")
-            object.__setattr__(self, "nosave_transient_bytes", value)
-        for name in ("fwd_s", "bwd_s", "rebuild_s"):
-            object.__setattr__(self, name, fields.seconds(getattr(self, name), f"{where} {name}"))
-        if not isinstance(self.saves_input, bool):
-            raise UsageError(f"{where} saves_input={self.saves_input!r} must be true or false")
-        if self.break_before is not None and not isinstance(self.break_before, str):
-            raise UsageError(f"{where} break_before={self.break_before!r} must be a reason or null")
-        if not isinstance(self.saved_bytes, Mapping) or "keep" not in self.saved_bytes:
-            raise UsageError(
-                f"{where} saved_bytes={self.saved_bytes!r} has no 'keep' entry; give at least "
-                "{'keep': <bytes>}"
-            )
-        saved: dict[str, int] = {}
-        for option, nbytes in self.saved_bytes.items():
-            _check_option(option, where, "saved_bytes")
-            saved[option] = _bytes(nbytes, f"{where} saved_bytes[{option!r}]")
-        extra: dict[str, float] = {}
-        if not isinstance(self.extra_bwd_s, Mapping):
-            raise UsageError(f"{where} extra_bwd_s={self.extra_bwd_s!r} is not a mapping")
-        for option, seconds in self.extra_bwd_s.items():
-            _check_option(option, where, "extra_bwd_s")
-            if option != "offload" and option not in saved:
+        super().__post_init__()
+        where = self.where
+        for name in ("unit_bytes", "reduce_bytes", "output_held_bytes"):
+            object.__setattr__(self, name, self.nbytes(getattr(self, name), name))
+        for option in self.extra_bwd_s:
+            if not Option(option).is_offload and option not in self.saved_bytes:
                 raise UsageError(
                     f"{where} has extra_bwd_s for {option!r} but no saved_bytes for it; "
                     "add saved_bytes for that option or drop the entry"
                 )
-            extra[option] = fields.seconds(seconds, f"{where} extra_bwd_s[{option!r}]")
         if not isinstance(self.bwd_transient_by_option, Mapping):
             raise UsageError(f"{where} bwd_transient_by_option must map options to bytes")
         by_option: dict[str, int] = {}
-        for option, nbytes in self.bwd_transient_by_option.items():
-            if not (isinstance(option, str) and option.startswith("selective:")
-                    and option in saved):
+        for text, nbytes in self.bwd_transient_by_option.items():
+            option = self.option(text, "bwd_transient_by_option")
+            if not (option.is_selective and option in self.saved_bytes):
                 raise UsageError(
                     f"{where} has bwd_transient_by_option for {option!r}, which is not one of "
                     "its measured selective options; drop the entry"
                 )
-            by_option[option] = _bytes(nbytes, f"{where} bwd_transient_by_option[{option!r}]")
-        object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
-        object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
+            by_option[option] = self.nbytes(nbytes, f"bwd_transient_by_option[{option!r}]")
         object.__setattr__(self, "bwd_transient_by_option", MappingProxyType(by_option))
-        object.__setattr__(self, "reads", reads_from(self.reads, where))
         for name in ("held_through", "output_held_through"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise UsageError(f"{where} {name}={value!r} is not a stage index; "
-                                 "give an int >= 0 or null")
-        object.__setattr__(self, "output_held_bytes",
-                           _bytes(self.output_held_bytes, f"{where} output_held_bytes"))
-        link = _bytes(self.link_saved_bytes, f"{where} link_saved_bytes")
-        if any(link > nbytes for nbytes in self.saved_bytes.values()):
-            raise UsageError(f"{where} link_saved_bytes={link} is more than one of its "
-                             "saved_bytes, which include it; give at most the smallest")
-        object.__setattr__(self, "link_saved_bytes", link)
+            fields.stage_index(getattr(self, name), f"{where} {name}")
+        if any(self.link_saved_bytes > nbytes for nbytes in self.saved_bytes.values()):
+            raise UsageError(f"{where} link_saved_bytes={self.link_saved_bytes} is more than "
+                             "one of its saved_bytes, which include it; give at most the "
+                             "smallest")
 
     def bwd_transient(self, option: str) -> int:
         """The backward transient under ``option`` (keep's unless measured apart)."""
         return self.bwd_transient_by_option.get(option, self.bwd_transient_bytes)
 
     @property
-    def selective_options(self) -> tuple[str, ...]:
+    def selective_options(self) -> tuple[Option, ...]:
         """The selective options measured for this stage, in the order given."""
-        return tuple(o for o in self.saved_bytes if o.startswith("selective:"))
+        return tuple(o for o in map(Option, self.saved_bytes) if o.is_selective)
 
     def keeps_input(self, option: str) -> bool:
         """Whether the stage holds its input from its forward to its backward under ``option``."""
-        if option == "offload":
+        parsed = Option(option)
+        if parsed.is_offload:
             return False  # its saved tensors, input included, went to the host
-        return self.saves_input or option != "keep"
+        return self.saves_input or not parsed.is_keep
 
     @property
     def offload_bytes(self) -> int:
         """Bytes moved to the host in forward and back in backward when offloaded."""
-        if "offload" in self.saved_bytes:
-            return self.saved_bytes["offload"]
-        return self.saved_bytes["keep"] + self.boundary_bytes
+        if OFFLOAD in self.saved_bytes:
+            return self.saved_bytes[OFFLOAD]
+        return self.saved_bytes[KEEP] + self.boundary_bytes
 
     @property
     def nosave_peak_extra_bytes(self) -> int:
         """Extra bytes at the peak of a forward that saves nothing (beyond input, output)."""
         if self.nosave_transient_bytes is not None:
             return self.nosave_transient_bytes
-        return self.saved_bytes["keep"] + self.fwd_transient_bytes
+        return self.saved_bytes[KEEP] + self.fwd_transient_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -247,13 +179,6 @@ class StageCost:
         known = _STAGE_KEYS if version >= 2 else _STAGE_KEYS_V1
         fields.check_keys(data, _STAGE_REQUIRED, known, where)
         return cls(**{key: data[key] for key in known if key in data})
-
-
-def _check_option(option: object, where: str, what: str) -> None:
-    try:
-        parse_option(option)
-    except UsageError as err:
-        raise UsageError(f"{where} {what}: {err}") from None
 
 
 _STAGE_REQUIRED = ("name", "boundary_bytes", "output_bytes", "saved_bytes")
@@ -488,20 +413,21 @@ class Problem(JsonArtifact):
         """
         return self.forward_base_bytes + self.unattributed_grads_bytes
 
-    def options(self, i: int) -> tuple[str, ...]:
+    def options(self, i: int) -> tuple[Option, ...]:
         """The options stage ``i`` may take: keep, its measured selective ones, offload."""
         stage = self.stages[i]
-        found = ("keep", *stage.selective_options)
-        return (*found, "offload") if self.offload_bandwidth_bytes_per_s is not None else found
+        found = (KEEP, *stage.selective_options)
+        return (*found, OFFLOAD) if self.offload_bandwidth_bytes_per_s is not None else found
 
     def check_option(self, i: int, option: str) -> None:
         """Raise UsageError if stage ``i`` cannot take ``option`` in this problem."""
-        if option == "keep":  # every stage can keep; the common case, on long chains too
+        parsed = Option(option)
+        if parsed.is_keep:  # every stage can keep; the common case, on long chains too
             return
         stage = self.stages[i]
         if option in self.options(i):
             return
-        if option == "offload":
+        if parsed.is_offload:
             raise UsageError(
                 f"stage {stage.name!r} is set to offload but the problem has no host link "
                 "(offload_bandwidth_bytes_per_s is null); use keep or a selective option"

@@ -104,9 +104,9 @@ from functools import cached_property
 from typing import NamedTuple
 
 from remat.core.errors import UsageError
-from remat.core.plan_format import Plan, Region
-from remat.core.profile_format import HeldRead
+from remat.core.plan_format import KEEP, Option, Plan, Region
 from remat.core.solve.problem import Problem
+from remat.core.stage_record import HeldRead
 
 __all__ = ["Event", "Item", "Simulation", "StepTime", "baseline_time", "plan_tree", "simulate"]
 
@@ -247,7 +247,7 @@ class _Walker:
         self.rebuilt_in_full: set[int] = set()  # selective stages whose rebuild stopped early
         self.names = [s.name for s in stages]
         self.forward_labels = [f"forward {s.name}" for s in stages]
-        off = [o == "offload" for o in options]
+        off = [Option(o).is_offload for o in options]
         self.save = [0 if f else s.saved_bytes[o]
                      for s, o, f in zip(stages, options, off, strict=True)]
         # Offloaded copies leave as they are packed: a taped forward peaks like no saving.
@@ -262,7 +262,7 @@ class _Walker:
         # back from the host. That replaces what it held since its forward.
         self.backward_extra = [
             s.offload_bytes + s.bwd_transient_bytes if f
-            else s.saved_bytes["keep"] + s.bwd_transient(o)
+            else s.saved_bytes[KEEP] + s.bwd_transient(o)
             for s, o, f in zip(stages, options, off, strict=True)
         ]
         # FSDP2 units (Note [FSDP2 units])
@@ -470,7 +470,7 @@ class _Walker:
     def held_link(self, i: int) -> int:
         """Stage i's link bytes when a region starting at i holds them (they are in its
         saved figures, and the code that made them ran before the region)."""
-        if ("link", i) in self.shared and self.options[i] != "offload":
+        if ("link", i) in self.shared and not Option(self.options[i]).is_offload:
             return self.p.stages[i].link_saved_bytes
         return 0
 
@@ -590,11 +590,12 @@ class _Walker:
         run, opener = len(items), None  # items[:run] run; items[opener] only opens
         if self.p.early_stop:
             packers = [k for k, it in enumerate(items)
-                       if it.region is not None or self.options[it.start] != "offload"]
+                       if it.region is not None or not Option(self.options[it.start]).is_offload]
             run = 0
             if packers:
                 last = packers[-1]
-                keeps = items[last].region is None and self.options[items[last].start] == "keep"
+                keeps = (items[last].region is None
+                         and Option(self.options[items[last].start]).is_keep)
                 run, opener = (last + 1, None) if keeps else (last, last)
         stages, names = self.p.stages, self.names
         cur = region.start
@@ -749,6 +750,6 @@ def baseline_time(problem: Problem) -> StepTime:
         fwd += stage.fwd_s
     for stage in reversed(problem.stages):
         bwd += stage.bwd_s
-        option += stage.extra_bwd_s.get("keep", 0.0)
+        option += stage.extra_bwd_s.get(KEEP, 0.0)
     return StepTime(forward_s=fwd, backward_s=bwd, rebuild_s=0.0, option_s=option,
                     overhead_s=0.0, outside_chain_s=problem.outside_chain_s)

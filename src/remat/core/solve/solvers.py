@@ -19,7 +19,7 @@ import numpy as np
 
 from remat.core import recipes
 from remat.core.errors import CheckFailed, UsageError
-from remat.core.plan_format import Plan, Region
+from remat.core.plan_format import KEEP, Option, Plan, Region
 from remat.core.solve import dp
 from remat.core.solve.budget import parse_budget
 from remat.core.solve.minimum import min_peak_plan
@@ -74,7 +74,7 @@ def _finish(
     plan = Plan(
         names,
         tuple(Region(*r) for r in regions),
-        tuple(options) if options else ("keep",) * len(names),
+        tuple(options) if options else (KEEP,) * len(names),
     )
     sim = simulate(plan, problem)
     baseline = baseline_time(problem).total_s
@@ -140,8 +140,8 @@ def selective_everywhere(
 ) -> Plan:
     """No regions; every stage measured under ``selective:<policy>`` uses it, others keep."""
     t0 = time.perf_counter()
-    option = f"selective:{policy}"
-    options = [option if option in s.saved_bytes else "keep" for s in problem.stages]
+    option = Option.selective(policy)
+    options = [option if option in s.saved_bytes else KEEP for s in problem.stages]
     return _finish(problem, [], options, "selective-everywhere", _budget(budget, problem), t0)
 
 
@@ -153,7 +153,7 @@ def minimum_budget(problem: Problem) -> int:
     return _least_plan(problem)[0]
 
 
-def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[str]]:
+def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[Option]]:
     least, regions, options = min_peak_plan(problem)
     if any(s.reads or s.link_saved_bytes for s in problem.stages):
         least = max(least, simulate(_as_plan(problem, (regions, options)), problem).peak_bytes)
@@ -184,7 +184,7 @@ def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
     return fill
 
 
-Found = tuple[list[tuple[int, int]], list[str] | None]
+Found = tuple[list[tuple[int, int]], list[Option] | None]
 
 
 def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
@@ -307,7 +307,7 @@ def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
         return []
     base = baseline_time(problem).total_s  # no regions: every stage keeps
     rebuild = np.array([s.rebuild_s for s in problem.stages])
-    kept = np.array([s.saved_bytes["keep"] for s in problem.stages], dtype=np.int64)
+    kept = np.array([s.saved_bytes[KEEP] for s in problem.stages], dtype=np.int64)
     rebuilt, kept_before = np.cumsum(rebuild), np.cumsum(kept)
     ovh, fwd_base, all_kept = problem.region_overhead_s, problem.forward_base_bytes, int(kept.sum())
     ks = np.arange(1, n + 1)
@@ -344,7 +344,7 @@ def _as_plan(
     return Plan(
         names,
         tuple(Region(*r) for r in regions),
-        tuple(options) if options else ("keep",) * len(names),
+        tuple(options) if options else (KEEP,) * len(names),
     )
 
 

@@ -165,7 +165,8 @@ def _simplest(plan: Plan, problem: Problem) -> tuple[Any, ...]:
     earlier in each stage's list (a stage's twin options: remat.profiling.twins), then
     by name."""
     first = tuple(problem.options(i).index(o) for i, o in enumerate(plan.options))
-    return (len(plan.regions), sum(o != "keep" for o in plan.options), first, plan.options,
+    off_keep = sum(not plan.option(i).is_keep for i in range(len(plan.options)))
+    return (len(plan.regions), off_keep, first, plan.options,
             tuple((r.start, r.stop) for r in plan.regions))
 
 
