@@ -9,6 +9,7 @@ AdamW step: the full batch, with the same dropout masks the ranks draw.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -288,6 +289,30 @@ def _peak_rank(rank: int, path: str, out: str, wrap: str, name: str) -> None:
     finally:
         dist.destroy_process_group()
     torch.save({"peak": peak, "resident": resident}, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
+    """This rank's profile of the wrapped model (rd.profile_as_run), with noisy rounds."""
+    import torch.distributed as dist
+
+    from remat.profiling import run
+
+    torch.set_num_threads(1)
+    # a rank left waiting in a collective fails after a minute instead of hanging the suite
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        # rank 1 asks for rounds, rank 0 for none: the rounds run must agree or the ranks'
+        # collectives hang (the test's timeout ends it)
+        run.PAIRED_SE = -1.0 if rank == 1 else 1e9
+        model, batch, loss_fn = load_model("gpt", **GPT)
+        batch = rd.shard_batch(batch, rank, WORLD)
+        prof = rd.profile_as_run(model, batch, loss_fn, wrap=wrap, stages=STAGES, repeats=1)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save({"stages": prof.stage_names, "steps": len(prof.timed_rounds or ()),
+                "fwd_s": [s.fwd_s for s in prof.stages]}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def _spawn(fn: Any, *args: Any, tmp: Path) -> list[dict[str, Any]]:
@@ -576,6 +601,38 @@ def test_per_rank_problem_arithmetic() -> None:
         per_rank_problem(base, world_size=2, strategy="zero3")
     with pytest.raises(UsageError, match="exceed params_bytes"):
         per_rank_problem(base, world_size=2, strategy="fsdp", replicated_bytes=1000)
+
+
+@pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
+def test_the_wrapped_profile_runs_the_same_rounds_on_every_rank(tmp_path: Path,
+                                                                 wrap: str) -> None:
+    """Note [Per-rank time]: ranks whose steps communicate profile in step (ranks_agree)."""
+    ranks = _spawn(_timed_rank, wrap, tmp=tmp_path)
+    prefix = "module." if wrap == "ddp" else ""
+    assert ranks[0]["stages"] == ranks[1]["stages"] == tuple(f"{prefix}{s}" for s in STAGES)
+    assert ranks[0]["steps"] == ranks[1]["steps"] >= 2  # rank 1's added round, on both
+    assert all(t > 0 for r in ranks for t in r["fwd_s"])
+
+
+def test_with_times_of_takes_every_time_and_keeps_the_memory() -> None:
+    from dataclasses import replace
+
+    from remat.core.errors import UsageError
+    from remat.core.transforms import with_times_of
+
+    base = per_rank_problem(_chain(), world_size=2, strategy="fsdp")
+    timed = replace(_chain(), outside_chain_s=0.25, region_overhead_s=0.125, stages=tuple(
+        replace(s, fwd_s=1.0 + i, bwd_s=2.0 + i, rebuild_s=1.5 + i, name=f"module.{s.name}")
+        for i, s in enumerate(_chain().stages)))
+    both = with_times_of(base, timed)
+    assert [(s.fwd_s, s.bwd_s, s.rebuild_s) for s in both.stages] == [
+        (1.0 + i, 2.0 + i, 1.5 + i) for i in range(4)]
+    assert (both.outside_chain_s, both.region_overhead_s) == (0.25, 0.125)
+    assert replace(both, stages=base.stages, outside_chain_s=base.outside_chain_s,
+                   region_overhead_s=base.region_overhead_s) == base  # memory untouched
+    assert both.stage_names == base.stage_names
+    with pytest.raises(UsageError, match="same chain"):
+        with_times_of(base, replace(timed, stages=timed.stages[:3]))
 
 
 def _step_s(plan: Plan, problem: Any) -> float:

@@ -85,6 +85,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.core.profile_format import Profile
 from remat.measure.allocator_events import AllocatorEvents
 from remat.measure.tracker import iter_tensors
 
@@ -103,6 +104,7 @@ __all__ = [
     "local_bytes",
     "plan_rank_memory",
     "plan_rank_peak",
+    "profile_as_run",
     "rank_step_memory",
     "rank_step_peak",
     "shard_batch",
@@ -249,6 +251,34 @@ def wrap_ddp(model: nn.Module, **ddp_options: Any) -> nn.Module:
     if first is not None and first.device.type == "cuda":
         ddp_options.setdefault("device_ids", [first.device.index or 0])
     return DistributedDataParallel(model, **ddp_options)
+
+
+def profile_as_run(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], *, wrap: str,
+                   stages: Sequence[str], optimizer: str = "adamw", repeats: int = 2
+                   ) -> Profile:
+    """This rank's profile of ``model`` wrapped as the job runs it, for its times.
+
+    Note [Per-rank time]: the collectives of a step (FSDP2's all-gathers in forward, in
+    rebuilds and in backward, its reduce-scatters; DDP's bucketed all-reduces; the root
+    unit's) run inside the stages' forwards and backwards and around the chain, on gloo
+    serially with compute. Profiling the wrapped model times each stage with them, as the
+    engine overlaps them or not: with ``with_times_of`` the per-rank problem keeps its
+    memory and takes these times. Its memory figures are not used (the live-storage
+    tracker does not follow FSDP2's parameters). ``wrap="fsdp"`` shards every stage and
+    then the root (as :func:`shard_stages` without a plan); ``"ddp"`` profiles the DDP
+    wrapper, whose stage paths start with ``module.``. Every rank must call it together.
+    """
+    from remat.profiling.profiler import profile
+
+    if wrap not in STRATEGIES:
+        raise UsageError(f"wrap={wrap!r} is unknown; use one of {', '.join(STRATEGIES)}")
+    if wrap == "fsdp":
+        shard_stages(model, stages)
+        target, names = model, list(stages)
+    else:
+        target, names = wrap_ddp(model), [f"module.{name}" for name in stages]
+    return profile(target, batch, loss_fn, stages=names,
+                   optimizer=optimizer, repeats=repeats, ranks_agree=True)
 
 
 @dataclass

@@ -474,7 +474,7 @@ def _auto(
             from .ranks import rank_problem
 
             ranks.stages = prof.stage_names
-            problem = rank_problem(problem, ranks, factory, optimizer)
+            problem = rank_problem(problem, ranks, factory, optimizer, profile_repeats)
         try:
             if ranks is None:
                 # the simplest of the plans tied within the timing noise, and its uncertainty

@@ -71,11 +71,17 @@ class Ranks:
                              start_bytes=0, timeline=())
 
 
-def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: str) -> Problem:
+def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: str,
+                 repeats: int = 2) -> Problem:
     """The per-rank problem (:func:`remat.core.transforms.per_rank_problem`), with this
-    ranks' largest measured peak without checkpointing, so that budgets given as fractions
-    mean fractions of what a rank holds, and every rank plans the same."""
-    from remat.core.transforms import per_rank_problem
+    job's largest measured peak without checkpointing, so that budgets given as fractions
+    mean fractions of what a rank holds, and every rank plans the same; its times are
+    rank 0's profile of the wrapped model (Note [Per-rank time] in remat.distributed)."""
+    import torch.distributed as dist
+
+    from remat.core.planner import to_problem
+    from remat.core.transforms import per_rank_problem, with_times_of
+    from remat.distributed import profile_as_run
 
     model, batch, loss_fn = factory(None)
     runner = ranks.runner(model, batch, loss_fn, optimizer, None)
@@ -83,13 +89,21 @@ def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: st
         peak = ranks.measure(runner).peak_bytes
     finally:
         runner.close()
-    import torch.distributed as dist
 
     largest = torch.tensor([peak], dtype=torch.int64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one budget, so one plan, on every rank
     peak = int(largest.item())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     sharded = per_rank_problem(problem, world_size=ranks.info.world_size,
-                                    strategy=ranks.strategy, replicated_bytes=buffers,
-                                    backend=dist.get_backend())
-    return replace(sharded, measured_no_checkpoint_peak_bytes=peak)
+                               strategy=ranks.strategy, replicated_bytes=buffers,
+                               backend=dist.get_backend())
+    del model, runner
+    model, batch, loss_fn = factory(None)
+    timed = to_problem(profile_as_run(model, batch, loss_fn, wrap=ranks.strategy,
+                                      stages=ranks.stages, optimizer=optimizer,
+                                      repeats=repeats))
+    shared: list[dict[str, Any] | None] = [timed.to_dict() if ranks.info.rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)  # one set of times, so one plan
+    assert shared[0] is not None
+    timed = Problem.from_dict(shared[0])
+    return replace(with_times_of(sharded, timed), measured_no_checkpoint_peak_bytes=peak)

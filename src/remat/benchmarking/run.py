@@ -347,7 +347,7 @@ def _run(
     )
     if ranks is not None:
         ranks.stages = prof.stage_names
-        problem = rank_problem(problem, ranks, factory, s.optimizer)
+        problem = rank_problem(problem, ranks, factory, s.optimizer, s.profile_repeats)
     del model0
     specs = plan_rows(problem, s.strategies, s.budgets)
     run = _Bench(factory, s.optimizer, s.verify_steps, progress, ranks)

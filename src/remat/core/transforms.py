@@ -8,6 +8,8 @@ call these rather than keeping their own copies.
 * :func:`at_batch_size`: a profile fitted at two batch sizes (``Profile.scaling``),
   evaluated at another one; its no-checkpoint peak is predicted again by the simulator.
 * :func:`accumulating`: a later micro-step of gradient accumulation.
+* :func:`with_times_of`: a problem's times taken from another problem of the same chain
+  (a per-rank problem timed as the wrapped model runs: its collectives included).
 * :func:`per_rank_problem`: one rank's problem under DDP or FSDP2. The simulator
   (:mod:`remat.core.solve.simulator`) knows one device; a data-parallel rank is one device
   whose problem differs from the single-process one in what the wrapper keeps:
@@ -49,11 +51,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from remat.core.errors import UsageError
+from remat.core.plan_format import Option
 from remat.core.profile_format import Profile, set_path
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.core.solve.problem import Problem
 
-__all__ = ["accumulating", "at_batch_size", "per_rank_problem"]
+__all__ = ["accumulating", "at_batch_size", "per_rank_problem", "with_times_of"]
 
 _STRATEGIES = ("ddp", "fsdp")
 
@@ -243,3 +246,25 @@ def accumulating(problem: Problem) -> Problem:
         post_chain_grads_bytes=0,
         stages=tuple(replace(s, grad_bytes=0) for s in problem.stages),
     )
+
+
+def with_times_of(problem: Problem, timed: Problem) -> Problem:
+    """``problem`` with every time taken from ``timed``, a problem of the same chain timed
+    another way: what a profile of the model as the engine runs it measures (one rank
+    of an FSDP2 or DDP job, its all-gathers, reduce-scatters and all-reduces inside each
+    stage's forward and backward and the root's outside the chain). Memory stays
+    ``problem``'s. Stages are matched by position (a DDP wrapper prefixes their names).
+    """
+    if timed.n != problem.n:
+        raise UsageError(
+            f"the timed problem has {timed.n} stages and this one {problem.n}; time the same "
+            "chain of stages"
+        )
+    stages = tuple(
+        replace(s, fwd_s=t.fwd_s, bwd_s=t.bwd_s, rebuild_s=t.rebuild_s,
+                extra_bwd_s={o: x for o, x in t.extra_bwd_s.items()
+                             if o in s.saved_bytes or Option(o).is_offload})
+        for s, t in zip(problem.stages, timed.stages, strict=True)
+    )
+    return replace(problem, stages=stages, outside_chain_s=timed.outside_chain_s,
+                   region_overhead_s=timed.region_overhead_s)

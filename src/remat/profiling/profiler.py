@@ -64,6 +64,17 @@ def _no_progress(_what: str, _done: int, _total: int) -> None:
     return None
 
 
+def _most_over_ranks(count: int) -> int:
+    """The largest ``count`` any rank of the default process group has."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return count
+    most = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def _check_options(options: Sequence[str]) -> tuple[Option, ...]:
     found = tuple(dict.fromkeys(map(Option, options)))
     if not any(option.is_keep for option in found):
@@ -98,6 +109,7 @@ def profile(
     description: str | None = None,
     lr: float = 1e-3,
     progress: Progress | None = None,
+    ranks_agree: bool = False,
 ) -> Profile:
     """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
 
@@ -113,6 +125,10 @@ def profile(
         batch_size: recorded in the profile; by default the first tensor's first dimension.
         description: the model's name in the profile (default: its class name).
         progress: ``progress(what, done, total)`` before each part and once at the end.
+        ranks_agree: under torchrun, a model whose steps communicate (wrapped by FSDP2 or
+            DDP) must run the same steps on every rank: the rounds a noisy profile adds
+            are then the most any rank asks for (a collective over the default group, so
+            every rank must call this together).
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
@@ -157,6 +173,7 @@ def profile(
             device=device,
             dtype=dtype,
             progress=progress,
+            agree=_most_over_ranks if ranks_agree else None,
         )
     profile_s = time.perf_counter() - began
 

@@ -182,8 +182,14 @@ def measure_all(
     device: torch.device | None,
     dtype: torch.dtype,
     progress: Progress,
+    agree: Callable[[int], int] | None = None,
 ) -> Measurements:
-    """Run every measurement (module docstring); the model must be in training mode."""
+    """Run every measurement (module docstring); the model must be in training mode.
+
+    ``agree(n)``: the count every rank uses where this rank would use ``n`` (rounds added
+    to a noisy profile), so ranks whose steps communicate run the same steps.
+    """
+    agree = agree or (lambda n: n)
     names = tuple(names)
     modules = [model.get_submodule(name) for name in names]
     parts = part_names(options)
@@ -263,6 +269,7 @@ def measure_all(
                          others=[rebuilt[1:], *([spanned[1:]] if spanned else []),
                                  *(steps[1:] for steps in with_option.values())],
                          per_stage=rebuilt[1:])
+    extra = agree(extra)
     for _ in range(extra):
         one_round()
     # Note [Rounds for the paired overhead]: then one at a time while the per-round
@@ -271,7 +278,7 @@ def measure_all(
     # rounds take minutes)
     so_far, added = repeats + extra, 0
     while (extra < MAX_ADDED_ROUNDS and added < so_far
-           and paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE):
+           and agree(int(paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE))):
         one_round()
         extra += 1
         added += 1

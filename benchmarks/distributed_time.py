@@ -1,0 +1,196 @@
+"""Per-rank step time and overhead under FSDP2 (2 gloo ranks on the CPU), predicted and measured.
+
+Issue 15 item 4. Each run is one fresh 2-process job. Both ranks profile their plain
+model on their shard (memory), rank 0's profile is the one every rank plans from, and
+the per-rank problem (:func:`remat.core.transforms.per_rank_problem`) takes its times
+from rank 0's profile of the wrapped model (:func:`remat.distributed.profile_as_run`,
+Note [Per-rank time]), as ``remat bench --distributed`` and ``remat auto --distributed``
+do. The plans of ``benchmarks/distributed_peaks.py`` (no regions, one region per block,
+``segments``, ``optimal`` at 75% and 50%) are then applied to wrapped models (``fsdp
+blocks``: ``fully_shard`` on every block, then the root; ``fsdp stages``:
+:func:`remat.distributed.shard_stages` with the plan, for plans with a multi-stage
+region) and timed interleaved, ``--rounds`` rounds of one step of each. Measured: each
+rank's median step, and its overhead as the median of the per-round ratios to the step
+without a plan. Predicted: the simulator's step time on the per-rank problem, and its
+overhead. Target: step time within 15% and overhead within 10 points, on both ranks, in
+every run. Writes ``benchmarks/distributed_time.md``.
+
+Run from the repository root::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py [--runs 3] [--models gpt llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from remat import distributed as rd
+from remat.core.plan_format import Plan
+from remat.core.planner import to_problem
+from remat.core.solve import simulate
+from remat.core.transforms import per_rank_problem, with_times_of
+
+sys.path.insert(0, str(Path(__file__).parent))
+from distributed_peaks import MODELS, WORLD, _multi_stage, _regions, plans
+
+COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py"
+STEP_TOLERANCE = 0.15
+OVERHEAD_POINTS = 10.0
+WRAPS = {"fsdp blocks": False, "fsdp stages": True}
+
+
+def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
+    import torch.distributed as dist
+
+    import remat
+    from remat.measure.step import make_optimizer
+    from remat.models import load_model
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    spec, options, stages = MODELS[model_name]
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
+
+    def build() -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        model, batch, loss_fn = load_model(spec, **options)
+        return model, rd.shard_batch(batch, rank, WORLD), loss_fn
+
+    try:
+        model, batch, loss_fn = build()
+        base = to_problem(remat.profile(model, batch, loss_fn, stages=stages, repeats=2))
+        shared: list[Any] = [base.to_dict() if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        problem = per_rank_problem(type(base).from_dict(shared[0]), world_size=WORLD,
+                                   strategy="fsdp")
+        model, batch, loss_fn = build()
+        timed = to_problem(rd.profile_as_run(model, batch, loss_fn, wrap="fsdp",
+                                             stages=stages, repeats=2))
+        shared = [timed.to_dict() if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        problem = with_times_of(problem, type(timed).from_dict(shared[0]))
+        rows: dict[tuple[str, str], Plan | None] = {}
+        for wrap, grouped in WRAPS.items():
+            for name, (plan, _) in plans(problem).items():
+                if plan is not None and (not grouped or _multi_stage(plan)):
+                    rows[(wrap, name)] = plan
+        runners = {}
+        for key, plan in rows.items():
+            assert plan is not None
+            m, b, lf = build()
+            rd.shard_stages(m, stages, plan if WRAPS[key[0]] else None)
+            remat.apply(m, plan)
+            runners[key] = (m, b, lf, make_optimizer(m, "adamw"))
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
+        for _ in range(rounds + 1):  # the first round warms up
+            for key, (m, b, lf, opt) in runners.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                lf(m, b).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                times[key].append(time.perf_counter() - t0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    result = {
+        "predicted": {k: simulate(p, problem).step_time_s for k, p in rows.items() if p},
+        "times": {k: v[1:] for k, v in times.items()},
+        "plans": {k: _regions(p) for k, p in rows.items() if p},
+    }
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def measure(model_name: str, rounds: int) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), tmp, model_name, rounds),
+                 nprocs=WORLD)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--out", default=str(Path(__file__).with_name("distributed_time.md")))
+    args = parser.parse_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    began = time.perf_counter()
+    rows = ["| model | wrap | plan | regions | run | predicted step (ms) | measured rank 0, 1 "
+            "| step error | predicted overhead | measured rank 0, 1 | gap (pts) | met |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    missed = total = 0
+    for model_name in args.models:
+        for run in range(1, args.runs + 1):
+            ranks = measure(model_name, args.rounds)
+            predicted = ranks[0]["predicted"]
+            for key, step in predicted.items():
+                base = ("fsdp blocks", "none")
+                pred_ovh = 100 * (step / predicted[base] - 1)
+                medians = [statistics.median(r["times"][key]) for r in ranks]
+                ovh = [100 * statistics.median(
+                    [t / n - 1 for t, n in zip(r["times"][key], r["times"][base], strict=True)])
+                    for r in ranks]
+                errors = [m / step - 1 for m in medians]
+                gaps = [o - pred_ovh for o in ovh]
+                met = (all(abs(e) <= STEP_TOLERANCE for e in errors)
+                       and all(abs(g) <= OVERHEAD_POINTS for g in gaps))
+                missed += not met
+                total += 1
+                rows.append(
+                    f"| {model_name} | {key[0]} | {key[1]} | {ranks[0]['plans'][key]} | {run} "
+                    f"| {step * 1e3:.1f} | {medians[0] * 1e3:.1f}, {medians[1] * 1e3:.1f} "
+                    f"| {errors[0]:+.0%}, {errors[1]:+.0%} | {pred_ovh:+.1f}% "
+                    f"| {ovh[0]:+.1f}%, {ovh[1]:+.1f}% | {gaps[0]:+.1f}, {gaps[1]:+.1f} "
+                    f"| {'yes' if met else 'no'} |"
+                )
+                print(rows[-1], flush=True)
+            _write(args, rows, missed, total, began)
+    print(f"rows missing the target: {missed} of {total}; written to {args.out}")
+
+
+def _write(args: argparse.Namespace, rows: list[str], missed: int, total: int,
+           began: float) -> None:
+    minutes = (time.perf_counter() - began) / 60
+    models = "; ".join(f"{n}: `{MODELS[n][0]}` {MODELS[n][1] or '(its defaults)'}"
+                       for n in args.models)
+    lines = [
+        "# Per-rank step time under FSDP2: predicted against measured",
+        "",
+        f"Command: `{COMMAND} {shlex.join(sys.argv[1:])}` "
+        f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {minutes:.0f} min; "
+        f"torch {torch.__version__}, gloo, {WORLD} processes, one torch thread each, on a "
+        f"2-core CPU shared with other jobs). Models: {models}; AdamW. Each run is one fresh "
+        f"{WORLD}-process job; {args.rounds} interleaved rounds after one warm-up.",
+        "",
+        "Predicted: the simulator's step on the per-rank problem whose times are rank 0's "
+        "profile of the FSDP2-wrapped model (`remat.distributed.profile_as_run`, Note "
+        "[Per-rank time]). Measured: each rank's median step (the step without a plan is "
+        "`fsdp blocks` / `none`); overhead: the median of the per-round ratios to it. "
+        f"Target (issue 15 item 4): step within {STEP_TOLERANCE:.0%} and overhead within "
+        f"{OVERHEAD_POINTS:.0f} points on both ranks.",
+        "",
+        *rows,
+        "",
+        f"Rows missing the target: {missed} of {total}.",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
