@@ -237,3 +237,25 @@ def test_wide_pairs_are_timed_again_with_twice_as_many_and_narrow_ones_not(
     monkeypatch.setattr(auto_module, "interleaved", narrow)
     remat.auto("gpt", options=TINY, budget="80%", repeats=4)
     assert calls == [4]
+
+
+def test_pairs_are_added_while_their_median_is_uncertain_up_to_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Note [Re-timing wide pairs]: steadily wide pairs get more, to MAX_PAIRS x repeats."""
+    import importlib
+
+    auto_module = importlib.import_module("remat.benchmarking.main_job")
+    calls: list[int] = []
+
+    def always_wide(steps: dict, *, repeats: int, warmup: int, progress: object = None
+                    ) -> dict[str, list[float]]:
+        calls.append(repeats)
+        return {"plain": [1.0] * repeats,
+                "planned": [1.0 + 0.1 * (k % 4) for k in range(repeats)]}
+
+    monkeypatch.setattr(auto_module, "interleaved", always_wide)
+    report = remat.auto("gpt", options=TINY, budget="80%", repeats=4)
+    # 4, then 8 at a time while the pairs' median is uncertain, to at most 8 x 4 pairs
+    assert calls == [4, 8, 8, 8]
+    assert len(report.overhead_pairs) == 28 <= auto_module.MAX_PAIRS * 4

@@ -231,8 +231,12 @@ PAIRED = "median of the profile's per-round ratios"
 MEDIANS = "ratio of the profile's medians"
 
 #: Per-pair ratios whose interquartile range is wider than this (a share of the plain
-#: step) are timed again with twice as many pairs, once (Note [Re-timing wide pairs]).
+#: step) are timed again with twice as many pairs (Note [Re-timing wide pairs]).
 PAIRS_SPREAD = 0.05
+#: Then pairs are added, twice the first count at a time, while the standard error of the
+#: median per-pair ratio is above this, up to MAX_PAIRS times the first count in all.
+PAIRS_SE = 0.015
+MAX_PAIRS = 8
 
 
 def _spread(times: dict[str, list[float]]) -> float:
@@ -247,6 +251,25 @@ def _spread(times: dict[str, list[float]]) -> float:
         return 0.0
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return q3 - q1
+
+
+def _more_pairs(times: dict[str, list[float]], repeats: int, added: int) -> bool:
+    """Whether to time ``2 * repeats`` more pairs (Note [Re-timing wide pairs]).
+
+    A busy machine spread one gpt measurement's per-pair ratios 20 points between
+    quartiles (noise_stability, run 4 of 2026-12-01 22:38): the median of its 18 pairs
+    has a standard error of about 4 points, most of the 5 a prediction is judged by. So
+    after the first re-timing, pairs are added while that error (the interquartile range
+    over 1.349, times 1.2533 over the root of the count) is above :data:`PAIRS_SE`, up to
+    :data:`MAX_PAIRS` times ``repeats`` pairs (about 20 s more on the built-in gpt).
+    """
+    pairs = len(times["plain"])
+    if pairs + 2 * repeats > MAX_PAIRS * repeats:
+        return False
+    spread = _spread(times)
+    if added == 0:
+        return spread > PAIRS_SPREAD
+    return 1.2533 * spread / 1.349 / pairs ** 0.5 > PAIRS_SE
 
 
 @dataclass(frozen=True)
@@ -521,14 +544,17 @@ def _auto(
                 progress=lambda done, total: report("timing (interleaved)", done, total),
             )
             # Note [Re-timing wide pairs]: per-pair ratios spread over more than
-            # PAIRS_SPREAD between quartiles get twice as many pairs again, once.
-            if _agreed(_spread(times) > PAIRS_SPREAD, ranks is not None):
+            # PAIRS_SPREAD between quartiles get twice as many pairs again, and more while
+            # their median is uncertain (bounded)
+            added = 0
+            while _agreed(_more_pairs(times, repeats, added), ranks is not None):
                 more = interleaved(
                     steps, repeats=2 * repeats, warmup=0,
                     progress=lambda done, total: report("timing (more pairs)", done, total),
                 )
                 for name in times:
                     times[name] += more[name]
+                added += 1
     finally:
         planned.close()
         plain.close()
