@@ -179,17 +179,26 @@ def main() -> None:
     print(f"rows missing the target: {failures}; written to {args.out}")
 
 
+def command_line(command: str, began: float) -> str:
+    """The start of a record's first sentence: the command as run, the date, the minutes."""
+    minutes = (time.perf_counter() - began) / 60
+    return (f"Command: `{command} {shlex.join(sys.argv[1:])}` "
+            f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {minutes:.0f} min; ")
+
+
+def models_text(names: list[str]) -> str:
+    """The models of a run as the records list them."""
+    return "; ".join(f"{n}: `{MODELS[n][0]}` {MODELS[n][1] or '(its defaults)'}" for n in names)
+
+
 def _write(args: argparse.Namespace, rows: list[str], every: list[str], failures: int,
            began: float, done: bool) -> None:
     """The record so far (after every row, so that an interrupted run keeps its rows)."""
-    minutes = (time.perf_counter() - began) / 60
-    models = "; ".join(f"{n}: `{MODELS[n][0]}` {MODELS[n][1] or '(its defaults)'}"
-                       for n in args.models)
+    models = models_text(args.models)
     lines = [
         "# Per-rank peaks: DDP and FSDP2 against the per-rank problem",
         "",
-        f"Command: `{COMMAND} {shlex.join(sys.argv[1:])}` "
-        f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {minutes:.0f} min; "
+        command_line(COMMAND, began) +
         f"torch {torch.__version__}, gloo, {WORLD} processes on a CPU shared with other jobs). "
         f"Models: {models}; AdamW. Each row is {args.runs} fresh {WORLD}-process jobs, both "
         "ranks' peaks of one step read by `rd.plan_rank_memory` (Note [Steady per-rank "

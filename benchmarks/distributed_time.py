@@ -23,9 +23,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -42,7 +40,15 @@ from remat.core.solve import simulate
 from remat.core.transforms import per_rank_problem, with_times_of
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_peaks import MODELS, WORLD, _multi_stage, _regions, plans
+from distributed_peaks import (
+    MODELS,
+    WORLD,
+    _multi_stage,
+    _regions,
+    command_line,
+    models_text,
+    plans,
+)
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py"
 STEP_TOLERANCE = 0.15
@@ -165,14 +171,11 @@ def main() -> None:
 
 def _write(args: argparse.Namespace, rows: list[str], missed: int, total: int,
            began: float) -> None:
-    minutes = (time.perf_counter() - began) / 60
-    models = "; ".join(f"{n}: `{MODELS[n][0]}` {MODELS[n][1] or '(its defaults)'}"
-                       for n in args.models)
+    models = models_text(args.models)
     lines = [
         "# Per-rank step time under FSDP2: predicted against measured",
         "",
-        f"Command: `{COMMAND} {shlex.join(sys.argv[1:])}` "
-        f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {minutes:.0f} min; "
+        command_line(COMMAND, began) +
         f"torch {torch.__version__}, gloo, {WORLD} processes, one torch thread each, on a "
         f"2-core CPU shared with other jobs). Models: {models}; AdamW. Each run is one fresh "
         f"{WORLD}-process job; {args.rounds} interleaved rounds after one warm-up.",
