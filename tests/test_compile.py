@@ -245,27 +245,36 @@ def test_compiled_peak_with_plan_is_below_compiled_peak_without() -> None:
     assert with_plan < without - 1024 * 1024, (with_plan, without)
 
 
-def test_a_dispatch_mode_turns_compilation_off_for_good() -> None:
-    """Why compiled runs are measured with the profiler, and never with the tracker first:
-    Dynamo skips a frame that starts under a TorchDispatchMode (remat's live-storage
-    tracker, the value check of remat verify) and marks its code to be skipped from then
-    on, even where a compiled graph already exists. torch 2.13; if this fails, torch
-    changed it: update docs/compile.md."""
+def test_a_dispatch_mode_turns_compilation_off_for_good_but_the_tracker_does_not() -> None:
+    """Dynamo skips a frame that starts under a TorchDispatchMode and marks its code to be
+    skipped from then on, even where a compiled graph already exists (torch 2.13; if the
+    first half fails, torch changed it: update docs/compile.md). remat's live-storage
+    tracker runs compiled code eagerly inside its with-block only (Note [Compiled code
+    under the tracker]), so a compiled function measured once stays compiled."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from remat.measure import LiveMemoryTracker
 
-    backend = CountingInductor()
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
 
-    def double_sin(x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x) * 2
+    for mode, after in ((Passthrough, 0), (LiveMemoryTracker, 1)):
+        backend = CountingInductor()
 
-    compiled = torch.compile(double_sin, backend=backend)
-    x = torch.randn(4)
-    compiled(x)
-    assert backend.calls == 1
-    with LiveMemoryTracker():
+        def double_sin(x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x) * 2
+
+        compiled = torch.compile(_fresh(double_sin, mode.__name__), backend=backend)
+        x = torch.randn(4)
         compiled(x)
-    compiled(x)
-    assert backend.calls == 1  # eager under the tracker, and eager ever after
+        assert backend.calls == 1
+        with mode():
+            compiled(x)
+        assert backend.calls == 1  # eager inside the mode
+        compiled(x)
+        assert backend.calls == 1 + after, mode.__name__  # and after it: eager for good, or not
 
 
 def _fresh(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
@@ -318,3 +327,20 @@ def test_activation_memory_budget_below_one_keeps_dropout_gradients(budget: floa
     compiled, eager = _budget_grads(budget)
     for a, b in zip(compiled, eager, strict=True):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_measuring_a_compiled_model_leaves_its_blocks_compiled() -> None:
+    """Note [Compiled code under the tracker]: one tracked step (measure_step, and every
+    profile) used to make Dynamo give up on the compiled blocks for good."""
+    from remat.measure import measure_step
+
+    torch._dynamo.reset()  # the blocks' code is shared by this module's tests
+    model, x = make_chain()
+    counting = CountingInductor()
+    compile_blocks(model, backend=counting)
+    mean_square(model, x).backward()
+    model.zero_grad(set_to_none=True)
+    measure_step(model, x, mean_square)
+    before = counting.calls
+    mean_square(model, x).backward()
+    assert counting.calls - before == N_BLOCKS  # each block ran its compiled graph again
