@@ -245,22 +245,27 @@ def test_compiled_peak_with_plan_is_below_compiled_peak_without() -> None:
     assert with_plan < without - 1024 * 1024, (with_plan, without)
 
 
-def test_a_dispatch_mode_turns_compilation_off_for_good_but_the_tracker_does_not() -> None:
+def test_a_dispatch_mode_turns_compilation_off_for_good_but_remats_do_not() -> None:
     """Dynamo skips a frame that starts under a TorchDispatchMode and marks its code to be
     skipped from then on, even where a compiled graph already exists (torch 2.13; if the
-    first half fails, torch changed it: update docs/compile.md). remat's live-storage
-    tracker runs compiled code eagerly inside its with-block only (Note [Compiled code
-    under the tracker]), so a compiled function measured once stays compiled."""
+    first case fails, torch changed it: update docs/compile.md). remat's own modes (the
+    live-storage tracker, verify's value check, bench's attention probe) run compiled code
+    eagerly inside their with-block only (Note [Compiled code under the tracker] in
+    remat/measure/modes.py), so a compiled function they saw once stays compiled."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from remat.benchmarking.environment import _OpNames
     from remat.measure import LiveMemoryTracker
+    from remat.verification.fingerprint import OpRecorder
 
     class Passthrough(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
             return func(*args, **(kwargs or {}))
 
-    for mode, after in ((Passthrough, 0), (LiveMemoryTracker, 1)):
+    modes: tuple[tuple[Any, int], ...] = (
+        (Passthrough, 0), (LiveMemoryTracker, 1), (OpRecorder, 1), (_OpNames, 1))
+    for mode, after in modes:
         backend = CountingInductor()
 
         def double_sin(x: torch.Tensor) -> torch.Tensor:

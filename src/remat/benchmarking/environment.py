@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.measure.modes import EagerDispatchMode
 from remat.runtime.policies import ATTENTION_OPS
 
 from .runners import LossFn
@@ -42,7 +42,7 @@ class Environment:
         return asdict(self)
 
 
-class _OpNames(TorchDispatchMode):
+class _OpNames(EagerDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.seen: Counter[str] = Counter()

@@ -40,7 +40,6 @@ is right: what the region does not save is not saved.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -51,10 +50,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils.hooks import RemovableHandle
 
 from remat.core.errors import UsageError
+from remat.measure.modes import EagerDispatchMode, compiled_code_runs_eagerly
 from remat.measure.report import (
     Category,
     CategoryBytes,
@@ -145,7 +145,7 @@ def _as_phase(phase: Phase | str) -> Phase:
         raise UsageError(f"phase {phase!r} is unknown; use one of {names}") from None
 
 
-class _DispatchCounter(TorchDispatchMode):
+class _DispatchCounter(EagerDispatchMode):
     def __init__(self, tracker: LiveMemoryTracker) -> None:
         super().__init__()
         self.tracker = tracker
@@ -198,20 +198,6 @@ class _NodeTagger(TorchFunctionMode):
                 metadata = cast("dict[str, Any]", node.metadata)  # a property, typed as a method
                 metadata.setdefault(_MODULE_KEY, stack[-1])
         return out
-
-
-def _compiled_code_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
-    """Note [Compiled code under the tracker]: a ``torch.compile``'d function called under
-    the tracker's dispatch mode makes Dynamo give up on its code for good; measured with
-    torch 2.13, a block compiled by ``block.forward = torch.compile(block.forward)`` ran
-    eagerly in every later step after one tracked forward (0 calls of its graph), the
-    user's own steps included. Dynamo's ``force_eager`` stance runs such code eagerly for
-    the tracker's with-block only (what the tracker measured before, without the lasting
-    effect). Torch before 2.6 has no stances: nothing changes there."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:
-        return contextlib.nullcontext()
-    return set_stance("force_eager")
 
 
 class LiveMemoryTracker:
@@ -404,7 +390,7 @@ class LiveMemoryTracker:
             )
         stack = ExitStack()
         try:
-            stack.enter_context(_compiled_code_runs_eagerly())
+            stack.enter_context(compiled_code_runs_eagerly())
             stack.callback(self._remove_hooks)
             for module in self._watched_modules:
                 self._install(module)

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 from torch.utils import _python_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.core.plan_format import Option, Plan, Region
+from remat.measure.modes import EagerDispatchMode
 from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
 from remat.runtime.policies import resolve
@@ -170,7 +170,7 @@ def _is_default_generator(gen: torch.Generator) -> bool:
     return bool(torch.equal(gen.get_state(), default.get_state()))
 
 
-class OpRecorder(TorchDispatchMode):
+class OpRecorder(EagerDispatchMode):
     """Appends a :class:`Fingerprint` of each op's outputs to ``target`` while it is set.
 
     Outputs stored in one of ``buffers`` (storage addresses) keep no checksum.

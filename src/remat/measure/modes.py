@@ -1,0 +1,52 @@
+"""Dispatch modes that leave ``torch.compile``'d code as they found it.
+
+Note [Compiled code under the tracker]: remat measures and checks steps under
+``TorchDispatchMode``s (the live-storage tracker, the value check of ``remat verify``,
+the attention-kernel probe of ``remat bench``). Dynamo skips a frame that starts under a
+dispatch mode and marks its code skipped for the rest of the process, so one measurement
+of a compiled model would leave it eager for good. Every such mode of remat's is an
+:class:`EagerDispatchMode`: compiled code runs eagerly inside it and compiled again after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["EagerDispatchMode", "compiled_code_runs_eagerly"]
+
+
+def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's ``force_eager`` stance: compiled code runs eagerly inside, and keeps its
+    compiled graphs for afterwards. Measured with torch 2.13: a block compiled by
+    ``block.forward = torch.compile(block.forward)`` ran its graph in no later step after
+    one tracked forward without it (0 calls), and in every one with it. Torch before 2.6
+    has no stances: a null context there."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
+
+
+class EagerDispatchMode(TorchDispatchMode):
+    """A dispatch mode under which compiled code runs eagerly for its with-block only."""
+
+    def __enter__(self) -> Any:
+        stances = self.__dict__.setdefault("_stances", [])
+        stance = compiled_code_runs_eagerly()
+        stance.__enter__()
+        stances.append(stance)
+        try:
+            return super().__enter__()
+        except BaseException:
+            stances.pop().__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.__dict__["_stances"].pop().__exit__(None, None, None)
