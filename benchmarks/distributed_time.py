@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from remat import distributed as rd
+from remat.benchmarking.ranks import rank_zeros
 from remat.core.plan_format import Plan
 from remat.core.planner import to_problem
 from remat.core.solve import simulate
@@ -75,17 +76,13 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
 
     try:
         model, batch, loss_fn = build()
-        base = to_problem(remat.profile(model, batch, loss_fn, stages=stages, repeats=2))
-        shared: list[Any] = [base.to_dict() if rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        problem = per_rank_problem(type(base).from_dict(shared[0]), world_size=WORLD,
-                                   strategy="fsdp")
+        base = rank_zeros(to_problem(remat.profile(model, batch, loss_fn, stages=stages,
+                                                   repeats=2)))
+        problem = per_rank_problem(base, world_size=WORLD, strategy="fsdp")
         model, batch, loss_fn = build()
-        timed = to_problem(rd.profile_as_run(model, batch, loss_fn, wrap="fsdp",
-                                             stages=stages, repeats=2))
-        shared = [timed.to_dict() if rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        problem = with_times_of(problem, type(timed).from_dict(shared[0]))
+        timed = rank_zeros(to_problem(rd.profile_as_run(model, batch, loss_fn, wrap="fsdp",
+                                                        stages=stages, repeats=2)))
+        problem = with_times_of(problem, timed)
         rows: dict[tuple[str, str], Plan | None] = {}
         for wrap, grouped in WRAPS.items():
             for name, (plan, _) in plans(problem).items():

@@ -48,17 +48,19 @@ from remat.core.solve.paired import paired_overhead
 from remat.core.solve.uncertainty import PlanUncertainty, steadiest_and_uncertainty
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
-from remat.profiling.profiler import profile
+from remat.profiling.noise import median_se
+from remat.profiling.profiler import most_over_ranks, profile
 
 from .environment import Environment, describe_environment
 from .factory import describe, failure, make_factory, torch_threads, whole
 from .findings import PEAK_TOLERANCE
 from .grads import check_plan
 from .measure import by_tracker, interleaved, paired, time_stats
+from .ranks import Ranks, rank_problem, rank_zeros
 from .runners import EagerRunner, Runner
 
 __all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
-           "rank_zeros", "rebuild_rejected", "step", "torch_threads_kept"]
+           "rebuild_rejected", "step", "torch_threads_kept"]
 
 #: The steps of the main job, in order (``Stopped.stage`` is one of them).
 STAGES = ("loading the model", "the first training step", "profiling", "planning",
@@ -165,25 +167,9 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
         raise
 
 
-def rank_zeros(prof: Profile) -> Profile:
-    """Rank 0's profile on every rank: the ranks must choose the same plans, or their FSDP
-    units, and so their collectives, would differ."""
-    import torch.distributed as dist
-
-    shared: list[Any] = [prof.to_json()]
-    dist.broadcast_object_list(shared, src=0)
-    return Profile.from_json(shared[0])
-
-
 def _agreed(flag: bool, distributed: bool) -> bool:
     """``flag`` on any rank, on every rank (a decision to run more collective steps)."""
-    if not distributed:
-        return flag
-    import torch.distributed as dist
-
-    found = torch.tensor([int(flag)])
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return bool(found.item())
+    return bool(most_over_ranks(int(flag))) if distributed else flag
 
 
 def _article(noun: str) -> str:
@@ -245,12 +231,15 @@ def _spread(times: dict[str, list[float]]) -> float:
     5 points a prediction is judged by; the median of three times as many pairs moves
     less. The threshold is those 5 points: at 10, a gpt run whose quartiles were 9.5 points
     apart kept its first median, 5.6 points off the prediction that other runs met."""
-    ratios = sorted(a / b for a, b in zip(times["planned"], times["plain"], strict=True)
-                    if b > 0)
+    ratios = _pair_ratios(times)
     if len(ratios) < 4:
         return 0.0
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return q3 - q1
+
+
+def _pair_ratios(times: dict[str, list[float]]) -> list[float]:
+    return [a / b for a, b in zip(times["planned"], times["plain"], strict=True) if b > 0]
 
 
 def _more_pairs(times: dict[str, list[float]], repeats: int, added: int) -> bool:
@@ -259,17 +248,17 @@ def _more_pairs(times: dict[str, list[float]], repeats: int, added: int) -> bool
     A busy machine spread one gpt measurement's per-pair ratios 20 points between
     quartiles (noise_stability, run 4 of 2026-12-01 22:38): the median of its 18 pairs
     has a standard error of about 4 points, most of the 5 a prediction is judged by. So
-    after the first re-timing, pairs are added while that error (the interquartile range
-    over 1.349, times 1.2533 over the root of the count) is above :data:`PAIRS_SE`, up to
-    :data:`MAX_PAIRS` times ``repeats`` pairs (about 20 s more on the built-in gpt).
+    after the first re-timing, pairs are added while that error
+    (:func:`remat.profiling.noise.median_se`, of four pairs or more) is above
+    :data:`PAIRS_SE`, up to :data:`MAX_PAIRS` times ``repeats`` pairs (about 20 s more on
+    the built-in gpt).
     """
-    pairs = len(times["plain"])
-    if pairs + 2 * repeats > MAX_PAIRS * repeats:
+    if len(times["plain"]) + 2 * repeats > MAX_PAIRS * repeats:
         return False
-    spread = _spread(times)
     if added == 0:
-        return spread > PAIRS_SPREAD
-    return 1.2533 * spread / 1.349 / pairs ** 0.5 > PAIRS_SE
+        return _spread(times) > PAIRS_SPREAD
+    ratios = _pair_ratios(times)
+    return len(ratios) >= 4 and median_se(ratios) > PAIRS_SE
 
 
 @dataclass(frozen=True)
@@ -463,7 +452,6 @@ def _auto(
     if distributed is not None:
         from remat.distributed import init_from_env
 
-        from .ranks import Ranks
 
         ranks = Ranks(distributed, init_from_env())
         factory = ranks.shard(factory)
@@ -494,7 +482,6 @@ def _auto(
     with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
         if ranks is not None:
-            from .ranks import rank_problem
 
             ranks.stages = prof.stage_names
             problem = rank_problem(problem, ranks, factory, optimizer, profile_repeats)

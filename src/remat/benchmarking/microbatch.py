@@ -130,7 +130,7 @@ def _setup(factory: Factory, size: int, global_batch: int, plan: Plan, optimizer
     batches = [batch] * (len(sizes) - 1) + [factory(rest)[1] if rest else batch]
     if is_hf_gc(plan):
         enable_hf_gc(model)
-    elif plan.regions or not all(plan.option(i).is_keep for i in range(len(plan.options))):
+    elif not plan.checkpoints_nothing:
         apply(model, plan)
     setup = _Setup(model.train(), tuple(batches), _accumulating_loss(loss_fn, sizes), plan)
     setup.optimizer = make_optimizer(model, optimizer)

@@ -1,16 +1,18 @@
 """One rank of a ``torchrun`` job, as bench and auto run it (``--distributed``).
 
 :class:`Ranks` builds and measures a rank's rows; :func:`rank_problem` is the per-rank
-problem every rank plans from. Both :mod:`.run` (bench) and :mod:`.auto` use them.
+problem every rank plans from; :func:`rank_zeros` gives every rank rank 0's profile or
+problem. Both :mod:`.run` (bench) and :mod:`.main_job` (auto) use them.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from remat.core.artifact import JsonArtifact
 from remat.core.plan_format import Plan
 from remat.core.solve import Problem
 from remat.distributed import RankInfo
@@ -18,7 +20,19 @@ from remat.distributed import RankInfo
 from .measure import MemoryMeasure
 from .runners import EagerRunner, Factory, Runner
 
-__all__ = ["Ranks", "rank_problem"]
+__all__ = ["Ranks", "rank_problem", "rank_zeros"]
+
+A = TypeVar("A", bound=JsonArtifact)
+
+
+def rank_zeros(artifact: A) -> A:
+    """Rank 0's ``artifact`` (a profile, a problem) on every rank: the ranks must choose
+    the same plans, or their FSDP units, and so their collectives, would differ."""
+    import torch.distributed as dist
+
+    shared: list[Any] = [artifact.to_json()]
+    dist.broadcast_object_list(shared, src=0)
+    return type(artifact).from_json(shared[0])
 
 
 class Ranks:
@@ -102,8 +116,5 @@ def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: st
     timed = to_problem(profile_as_run(model, batch, loss_fn, wrap=ranks.strategy,
                                       stages=ranks.stages, optimizer=optimizer,
                                       repeats=repeats))
-    shared: list[dict[str, Any] | None] = [timed.to_dict() if ranks.info.rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)  # one set of times, so one plan
-    assert shared[0] is not None
-    timed = Problem.from_dict(shared[0])
+    timed = rank_zeros(timed)  # one set of times, so one plan
     return replace(with_times_of(sharded, timed), measured_no_checkpoint_peak_bytes=peak)

@@ -26,10 +26,10 @@ from .environment import describe_environment
 from .factory import batch_size_of, describe, failure, make_factory, torch_threads, whole
 from .findings import findings
 from .grads import GradCheck, check_compiled, check_plan
-from .main_job import first_step, hazard_reason, rank_zeros, rebuild_rejected, step
+from .main_job import first_step, hazard_reason, rebuild_rejected, step
 from .measure import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
 from .microbatch import compare_microbatches
-from .ranks import Ranks, rank_problem
+from .ranks import Ranks, rank_problem, rank_zeros
 from .results import BenchReport, Row
 from .runners import CompiledRunner, EagerRunner, Factory, Runner
 from .strategies import (

@@ -104,8 +104,7 @@ def _no_limit(plan: Any) -> bool:
     """Whether a budget-driven solver checkpointed nothing because the budget needs none."""
     return (
         plan.solver in ("optimal", "segments-optimal")
-        and not plan.regions
-        and all(plan.option(i).is_keep for i in range(len(plan.options)))
+        and plan.checkpoints_nothing
         and plan.budget_bytes is not None
         and plan.predicted_peak_bytes is not None
         and plan.predicted_peak_bytes <= plan.budget_bytes

@@ -26,7 +26,7 @@ import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from remat.core import fields
 from remat.core.artifact import JsonArtifact
@@ -200,11 +200,19 @@ class Plan(JsonArtifact):
         object.__setattr__(self, "options", _parsed(self.options, stages))
         self.validate()
 
+    @property
+    def parsed_options(self) -> tuple[Option, ...]:
+        """The options as parsed on construction, one :class:`Option` per stage."""
+        return cast(tuple[Option, ...], self.options)
+
     def option(self, index: int) -> Option:
         """Stage ``index``'s option, parsed (``plan.option(i).is_offload``)."""
-        option = self.options[index]
-        assert isinstance(option, Option)  # parsed in __post_init__
-        return option
+        return self.parsed_options[index]
+
+    @property
+    def checkpoints_nothing(self) -> bool:
+        """No regions and every stage under keep: applying the plan changes nothing."""
+        return not self.regions and all(o.is_keep for o in self.parsed_options)
 
     # -- checks -------------------------------------------------------------------------
 

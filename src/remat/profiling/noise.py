@@ -23,6 +23,7 @@ __all__ = [
     "MAX_EXTRA_ROUNDS",
     "NOISY",
     "extra_rounds",
+    "median_se",
     "option_diffs",
     "option_extras",
     "paired_se",
@@ -134,10 +135,16 @@ def paired_se(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes]) -> flo
     :data:`MAX_ADDED_ROUNDS` in all and at most as many as it had timed (its timed steps
     at most double: a large model's rounds take minutes). The spread is the interquartile
     range over 1.349 (a normal's sigma; the standard deviation below four rounds), the
-    standard error of a median 1.2533 sigma over the root of the rounds.
+    standard error of a median 1.2533 sigma over the root of the rounds (:func:`median_se`).
     """
-    ratios = [r.step_s / p.step_s - 1 for p, r in zip(plain, per_stage, strict=True)
-              if p.step_s > 0]
+    return median_se([r.step_s / p.step_s - 1 for p, r in zip(plain, per_stage, strict=True)
+                      if p.step_s > 0])
+
+
+def median_se(ratios: Sequence[float]) -> float:
+    """The standard error of the median of ``ratios`` (0 below two): 1.2533 sigma over the
+    root of their count, sigma the interquartile range over 1.349 (a normal's; the
+    standard deviation below four)."""
     if len(ratios) < 2:
         return 0.0
     if len(ratios) >= 4:

@@ -40,7 +40,7 @@ from remat.runtime.identity import model_stages, stage_identity
 from remat.runtime.install import applied
 from remat.runtime.stages import discover_stages, resolve_stages
 
-__all__ = ["Progress", "fit_scaling", "notes", "profile", "profile_scaling"]
+__all__ = ["Progress", "fit_scaling", "most_over_ranks", "notes", "profile", "profile_scaling"]
 
 #: ``progress(what, done, total)``: called before each part of a profile and at the end.
 Progress = Callable[[str, int, int], None]
@@ -64,7 +64,7 @@ def _no_progress(_what: str, _done: int, _total: int) -> None:
     return None
 
 
-def _most_over_ranks(count: int) -> int:
+def most_over_ranks(count: int) -> int:
     """The largest ``count`` any rank of the default process group has."""
     import torch.distributed as dist
 
@@ -173,7 +173,7 @@ def profile(
             device=device,
             dtype=dtype,
             progress=progress,
-            agree=_most_over_ranks if ranks_agree else None,
+            agree=most_over_ranks if ranks_agree else None,
         )
     profile_s = time.perf_counter() - began
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch
 
-from remat.core.plan_format import Option, Plan, Region
+from remat.core.plan_format import Plan, Region
 from remat.measure.modes import EagerDispatchMode
 from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
@@ -207,8 +207,8 @@ def rebuilt_stages(plan: Plan) -> dict[int, Region | None]:
     for region in plan.regions:  # parents before children: the last one seen is innermost
         for i in range(region.start, region.stop):
             stages[i] = region
-    for i in range(len(plan.options)):
-        if plan.option(i).is_selective:
+    for i, option in enumerate(plan.parsed_options):
+        if option.is_selective:
             stages.setdefault(i, None)
     return stages
 
@@ -294,8 +294,8 @@ class ValueCheck:
         self._rebuilt = rebuilt_stages(plan)
         self._skippable = {
             i: frozenset(str(op) for op in resolve(option, name).ops)
-            for i, (name, option) in enumerate(zip(plan.stages, plan.options, strict=True))
-            if Option(option).is_selective
+            for i, (name, option) in enumerate(zip(plan.stages, plan.parsed_options, strict=True))
+            if option.is_selective
         }
         self._tolerance = parse_tolerance(tolerance)
         self._stage_modules = {i: handle.model.get_submodule(plan.stages[i]) for i in self._rebuilt}

@@ -165,9 +165,8 @@ def _simplest(plan: Plan, problem: Problem) -> tuple[Any, ...]:
     earlier in each stage's list (a stage's twin options: remat.profiling.twins), then
     by name."""
     first = tuple(problem.options(i).index(o) for i, o in enumerate(plan.options))
-    off_keep = sum(not plan.option(i).is_keep for i in range(len(plan.options)))
-    return (len(plan.regions), off_keep, first, plan.options,
-            tuple((r.start, r.stop) for r in plan.regions))
+    return (len(plan.regions), sum(not o.is_keep for o in plan.parsed_options), first,
+            plan.options, tuple((r.start, r.stop) for r in plan.regions))
 
 
 def _swaps(options: tuple[str, ...], problem: Problem) -> list[tuple[str, ...]]:
