@@ -29,6 +29,8 @@ _LAZY: dict[str, str] = {
     "verify": "remat.verification.harness",
     "bench": "remat.benchmarking.run",
     "auto": "remat.benchmarking.main_job",
+    "compile_stages": "remat.runtime.compiled_stages",
+    "uncompile_stages": "remat.runtime.compiled_stages",
 }
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from remat.core.planner import plan
     from remat.core.profile_format import Profile
     from remat.profiling.profiler import profile
+    from remat.runtime.compiled_stages import compile_stages, uncompile_stages
     from remat.runtime.install import Handle, applied, apply, remove
     from remat.verification.harness import verify
 
@@ -55,9 +58,11 @@ __all__ = [
     "apply",
     "auto",
     "bench",
+    "compile_stages",
     "plan",
     "profile",
     "remove",
+    "uncompile_stages",
     "verify",
 ]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -13,7 +13,9 @@ from remat.core.errors import UsageError, UserCodeError
 
 from .runners import Factory
 
-__all__ = ["batch_size_of", "describe", "failure", "make_factory", "torch_threads", "whole"]
+__all__ = [
+    "batch_size_of", "compiling", "describe", "failure", "make_factory", "torch_threads", "whole",
+]
 
 
 def whole(value: object, name: str, low: int) -> int:
@@ -54,6 +56,19 @@ def make_factory(
         return result
 
     return factory, takes
+
+
+def compiling(factory: Factory, stages: Sequence[str] | None) -> Factory:
+    """``factory`` whose models have their stages compiled (:func:`remat.compile_stages`)."""
+    from remat.runtime.compiled_stages import compile_stages
+    from remat.runtime.stages import discover_stages
+
+    def build(batch_size: int | None) -> Any:
+        model, batch, loss_fn = factory(batch_size)
+        compile_stages(model, stages or discover_stages(model, batch, loss_fn))
+        return model, batch, loss_fn
+
+    return build
 
 
 def describe(model: str | Callable[..., Any], options: Mapping[str, Any]) -> str:

@@ -52,7 +52,7 @@ from remat.profiling.noise import median_se
 from remat.profiling.profiler import most_over_ranks, profile
 
 from .environment import Environment, describe_environment
-from .factory import describe, failure, make_factory, torch_threads, whole
+from .factory import compiling, describe, failure, make_factory, torch_threads, whole
 from .findings import PEAK_TOLERANCE
 from .grads import check_plan
 from .measure import by_tracker, interleaved, paired, time_stats
@@ -402,6 +402,7 @@ def auto(
     malloc: str = "keep",
     threads: int | None = None,
     distributed: str | None = None,
+    compile: bool = False,
 ) -> AutoReport:
     """Profile ``model``, plan it under ``budget``, verify the plan and measure it.
 
@@ -414,6 +415,9 @@ def auto(
     ``distributed`` (``ddp`` or ``fsdp``, under ``torchrun``): every rank runs the job on
     its shard of the batch, plans with rank 0's profile under the per-rank problem (the
     same plan on every rank), and reports its own peak and time (Note [auto per rank]).
+    ``compile``: every model built has its stages compiled (:func:`remat.compile_stages`);
+    the profile, the plan, the check and the measurements are of the compiled program,
+    and the overhead is against the compiled model without checkpointing.
     """
 
     whole(repeats, "repeats", 1)
@@ -423,9 +427,13 @@ def auto(
         whole(threads, "threads", 1)
     if distributed is not None and distributed not in ("ddp", "fsdp"):
         raise UsageError(f"distributed={distributed!r} is unknown; use ddp or fsdp")
+    if not isinstance(compile, bool):
+        raise UsageError(f"compile={compile!r} is not a bool; pass True or False")
+    if compile and distributed is not None:
+        raise UsageError("compile=True does not run with distributed yet; drop one of them")
     with torch_threads(threads):
         return _auto(model, options, stages, budget, optimizer, repeats, warmup, verify_steps,
-                     profile_repeats, progress, malloc, distributed)
+                     profile_repeats, progress, malloc, distributed, compile)
 
 
 def _auto(
@@ -441,6 +449,7 @@ def _auto(
     progress: Callable[[str, int, int], None] | None,
     malloc: str,
     distributed: str | None = None,
+    compile: bool = False,
 ) -> AutoReport:
     began = time.perf_counter()
     allocator = set_malloc(malloc)
@@ -448,6 +457,9 @@ def _auto(
     timings: dict[str, float] = {}
     factory, _ = make_factory(model, options)
     description = describe(model, options or {})
+    if compile:
+        factory = compiling(factory, stages)
+        description += " (stages compiled)"
     ranks = None
     if distributed is not None:
         from remat.distributed import init_from_env

@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                 args.model, options=model_options(args), stages=stage_list(args.stages),
                 budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
                 verify_steps=args.verify_steps, progress=progress, malloc=args.malloc,
-                threads=args.threads, distributed=args.distributed,
+                threads=args.threads, distributed=args.distributed, compile=args.compile,
             )
     except Stopped as err:
         write_json(_stopped(args, err.to_dict()), args.json)

@@ -195,6 +195,12 @@ def _failed(report: BenchReport) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from remat.benchmarking import bench, parse_budgets, parse_strategies, write_report
 
+    if args.compile:
+        raise UsageError(
+            "remat bench --compile (rows of remat on compiled stages) is not built yet; "
+            "use remat auto --compile, or the compile@<fraction> strategies for "
+            "torch.compile's own budget"
+        )
     strategies = parse_strategies(args.strategies)
     budgets = parse_budgets(args.budgets)
     micro = None if args.microbatch_budget.strip().lower() == "off" else args.microbatch_budget

@@ -42,6 +42,14 @@ def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt"
         help="module paths of the stages, comma-separated (default: discovered)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help=(
+            "compile each stage's forward with torch.compile (inductor) and measure, plan "
+            "and run the compiled program (docs/compile.md)"
+        ),
+    )
+    p.add_argument(
         "--malloc",
         choices=("keep", "system"),
         default="keep",
@@ -139,6 +147,12 @@ def load(
     stages = stage_list(args.stages)
     if stages is not None:
         resolve_stages(model, stages)  # a wrong path fails before any measuring
+    if getattr(args, "compile", False):
+        from remat.runtime.compiled_stages import compile_stages
+        from remat.runtime.stages import discover_stages
+
+        with step("compiling the stages"):
+            compile_stages(model, stages or discover_stages(model, batch, loss_fn))
     return model, batch, loss_fn, stages, describe(args.model, options)
 
 

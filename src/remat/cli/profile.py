@@ -56,7 +56,9 @@ def _table(data: dict[str, Any]) -> Table:
 
     table = Table(
         title=(
-            f"Stages of {data['model']}, batch size {data['batch_size']}: "
+            f"Stages of {data['model']}"
+            + (" (compiled)" if data.get("compiled") else "")
+            + f", batch size {data['batch_size']}: "
             f"bytes in {unit}, times in ms"
         ),
         caption=(

@@ -162,7 +162,8 @@ _META_FIELDS = (
     "solve_time_s",
 )
 _KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
-_OPTIONAL_KEYS = ("made_for",)  # written only when set: plans from before it still load
+# written only when set: plans from before them still load
+_OPTIONAL_KEYS = ("made_for", "compiled")
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,10 @@ class Plan(JsonArtifact):
     solve_time_s: float | None = None
     # What the plan was made for (remat.core.model_identity); None: unknown, nothing is checked.
     made_for: MadeFor | None = None
+    # Priced for stages whose forward is compiled by torch.compile (a profile with
+    # compile=True); remat.apply refuses it on eager stages, and an eager plan on compiled
+    # ones, unless told otherwise.
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
@@ -263,6 +268,8 @@ class Plan(JsonArtifact):
         for name in ("predicted_step_time_s", "baseline_step_time_s", "solve_time_s"):
             if getattr(self, name) is not None:
                 fields.seconds(getattr(self, name), name)
+        if not isinstance(self.compiled, bool):
+            raise UsageError(f"compiled={self.compiled!r} is not a bool; give true or false")
         if self.made_for is not None:
             if not isinstance(self.made_for, MadeFor):
                 raise UsageError(f"made_for={self.made_for!r} is not a MadeFor record or None")
@@ -321,6 +328,7 @@ class Plan(JsonArtifact):
             "regions": [[r.start, r.stop] for r in self.regions],
             "options": list(self.options),
             **({"made_for": self.made_for.to_dict()} if self.made_for is not None else {}),
+            **({"compiled": True} if self.compiled else {}),
         }
 
     @classmethod
@@ -343,6 +351,7 @@ class Plan(JsonArtifact):
             regions=tuple(Region(*r) for r in data["regions"]),
             options=tuple(data["options"]),
             made_for=None if data.get("made_for") is None else MadeFor.from_dict(data["made_for"]),
+            compiled=data.get("compiled", False),
             **{name: data[name] for name in _META_FIELDS},
         )
 

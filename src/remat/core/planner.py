@@ -37,7 +37,7 @@ def with_made_for(result: Plan, source: Profile | Problem) -> Plan:
     which names no model."""
     if not isinstance(source, Profile) or result.stages != source.stage_names:
         return result
-    return replace(result, made_for=made_for(source))
+    return replace(result, made_for=made_for(source), compiled=source.compiled)
 
 
 def to_problem(source: Profile | Problem, *, slots: int | None = None) -> Problem:

@@ -552,8 +552,13 @@ class Profile(JsonArtifact):
     # each timed round's figures, for the paired overhead (remat/core/solve/paired.py); written
     # only when set, dropped by transforms.at_batch_size at another batch size
     timed_rounds: tuple[TimedRound, ...] | None = None
+    # measured on stages whose forward is compiled by torch.compile (docs/compile.md);
+    # plans made from it carry the flag. Written only when set.
+    compiled: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compiled, bool):
+            raise UsageError(f"profile compiled={self.compiled!r} is not a bool")
         stages = tuple(self.stages)
         if not stages or not all(isinstance(s, StageProfile) for s in stages):
             raise UsageError("a profile needs at least one stage, each a StageProfile")
@@ -645,6 +650,7 @@ class Profile(JsonArtifact):
                 if self.timing_noise is not None
                 else {}
             ),
+            **({"compiled": True} if self.compiled else {}),
         }
 
     @classmethod
@@ -702,7 +708,7 @@ _PROFILE_KEYS = (
 )
 # written only when set
 _OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
-                          "timed_rounds")
+                          "timed_rounds", "compiled")
 
 
 def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -34,6 +35,26 @@ def _stderr_silenced() -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
+
+
+_primed = False
+
+
+def _prime_unknown_free_warning() -> None:
+    """Spend torch's one-time warning about freeing a block allocated before the profiler
+    started, silently: windows over compiled calls (remat.measure.compiled_calls) free
+    such blocks by design, and the tracker supplies those frees itself."""
+    global _primed
+    if _primed:
+        return
+    _primed = True
+    from torch.profiler import profile
+
+    with _stderr_silenced(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = torch.empty(1)
+        with profile(profile_memory=True):
+            del block
 
 
 class AllocatorEvents:
@@ -59,6 +80,7 @@ class AllocatorEvents:
     def __enter__(self) -> AllocatorEvents:
         from torch.profiler import ProfilerActivity, profile
 
+        _prime_unknown_free_warning()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._prof = profile(activities=activities, profile_memory=True)
         with _stderr_silenced():

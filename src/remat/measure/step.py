@@ -39,7 +39,10 @@ def make_optimizer(
     )
 
 
-def _loss(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
+def checked_loss(
+    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]
+) -> torch.Tensor:
+    """``loss_fn(model, batch)``, checked to be a scalar loss that requires grad."""
     loss = loss_fn(model, batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise UsageError(
@@ -75,7 +78,7 @@ def measure_step(
     device = first.device if first is not None else None
 
     for _ in range(warmup_steps):
-        _loss(model, batch, loss_fn).backward()
+        checked_loss(model, batch, loss_fn).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     opt.zero_grad(set_to_none=True)
@@ -90,7 +93,7 @@ def measure_step(
     try:
         with tracker:
             with tracker.phase(Phase.FORWARD):
-                loss = _loss(model, batch, loss_fn)
+                loss = checked_loss(model, batch, loss_fn)
             with tracker.phase(Phase.BACKWARD):
                 loss.backward()
             del loss

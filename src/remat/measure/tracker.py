@@ -41,6 +41,7 @@ is right: what the region does not save is not saved.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -64,21 +65,28 @@ from remat.measure.report import (
     PhasePeaks,
 )
 
-__all__ = ["LiveMemoryTracker"]
+__all__ = ["LiveMemoryTracker", "active_tracker"]
 
 _CUDA_BLOCK_BYTES = 512
 _MODULE_KEY = "remat.module_path"
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 _ORDERED_CATEGORIES = tuple(Category)
+_ACTIVE: list[LiveMemoryTracker] = []  # trackers inside their with-block, innermost last
+
+
+def active_tracker() -> LiveMemoryTracker | None:
+    """The innermost tracker whose ``with`` block is running, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class _Record:
-    __slots__ = ("base", "nbytes", "ref", "saved")
+    __slots__ = ("base", "nbytes", "ref", "saved", "serial")
 
     def __init__(self, nbytes: int, base: Category) -> None:
         self.nbytes = nbytes
         self.base = base
         self.saved = 0
+        self.serial = 0
         self.ref: weakref.ref[torch.UntypedStorage] | None = None
 
     def category(self) -> Category:
@@ -261,6 +269,11 @@ class LiveMemoryTracker:
         self._exit_stack: ExitStack | None = None
         self._cuda_allocated: int | None = None
         self._cuda_reserved: int | None = None
+        # A compiled call in progress (remat.measure.compiled_calls): the frees it sees,
+        # timed, and what puts the tracker's modes back should the call never return.
+        self._window: Any = None  # compiled_calls._Window while one is open
+        self._pending_restore: ExitStack | None = None
+        self._serial = 0  # counts records made; a window frees only older ones by hand
 
     # ----------------------------------------------------------------- public API
 
@@ -409,6 +422,7 @@ class LiveMemoryTracker:
             stack.close()
             raise
         self._exit_stack = stack
+        _ACTIVE.append(self)
         with self._lock:
             self._start_total = self._live_total
             self.reset_peak()
@@ -417,6 +431,12 @@ class LiveMemoryTracker:
     def __exit__(self, *exc: object) -> None:
         stack, self._exit_stack = self._exit_stack, None
         assert stack is not None, "__exit__ without __enter__"
+        pending, self._pending_restore = self._pending_restore, None
+        if pending is not None:  # a compiled backward raised between its two hooks
+            pending.close()
+        self._window = None
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         stack.close()
         device = self._cuda_device()
         if device is not None:
@@ -542,6 +562,8 @@ class LiveMemoryTracker:
         if stale is not None and stale.ref is not None:
             self._on_free(key, stale.ref)
         record = _Record(nbytes, category)
+        record.serial = self._serial
+        self._serial += 1
         tracker_ref = weakref.ref(self)
 
         def on_free(ref: weakref.ref[torch.UntypedStorage]) -> None:
@@ -563,6 +585,10 @@ class LiveMemoryTracker:
             del self._records[key]
             self._live[record.category()] -= record.nbytes
             self._live_total -= record.nbytes
+            window = self._window
+            if window is not None and record.serial < window.first_serial:
+                # made before the window's allocator events began: they miss its free
+                window.frees.append((time.time_ns(), -record.nbytes))
             self._emit("free")
 
     def _resized(self, record: _Record, storage: torch.UntypedStorage) -> None:
@@ -640,6 +666,46 @@ class LiveMemoryTracker:
                 if nbytes is not None:
                     self._add(storage, nbytes, category)
             self._emit(str(func))
+
+    def _adopt(self, tensors: Any, category: Category | None = None) -> int:
+        """Count the storages of ``tensors`` not yet counted (made where the dispatcher
+        was not watching: a compiled call); return the bytes newly counted."""
+        with self._lock:
+            if category is None:
+                category = (
+                    Category.ACTIVATIONS
+                    if self._current_phase() is Phase.REBUILD
+                    else Category.TEMPORARIES
+                )
+            added = 0
+            for t in iter_tensors(tensors):
+                storage = _storage(t)
+                if storage is None:
+                    continue
+                record = self._records.get(id(storage))
+                if record is not None and record.ref is not None and record.ref() is storage:
+                    self._resized(record, storage)
+                    continue
+                nbytes = self._counted_bytes(storage)
+                if nbytes is not None:
+                    self._add(storage, nbytes, category)
+                    added += nbytes
+            return added
+
+    def _transient(self, nbytes: int, name: str) -> None:
+        """Record a moment ``nbytes`` above the live set (a compiled call's own buffers,
+        freed before it returned) as temporaries, on the timeline and in the peaks."""
+        with self._lock:
+            if nbytes > 0:
+                self._live[Category.TEMPORARIES] += nbytes
+                self._live_total += nbytes
+                self._epoch += 1
+            try:
+                self._emit(name)
+            finally:
+                if nbytes > 0:
+                    self._live[Category.TEMPORARIES] -= nbytes
+                    self._live_total -= nbytes
 
     # ----------------------------------------------------------------- phases, paths, events
 

@@ -26,8 +26,9 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import Option
 from remat.core.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
-from remat.measure.step import make_optimizer
+from remat.measure.step import checked_loss, make_optimizer
 from remat.measure.tracker import iter_tensors
+from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.calibrate import calibrated
 from remat.profiling.noise import timing_noise
@@ -35,6 +36,7 @@ from remat.profiling.optimes import region_link_s, region_overhead_rounds, regio
 from remat.profiling.rounds import timed_rounds
 from remat.profiling.run import measure_all, part_names
 from remat.profiling.twins import merge_twin_options
+from remat.runtime.compiled_stages import compile_stages, compiled_flags
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
 from remat.runtime.identity import model_stages, stage_identity
 from remat.runtime.install import applied
@@ -87,6 +89,18 @@ def _check_options(options: Sequence[str]) -> tuple[Option, ...]:
     return found
 
 
+def _compiled_options(options: tuple[Option, ...], *, default: bool) -> tuple[Option, ...]:
+    """Keep alone on compiled stages: remat's selective policies dispatch per op in
+    Python, which a compiled graph does not (docs/compile.md)."""
+    selective = [o for o in options if not o.is_keep]
+    if selective and not default:
+        raise UsageError(
+            f"option {selective[0]!r} is not measured on compiled stages yet; give "
+            "options=['keep'] with compile=True"
+        )
+    return tuple(o for o in options if o.is_keep)
+
+
 def _device_name(device: torch.device | None) -> str:
     if device is None:
         return "cpu"
@@ -110,6 +124,7 @@ def profile(
     lr: float = 1e-3,
     progress: Progress | None = None,
     ranks_agree: bool = False,
+    compile: bool = False,
 ) -> Profile:
     """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
 
@@ -129,11 +144,18 @@ def profile(
             DDP) must run the same steps on every rank: the rounds a noisy profile adds
             are then the most any rank asks for (a collective over the default group, so
             every rank must call this together).
+        compile: compile each stage's forward first (:func:`remat.compile_stages`; the
+            stages stay compiled) and measure the compiled program; stages the caller
+            compiled are measured compiled without it. Only ``keep`` is measured on
+            compiled stages so far (docs/compile.md).
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"repeats={repeats!r} is invalid; give a whole number >= 1")
+    if not isinstance(compile, bool):
+        raise UsageError(f"compile={compile!r} is not a bool; pass True or False")
+    given_options = options
     options = _check_options(options)
     loss_fn = loss_fn or _default_loss
     names = (
@@ -141,6 +163,10 @@ def profile(
         if stages is not None
         else discover_stages(model, batch, loss_fn)
     )
+    compiled = compile or any(compiled_flags(model, names))
+    if compiled:
+        options = _compiled_options(options, default=given_options is OPTIONS)
+        compile_stages(model, names)  # the rest compiled, the caller's own wrapped
     if not applied(model):  # with a plan applied, remat's own rebuilds would count
         refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code
     # what plans made from this profile record, so apply can tell another model
@@ -162,6 +188,10 @@ def profile(
         stack.callback(model.train, model.training)
         model.train()
         opt = make_optimizer(model, optimizer, lr=lr)
+        if compiled:  # compile forward and backward before anything is measured
+            with buffers_restored(model):
+                checked_loss(model, batch, loss_fn).backward()
+            model.zero_grad(set_to_none=True)
         m = measure_all(
             model,
             batch,
@@ -215,6 +245,7 @@ def profile(
         model_stages=len(model_stages(model, names)),
         batch_shapes=batch_shapes,
         timing_noise=noise,
+        compiled=compiled,
     )
     result = merge_twin_options(calibrated(result, m), m)
     result = replace(result, timed_rounds=timed_rounds(m))

@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.runtime._torch_checkpoint import check_available
+from remat.runtime.compiled_stages import stages_compiled
 from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
 from remat.runtime.fsdp_units import check_fsdp_units
@@ -169,8 +170,30 @@ def cache_off_for_training(model: nn.Module) -> bool:
     return True
 
 
+def _check_compiled(model: nn.Module, plan: Plan) -> None:
+    compiled = stages_compiled(model, plan.stages)
+    if plan.predicted_peak_bytes is None or compiled == plan.compiled:
+        return
+    if plan.compiled:
+        raise UsageError(
+            "the plan was priced for compiled stages and this model's stages are eager; "
+            "compile them first (remat.compile_stages(model)), or pass "
+            "allow_compile_mismatch=True"
+        )
+    raise UsageError(
+        "the plan was priced for eager stages and this model's stages are compiled; profile "
+        "and plan the compiled model (remat.profile(..., compile=True)), or pass "
+        "allow_compile_mismatch=True"
+    )
+
+
 def apply(
-    model: nn.Module, plan: Plan, *, preserve_rng_state: bool = True, force: bool = False
+    model: nn.Module,
+    plan: Plan,
+    *,
+    preserve_rng_state: bool = True,
+    force: bool = False,
+    allow_compile_mismatch: bool = False,
 ) -> Handle:
     """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
 
@@ -182,6 +205,12 @@ def apply(
     model is touched; ``force=True`` applies it anyway (with a warning). A model with
     more stages than the plan names gets a warning naming those left out.
 
+    A plan priced by the planner (it has a predicted peak) for compiled stages
+    (``plan.compiled``, from a profile of compiled stages) is refused on eager stages, and
+    an eager-priced one on compiled stages, since its figures are for the other program;
+    ``allow_compile_mismatch=True`` applies it anyway. Plans from the builders in
+    :mod:`remat.plans` carry no price and apply to either.
+
     ``preserve_rng_state=False`` is a debugging switch, never for training: rebuilds then
     draw fresh random numbers (another dropout mask), so gradients are wrong; it exists
     so that ``remat.verify`` can be shown catching exactly that.
@@ -192,7 +221,8 @@ def apply(
         raise UsageError(
             f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
         )
-    for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force)):
+    for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force),
+                       ("allow_compile_mismatch", allow_compile_mismatch)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
     if model in _APPLIED:
@@ -206,6 +236,8 @@ def apply(
     stages = _resolve_stages(model, plan)
     check_fsdp_units(model, plan.stages, stages, plan.regions)  # again at the first pass
     notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
+    if not allow_compile_mismatch:
+        _check_compiled(model, plan)
     if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
         # transformers: a key/value cache appended to in forward is appended to again by

@@ -24,6 +24,7 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.measure.step import OPTIMIZERS, make_optimizer
+from remat.runtime.compiled_stages import stages_compiled
 from remat.runtime.install import Handle, apply, observe
 from remat.verification.compare import check_tensors
 from remat.verification.divergence import StageRecords, first_divergence
@@ -169,12 +170,18 @@ def verify(
     policy = parse_tolerance(tolerance)
     plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
     resolved = resolve_plan(plan, twin)
-    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state, force=force)
+    # Compiled stages run as graphs: no op of theirs reaches a dispatch mode, so the value
+    # check and the hazard probes (which would run them eagerly) are skipped, and the
+    # steps are compared as compiled (docs/compile.md).
+    compiled = stages_compiled(twin, resolved.stages)
+    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state, force=force,
+                   allow_compile_mismatch=True)
     run = _Run(plain, twin, batch, loss, resolved, policy, seed, lr, cuda_devices())
     try:
         checks, hazards, divergence, values = run.all(
             steps, optimizer, handle,
-            check_rebuilds=check_rebuilds, preserve_rng_state=preserve_rng_state,
+            check_rebuilds=check_rebuilds and not compiled,
+            preserve_rng_state=preserve_rng_state, compiled=compiled,
         )
     finally:
         handle.remove()
@@ -216,6 +223,7 @@ class _Run:
         *,
         check_rebuilds: bool,
         preserve_rng_state: bool,
+        compiled: bool = False,
     ) -> tuple[list[Check], tuple[Hazard, ...], Divergence | None, ValueCheckResult | None]:
         probe = value_check = None
         if check_rebuilds:
@@ -235,7 +243,7 @@ class _Run:
             () if probe is None or value_check is None
             else probe.hazards(values, value_check.forward)
         )
-        checks.append(self._values_check(values, check_rebuilds))
+        checks.append(self._values_check(values, check_rebuilds, compiled))
         return checks, hazards, divergence, values
 
     def _compare(
@@ -359,9 +367,16 @@ class _Run:
         ]
 
     @staticmethod
-    def _values_check(values: ValueCheckResult | None, check_rebuilds: bool) -> Check:
+    def _values_check(
+        values: ValueCheckResult | None, check_rebuilds: bool, compiled: bool = False
+    ) -> Check:
         if values is None:
-            reason = "turned off (check_rebuilds=False)" if not check_rebuilds else "step 1 failed"
+            reason = (
+                "not possible on compiled stages (their ops run inside graphs); the steps "
+                "are compared" if compiled
+                else "turned off (check_rebuilds=False)" if not check_rebuilds
+                else "step 1 failed"
+            )
             return Check("rebuilt-values", "skip", reason)
         if values.rebuilt_calls == 0:
             return Check("rebuilt-values", "skip", "the plan rebuilds nothing in this step")

@@ -1,0 +1,152 @@
+"""Compiled stages: each stage's ``forward`` compiled by ``torch.compile``, regionally.
+
+``compile_stages(model)`` sets each stage's ``forward`` (an instance attribute, as the
+docs' recipe does by hand) to a :class:`CompiledForward`: the stage's own forward compiled
+with ``torch.compile`` and called through :func:`remat.measure.compiled_calls.call_compiled`,
+so the live-storage tracker counts what the compiled graph saves and holds instead of
+running it eagerly (Note [Compiled calls under the tracker]). Identical stages share one
+compiled graph: Dynamo caches by the code of ``forward`` and treats each module's
+parameters as inputs, so a chain of blocks of one class compiles once (a stage whose
+shapes differ compiles again, up to Dynamo's recompile limit).
+
+A stage whose ``forward`` the user already compiled (``torch.compile(stage.forward)``)
+is wrapped as it is, not compiled again. ``uncompile_stages`` undoes ``compile_stages``.
+``remat.apply`` wraps whatever ``forward`` a stage has, so compile first, then apply.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.errors import UsageError
+from remat.measure.compiled_calls import call_compiled
+from remat.runtime.stages import resolve_stages
+
+__all__ = [
+    "CompiledForward",
+    "compile_stages",
+    "compiled_flags",
+    "stages_compiled",
+    "uncompile_stages",
+]
+
+
+_MISSING = object()
+
+
+class CompiledForward:
+    """A stage's ``forward`` compiled by ``torch.compile`` (``compiled``), with the eager
+    one it was made from (``eager``), called so the tracker can measure it."""
+
+    def __init__(
+        self, eager: Any, compiled: Any, previous: Any, options: dict[str, Any] | None = None
+    ) -> None:
+        self.eager = eager
+        self.compiled = compiled
+        self.previous = previous  # the stage's instance-level forward before, if any
+        self.options = dict(options or {})  # what torch.compile was given
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return call_compiled(self.compiled, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
+        # A compiled function deep-copies as itself (functions are atomic to deepcopy) and
+        # would run the original module: compile the copy's own forward instead (Dynamo's
+        # cache is keyed by the code, so nothing is compiled again).
+        eager = copy.deepcopy(self.eager, memo)
+        previous = self.previous
+        if previous is not _MISSING:
+            previous = torch.compile(copy.deepcopy(previous._torchdynamo_orig_callable, memo))
+        compiled = previous if previous is not _MISSING else torch.compile(eager, **self.options)
+        return CompiledForward(eager, compiled, previous, self.options)
+
+
+def _is_dynamo_compiled(fn: Any) -> bool:
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def _is_compiled(fn: Any) -> bool:
+    return isinstance(fn, CompiledForward) or _is_dynamo_compiled(fn)
+
+
+def compiled_flags(model: nn.Module, stages: Sequence[str]) -> tuple[bool, ...]:
+    """Per stage: whether its ``forward`` is compiled (by :func:`compile_stages` or by
+    ``torch.compile`` on the stage's forward), looking through a plan's wrapper."""
+    flags = []
+    for path in stages:
+        forward = model.get_submodule(path).__dict__.get("forward")
+        while forward is not None and not _is_compiled(forward):
+            forward = getattr(forward, "__wrapped__", None)  # remat's engine: functools.wraps
+        flags.append(forward is not None)
+    return tuple(flags)
+
+
+def stages_compiled(model: nn.Module, stages: Sequence[str]) -> bool:
+    """Whether every stage is compiled; UsageError if some are and some are not."""
+    flags = compiled_flags(model, stages)
+    if any(flags) and not all(flags):
+        eager = next(p for p, f in zip(stages, flags, strict=True) if not f)
+        raise UsageError(
+            f"some stages are compiled and stage {eager!r} is not; compile all of them "
+            "(remat.compile_stages(model)) or none"
+        )
+    return bool(flags) and all(flags)
+
+
+def compile_stages(
+    model: nn.Module, stages: Sequence[str] | None = None, **compile_options: Any
+) -> tuple[str, ...]:
+    """Compile each stage's ``forward`` in place (``compile_options`` go to
+    ``torch.compile``); return the stage paths. Stages already compiled are wrapped as
+    they are. Call it before ``remat.apply``."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    paths = resolve_stages(model, stages)
+    modules = [model.get_submodule(p) for p in paths]
+    for path, module in zip(paths, modules, strict=True):
+        own = module.__dict__.get("forward", _MISSING)
+        if own is not _MISSING and not _is_compiled(own):
+            raise UsageError(
+                f"stage {path!r} has a forward of its own ({type(own).__name__}): call "
+                "remat.remove(model) first if a plan is applied, else del stage.forward"
+            )
+    for module in modules:
+        own = module.__dict__.get("forward", _MISSING)
+        if isinstance(own, CompiledForward):
+            continue
+        if own is not _MISSING:  # compiled by the user: keep their compilation
+            module.forward = CompiledForward(own._torchdynamo_orig_callable, own, own)
+        else:
+            eager = module.forward
+            module.forward = CompiledForward(
+                eager, torch.compile(eager, **compile_options), _MISSING, compile_options
+            )
+    return tuple(paths)
+
+
+def uncompile_stages(model: nn.Module) -> int:
+    """Undo :func:`compile_stages` on every module of ``model``; return how many.
+    Call ``remat.remove(model)`` first if a plan is applied."""
+    owned = [(path, module, module.__dict__.get("forward", _MISSING))
+             for path, module in model.named_modules()]
+    for path, _, own in owned:
+        if not isinstance(own, CompiledForward) and isinstance(
+            getattr(own, "__wrapped__", None), CompiledForward
+        ):
+            raise UsageError(
+                f"a plan is applied over stage {path!r}; call remat.remove(model) first"
+            )
+    count = 0
+    for _, module, own in owned:
+        if isinstance(own, CompiledForward):
+            if own.previous is _MISSING:
+                del module.forward
+            else:
+                module.forward = own.previous
+            count += 1
+    return count

@@ -1,0 +1,203 @@
+"""Profiling, planning and applying on compiled stages (docs/compile.md, "Planning a
+compiled model"): the tracker counts a compiled stage as the allocator does, a profile
+with ``compile=True`` prices the compiled program, and plans carry which program they
+were priced for. Uses the tiny chain of ``test_compile`` (one compiled graph for its blocks).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from conftest import mean_square
+from remat import plans
+from remat.benchmarking.measure import by_profiler
+from remat.benchmarking.runners import Runner
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
+from remat.measure import measure_step
+from remat.runtime.compiled_stages import CompiledForward, compile_stages, stages_compiled
+from test_compile import N_BLOCKS, _needs_inductor, make_chain  # noqa: F401 (fixture)
+
+STAGES = [f"blocks.{i}" for i in range(N_BLOCKS)]
+
+
+def chain() -> tuple[torch.nn.Module, torch.Tensor, Any]:
+    """The tiny chain as a model factory, for the command line."""
+    model, x = make_chain()
+    return model, x, mean_square
+
+
+def _counting_inductor(calls: list[int]) -> Any:
+    """Inductor, counting each call of the forward graphs it compiled."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiled = compile_fx(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            calls.append(1)
+            return compiled(*args)
+
+        return run
+
+    return fw_compiler
+
+
+def _allocator_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
+    return by_profiler(Runner(model, x, mean_square, "adamw")).peak_bytes
+
+
+@pytest.fixture(scope="module")
+def compiled_profile() -> tuple[torch.nn.Module, torch.Tensor, remat.Profile]:
+    model, x = make_chain()
+    profile = remat.profile(model, x, mean_square, compile=True, repeats=1)
+    return model, x, profile
+
+
+def test_the_tracker_sees_a_compiled_stage_run_compiled_and_counts_it_as_the_allocator_does():
+    model, x = make_chain()
+    eager_peak = measure_step(copy.deepcopy(model), x, mean_square).peak_bytes
+    calls: list[int] = []
+    compile_stages(model, backend=_counting_inductor(calls))
+    mean_square(model, x).backward()  # compile
+    model.zero_grad(set_to_none=True)
+    calls.clear()
+    tracked = measure_step(model, x, mean_square).peak_bytes
+    # each block's compiled graph ran in the warm-up step and in the tracked one
+    assert len(calls) == 2 * N_BLOCKS
+    assert tracked == _allocator_peak(model, x)
+    assert tracked != eager_peak  # the compiled program's memory, not the eager one's
+
+
+def test_a_profile_with_compile_prices_the_compiled_program(
+    compiled_profile: tuple[torch.nn.Module, torch.Tensor, remat.Profile],
+) -> None:
+    model, x, profile = compiled_profile
+    assert profile.compiled and stages_compiled(model, STAGES)
+    assert set(profile.stages[0].saved_bytes) == {"keep"}
+    eager = remat.profile(make_chain()[0], x, mean_square, repeats=1, options=["keep"])
+    assert profile.stages[1].saved_bytes != eager.stages[1].saved_bytes
+    assert profile.measured_peak_bytes == _allocator_peak(model, x)
+    # as close as the eager profile of this chain comes to its own step (one hidden state
+    # over), to a few bytes
+    eager_gap = eager.predicted_peak_bytes - eager.measured_peak_bytes
+    assert abs(profile.predicted_peak_bytes - profile.measured_peak_bytes - eager_gap) <= 64
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8])
+def test_a_plan_of_the_compiled_profile_keeps_its_budget_on_the_compiled_model(
+    compiled_profile: tuple[torch.nn.Module, torch.Tensor, remat.Profile], fraction: float
+) -> None:
+    model, x, profile = compiled_profile
+    budget = int(profile.measured_peak_bytes * fraction)
+    plan = remat.plan(profile, budget)
+    assert plan.compiled and Plan.from_json(plan.to_json()).compiled
+    remat.apply(model, plan)
+    try:
+        measured = _allocator_peak(model, x)
+    finally:
+        remat.remove(model)
+    assert measured <= budget
+    assert abs(measured / plan.predicted_peak_bytes - 1) <= 0.05
+
+
+def test_apply_refuses_a_plan_priced_for_the_other_program(
+    compiled_profile: tuple[torch.nn.Module, torch.Tensor, remat.Profile],
+) -> None:
+    model, x, profile = compiled_profile
+    plan = remat.plan(profile, int(profile.measured_peak_bytes * 0.8))
+    eager_model, _ = make_chain()
+    with pytest.raises(UsageError, match="priced for compiled stages"):
+        remat.apply(eager_model, plan)
+    assert not remat.applied(eager_model) and "forward" not in eager_model.blocks[0].__dict__
+    remat.apply(eager_model, plan, allow_compile_mismatch=True)
+    remat.remove(eager_model)
+
+    eager_profile = remat.profile(eager_model, x, mean_square, repeats=1, options=["keep"])
+    eager_plan = remat.plan(eager_profile, int(eager_profile.measured_peak_bytes * 0.8))
+    assert not eager_plan.compiled
+    with pytest.raises(UsageError, match="priced for eager stages"):
+        remat.apply(model, eager_plan)
+    assert not remat.applied(model)
+    # builder plans carry no price and apply to either
+    remat.apply(model, plans.per_stage(model))
+    remat.remove(model)
+    assert stages_compiled(model, STAGES)  # remove leaves the compilation
+
+
+def test_compile_stages_wraps_a_users_compiled_forward_and_uncompile_restores_it():
+    model, _ = make_chain()
+    own = torch.compile(model.blocks[0].forward)
+    model.blocks[0].forward = own
+    with pytest.raises(UsageError, match=r"compiled and stage 'blocks\.1' is not"):
+        stages_compiled(model, STAGES)
+    compile_stages(model)
+    wrapped = model.blocks[0].__dict__["forward"]
+    assert isinstance(wrapped, CompiledForward) and wrapped.compiled is own
+    assert remat.uncompile_stages(model) == N_BLOCKS
+    assert model.blocks[0].__dict__["forward"] is own
+    assert all("forward" not in b.__dict__ for b in model.blocks[1:])
+
+
+def test_compile_stages_refuses_a_model_with_a_plan_applied_and_changes_nothing():
+    model, _ = make_chain()
+    remat.apply(model, plans.per_stage(model))
+    with pytest.raises(UsageError, match=r"remat\.remove"):
+        compile_stages(model)
+    with pytest.raises(UsageError, match=r"remat\.remove"):
+        remat.profile(model, torch.randn(2, 3, 32), mean_square, compile=True)
+    remat.remove(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+def test_profile_refuses_a_selective_option_on_compiled_stages():
+    model, x = make_chain()
+    with pytest.raises(UsageError, match="not measured on compiled stages"):
+        remat.profile(model, x, mean_square, compile=True,
+                      options=["keep", "selective:save-matmuls"])
+    with pytest.raises(UsageError, match="compile="):
+        remat.profile(model, x, mean_square, compile="yes")  # type: ignore[arg-type]
+
+
+def test_a_deep_copy_of_a_compiled_model_runs_its_own_parameters():
+    model, x = make_chain()
+    model.eval()  # no dropout: the compiled and eager calls below must agree
+    compile_stages(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.blocks[0].parameters():
+            p.add_(1.0)
+    forward = twin.blocks[0].__dict__["forward"]
+    assert isinstance(forward, CompiledForward) and forward.eager.__self__ is twin.blocks[0]
+    expected = type(twin.blocks[0]).forward(twin.blocks[0], x)
+    torch.testing.assert_close(twin.blocks[0](x), expected, rtol=1.3e-6, atol=1e-5)
+    assert not torch.allclose(model.blocks[0](x), expected)
+
+
+def test_verify_compares_compiled_twins_and_says_why_it_skips_the_value_check(
+    compiled_profile: tuple[torch.nn.Module, torch.Tensor, remat.Profile],
+) -> None:
+    model, x, profile = compiled_profile
+    plan = remat.plan(profile, int(profile.measured_peak_bytes * 0.5))
+    report = remat.verify(model, x, plan, mean_square, steps=2)
+    assert report.ok
+    values = next(c for c in report.checks if c.name == "rebuilt-values")
+    assert values.status == "skip" and "compiled" in values.message
+
+
+def test_the_cli_plans_a_compiled_model_and_bench_says_compile_is_not_built_yet(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from remat.cli import main
+
+    out = tmp_path / "plan.json"
+    tiny = ["--model", f"{__file__}:chain"]
+    assert main(["plan", *tiny, "--compile", "--budget", "60%", "--json", str(out)]) == 0
+    assert Plan.load(out).compiled
+    assert main(["bench", *tiny, "--compile"]) == 2
+    assert "not built yet" in capsys.readouterr().err
