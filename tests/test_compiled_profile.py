@@ -19,6 +19,9 @@ from remat.benchmarking.measure import by_profiler
 from remat.benchmarking.runners import Runner
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.core.planner import to_problem
+from remat.core.profile_format import OPTIONS
+from remat.core.solve import simulate
 from remat.measure import measure_step
 from remat.runtime.compiled_stages import CompiledForward, compile_stages, stages_compiled
 from test_compile import N_BLOCKS, _needs_inductor, make_chain  # noqa: F401 (fixture)
@@ -79,7 +82,7 @@ def test_a_profile_with_compile_prices_the_compiled_program(
 ) -> None:
     model, x, profile = compiled_profile
     assert profile.compiled and stages_compiled(model, STAGES)
-    assert set(profile.stages[0].saved_bytes) == {"keep"}
+    assert set(profile.stages[0].saved_bytes) == set(OPTIONS)  # selective ones too
     eager = remat.profile(make_chain()[0], x, mean_square, repeats=1, options=["keep"])
     assert profile.stages[1].saved_bytes != eager.stages[1].saved_bytes
     assert profile.measured_peak_bytes == _allocator_peak(model, x)
@@ -155,11 +158,33 @@ def test_compile_stages_refuses_a_model_with_a_plan_applied_and_changes_nothing(
     assert all("forward" not in b.__dict__ for b in model.blocks)
 
 
-def test_profile_refuses_a_selective_option_on_compiled_stages():
+@pytest.mark.parametrize("option", ["selective:save-matmuls", "selective:save-nothing"])
+def test_a_selective_option_is_compiled_into_the_stage_and_saves_what_the_profile_says(
+    compiled_profile: tuple[torch.nn.Module, torch.Tensor, remat.Profile], option: str
+) -> None:
+    model, x, profile = compiled_profile
+    stage = profile.stages[1]
+    assert stage.saved_bytes[option] < stage.saved_bytes["keep"]
+    plan = Plan(stages=profile.stage_names, options=(option,) * N_BLOCKS)
+    predicted = simulate(plan, to_problem(profile)).peak_bytes
+    remat.apply(model, plan)
+    try:
+        stage_forward = model.blocks[1].forward
+        assert stages_compiled(model, STAGES)  # through the option's compiled graph
+        measured = _allocator_peak(model, x)
+    finally:
+        remat.remove(model)
+    # off by what the prediction of this chain's plain step is off by (one hidden state)
+    plain_gap = profile.predicted_peak_bytes - profile.measured_peak_bytes
+    assert abs(predicted - measured - plain_gap) <= 64, (measured, predicted)
+    assert stage_forward is not model.blocks[1].forward
+    # the eager selective machinery would save what keep saves here: it never sees the ops
+    keep = simulate(Plan(stages=profile.stage_names), to_problem(profile)).peak_bytes
+    assert measured < keep
+
+
+def test_profile_checks_compile_is_a_bool():
     model, x = make_chain()
-    with pytest.raises(UsageError, match="not measured on compiled stages"):
-        remat.profile(model, x, mean_square, compile=True,
-                      options=["keep", "selective:save-matmuls"])
     with pytest.raises(UsageError, match="compile="):
         remat.profile(model, x, mean_square, compile="yes")  # type: ignore[arg-type]
 
@@ -183,7 +208,8 @@ def test_verify_compares_compiled_twins_and_says_why_it_skips_the_value_check(
     compiled_profile: tuple[torch.nn.Module, torch.Tensor, remat.Profile],
 ) -> None:
     model, x, profile = compiled_profile
-    plan = remat.plan(profile, int(profile.measured_peak_bytes * 0.5))
+    plan = Plan(stages=profile.stage_names, regions=plans.per_stage(model).regions[:2],
+                options=("keep", "keep", "selective:save-matmuls", "selective:save-nothing"))
     report = remat.verify(model, x, plan, mean_square, steps=2)
     assert report.ok
     values = next(c for c in report.checks if c.name == "rebuilt-values")

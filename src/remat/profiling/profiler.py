@@ -89,18 +89,6 @@ def _check_options(options: Sequence[str]) -> tuple[Option, ...]:
     return found
 
 
-def _compiled_options(options: tuple[Option, ...], *, default: bool) -> tuple[Option, ...]:
-    """Keep alone on compiled stages: remat's selective policies dispatch per op in
-    Python, which a compiled graph does not (docs/compile.md)."""
-    selective = [o for o in options if not o.is_keep]
-    if selective and not default:
-        raise UsageError(
-            f"option {selective[0]!r} is not measured on compiled stages yet; give "
-            "options=['keep'] with compile=True"
-        )
-    return tuple(o for o in options if o.is_keep)
-
-
 def _device_name(device: torch.device | None) -> str:
     if device is None:
         return "cpu"
@@ -146,8 +134,8 @@ def profile(
             every rank must call this together).
         compile: compile each stage's forward first (:func:`remat.compile_stages`; the
             stages stay compiled) and measure the compiled program; stages the caller
-            compiled are measured compiled without it. Only ``keep`` is measured on
-            compiled stages so far (docs/compile.md).
+            compiled are measured compiled without it. A selective option on a
+            compiled stage is compiled into the stage (docs/compile.md).
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
@@ -155,7 +143,6 @@ def profile(
         raise UsageError(f"repeats={repeats!r} is invalid; give a whole number >= 1")
     if not isinstance(compile, bool):
         raise UsageError(f"compile={compile!r} is not a bool; pass True or False")
-    given_options = options
     options = _check_options(options)
     loss_fn = loss_fn or _default_loss
     names = (
@@ -165,7 +152,6 @@ def profile(
     )
     compiled = compile or any(compiled_flags(model, names))
     if compiled:
-        options = _compiled_options(options, default=given_options is OPTIONS)
         compile_stages(model, names)  # the rest compiled, the caller's own wrapped
     if not applied(model):  # with a plan applied, remat's own rebuilds would count
         refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code

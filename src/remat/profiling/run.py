@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,9 +54,11 @@ from remat.profiling.optimes import policy_op_names, spanning_regions
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.pooling import identical_groups
+from remat.profiling.stage_ops import eager_stage_ops
 from remat.profiling.timeline import Span, StepSpans, split_step
 from remat.profiling.timing import StepTimes, bare_step_s, timed_steps
 from remat.runtime import apply
+from remat.runtime.compiled_stages import compiled_flags
 
 __all__ = ["Measurements", "measure_all", "part_names"]
 
@@ -299,6 +301,11 @@ def measure_all(
     selective: dict[str, ForwardPass] = {}
     selective_backward: dict[str, tuple[Span, ...]] = {}
     measured_in: dict[str, frozenset[int]] = {}
+    compiled = compiled_flags(model, names)
+    if any(compiled):  # their ops ran inside their graphs, out of the tracker's sight
+        eager = eager_stage_ops(model, batch, loss_fn, names)
+        spans = replace(spans, stage_ops=tuple(
+            eager[i] if compiled[i] else ops for i, ops in enumerate(spans.stage_ops)))
     for option in (o for o in options if Option(o).is_selective):
         part(f"saved bytes, {option}")
         wanted = frozenset(

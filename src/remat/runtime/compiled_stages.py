@@ -17,11 +17,15 @@ is wrapped as it is, not compiled again. ``uncompile_stages`` undoes ``compile_s
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+import functools
+import logging
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from remat.core.errors import UsageError
 from remat.measure.compiled_calls import call_compiled
@@ -54,6 +58,21 @@ class CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_compiled(self.compiled, *args, **kwargs)
 
+    def selective(self, ops: tuple[Any, ...]) -> CompiledForward:
+        """The stage under a selective option, compiled: torch's selective checkpoint of
+        the eager forward traced into one graph (Note [Selective options on compiled
+        stages]); saves the outputs of ``ops`` and recomputes the rest in its backward."""
+        variants = self.__dict__.setdefault("_selective", {})
+        key = tuple(str(op) for op in ops)
+        if key not in variants:
+            graph = _selective_graph(self.eager, key, self.options)
+            contexts = functools.partial(create_selective_checkpoint_contexts, list(ops))
+            variants[key] = CompiledForward(
+                self.eager, functools.partial(graph, self.eager, contexts), _MISSING,
+                self.options,
+            )
+        return cast("CompiledForward", variants[key])
+
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledForward:
         # A compiled function deep-copies as itself (functions are atomic to deepcopy) and
         # would run the original module: compile the copy's own forward instead (Dynamo's
@@ -64,6 +83,50 @@ class CompiledForward:
             previous = torch.compile(copy.deepcopy(previous._torchdynamo_orig_callable, memo))
         compiled = previous if previous is not _MISSING else torch.compile(eager, **self.options)
         return CompiledForward(eager, compiled, previous, self.options)
+
+
+# Note [Selective options on compiled stages]
+# remat's selective options pick ops by a dispatch mode, which a compiled graph never
+# reaches. On a compiled stage the option is instead compiled into the stage: torch's
+# selective checkpoint (non-reentrant, with the policy's contexts) around the stage's
+# eager forward, traced by Dynamo whole; the partitioner saves what the policy must save
+# and recomputes the rest inside the compiled backward. remat.apply calls that graph in
+# place of the stage's forward and runs the stage as keep (inside a region it is then
+# rebuilt by it). Each (forward, policy) pair gets a function with its own code object,
+# so Dynamo caches it apart: one shared code object would collect a recompile per
+# stage class and policy and fall back to eager past Dynamo's recompile limit.
+_SELECTIVE_GRAPHS: dict[tuple[Any, tuple[str, ...], str], Callable[..., Any]] = {}
+
+
+class _QuietContextFnNote(logging.Filter):
+    """torch logs, once, that a checkpoint with ``context_fn`` under compile must not hold
+    in-place ops; docs/compile.md says it, and ``remat verify`` compares the gradients."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QuietContextFnNote())
+
+
+def _checkpointed(eager: Any, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(eager, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _selective_graph(
+    eager: Any, ops: tuple[str, ...], options: dict[str, Any]
+) -> Callable[..., Any]:
+    code = getattr(getattr(eager, "__func__", eager), "__code__", None)
+    key = (code, ops, repr(sorted(options.items())))
+    if key not in _SELECTIVE_GRAPHS:
+        template = _checkpointed
+        fresh = types.FunctionType(
+            template.__code__.replace(co_name=f"_checkpointed_{len(_SELECTIVE_GRAPHS)}"),
+            template.__globals__, template.__name__, template.__defaults__,
+            template.__closure__,
+        )
+        _SELECTIVE_GRAPHS[key] = torch.compile(fresh, **options)
+    return _SELECTIVE_GRAPHS[key]
 
 
 def _is_dynamo_compiled(fn: Any) -> bool:

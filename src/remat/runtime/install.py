@@ -36,14 +36,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from remat.core.errors import UsageError
-from remat.core.plan_format import Plan
+from remat.core.plan_format import KEEP, Plan
 from remat.runtime._torch_checkpoint import check_available
-from remat.runtime.compiled_stages import stages_compiled
+from remat.runtime.compiled_stages import CompiledForward, stages_compiled
 from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
 from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.identity import check_made_for
-from remat.runtime.policies import resolve
+from remat.runtime.policies import StagePolicy, resolve
 from remat.runtime.stages import unknown_path_message
 
 __all__ = ["Handle", "applied", "apply", "installed_hook_ids", "observe", "remove"]
@@ -254,11 +254,19 @@ def apply(
     for note in notes:  # before any change: a warning turned into an error leaves no trace
         warnings.warn(note, stacklevel=2)
 
+    # Note [Selective options on compiled stages] in compiled_stages.py
+    forwards = [m.forward for m in stages]
+    for i, module in enumerate(stages):
+        own = module.__dict__.get("forward")
+        if isinstance(own, CompiledForward) and policies[i].kind == "selective":
+            forwards[i] = own.selective(policies[i].ops)
+            policies[i] = StagePolicy(KEEP.kind)
+
     # Everything is checked: from here on nothing can fail half-way.
     engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state)
     previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
     for i, module in enumerate(stages):
-        module.forward = engine.wrap(i, module.forward)
+        module.forward = engine.wrap(i, forwards[i])
         _WRAPPED.add(module)
     hooks = (  # opaque: see Note [torch.compile sees the engine ...] in engine.py
         model.register_forward_pre_hook(opaque(engine.begin_pass)),
