@@ -7,6 +7,7 @@ were priced for. Uses the tiny chain of ``test_compile`` (one compiled graph for
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -35,11 +36,13 @@ def chain() -> tuple[torch.nn.Module, torch.Tensor, Any]:
     return model, x, mean_square
 
 
-def _counting_inductor(calls: list[int]) -> Any:
-    """Inductor, counting each call of the forward graphs it compiled."""
+def _counting_inductor(calls: list[int], compiles: list[int] | None = None) -> Any:
+    """Inductor, counting each call of the forward graphs it compiled (and each compile)."""
     from torch._inductor.compile_fx import compile_fx
 
     def fw_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        if compiles is not None:
+            compiles.append(1)
         compiled = compile_fx(gm, example_inputs)
 
         def run(*args: Any) -> Any:
@@ -75,6 +78,25 @@ def test_the_tracker_sees_a_compiled_stage_run_compiled_and_counts_it_as_the_all
     assert len(calls) == 2 * N_BLOCKS
     assert tracked == _allocator_peak(model, x)
     assert tracked != eager_peak  # the compiled program's memory, not the eager one's
+
+
+def test_measuring_a_compiled_model_never_compiles_its_stages_into_another_program():
+    # hooks on modules inside a compiled stage are traced into its graph and guarded on:
+    # each measurement that hooks every module would compile the stage again, and past
+    # Dynamo's recompile limit it would run eagerly for good
+    model, x = make_chain()
+    calls: list[int] = []
+    compiles: list[int] = []
+    compile_stages(model, backend=_counting_inductor(calls, compiles))
+    remat.profile(model, x, mean_square, repeats=1, options=["keep"])
+    remat.apply(model, plans.per_stage(model))
+    measure_step(model, x, mean_square)
+    remat.remove(model)
+    calls.clear()
+    measure_step(model, x, mean_square)
+    # the blocks' graph, twice: the first block's input (the batch) needs no gradient
+    assert len(compiles) == 2
+    assert len(calls) == 2 * N_BLOCKS  # still compiled: warm-up and measured step
 
 
 def test_a_profile_with_compile_prices_the_compiled_program(
@@ -216,14 +238,30 @@ def test_verify_compares_compiled_twins_and_says_why_it_skips_the_value_check(
     assert values.status == "skip" and "compiled" in values.message
 
 
-def test_the_cli_plans_a_compiled_model_and_bench_says_compile_is_not_built_yet(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_cli_plans_a_compiled_model(tmp_path: Any) -> None:
     from remat.cli import main
 
     out = tmp_path / "plan.json"
-    tiny = ["--model", f"{__file__}:chain"]
-    assert main(["plan", *tiny, "--compile", "--budget", "60%", "--json", str(out)]) == 0
+    assert main(["plan", "--model", f"{__file__}:chain", "--compile", "--budget", "60%",
+                 "--json", str(out)]) == 0
     assert Plan.load(out).compiled
-    assert main(["bench", *tiny, "--compile"]) == 2
-    assert "not built yet" in capsys.readouterr().err
+
+
+def test_bench_compile_adds_remat_on_the_compiled_stages_beside_compile(tmp_path: Any) -> None:
+    from remat.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", f"{__file__}:chain", "--compile", "--strategies",
+                 "compile", "--budgets", "60%", "--repeats", "1", "--warmup", "0",
+                 "--profile-repeats", "1", "--microbatch-budget", "off",
+                 "--json", str(out)]) == 0
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {"none", "compile@60%", "remat+compile@60%",
+            "remat+compile@compile@60%"} <= set(rows)
+    for key in ("remat+compile@60%", "remat+compile@compile@60%"):
+        row = rows[key]
+        assert row["status"] == "ok" and row["grads_match"], row
+        assert row["measured_peak_bytes"] <= row["budget_bytes"]
+        assert abs(row["measured_peak_bytes"] / row["predicted_peak_bytes"] - 1) <= 0.05
+    assert rows["remat+compile@compile@60%"]["budget_bytes"] == \
+        rows["compile@60%"]["measured_peak_bytes"]

@@ -13,6 +13,7 @@ from remat.core.units import format_bytes
 
 from .measure import paired
 from .results import Finding, MicrobatchReport, Row
+from .strategies import REMAT_COMPILE
 
 __all__ = ["PEAK_TOLERANCE", "findings"]
 
@@ -34,7 +35,7 @@ def _ms(seconds: float | None) -> str:
 def _prediction(rows: Sequence[Row]) -> list[Finding]:
     found = []
     for r in rows:
-        if r.strategy != "remat" or r.matched_to is not None:
+        if r.strategy not in ("remat", REMAT_COMPILE) or r.matched_to is not None:
             continue
         if r.status == "infeasible":
             found.append(Finding(f"prediction {r.key}", "feasible budgets only",
@@ -63,7 +64,7 @@ def _matched(rows: Sequence[Row]) -> list[Finding]:
     by_key = {r.key: r for r in rows}
     found = []
     for r in rows:
-        if r.matched_to is None:
+        if r.matched_to is None or r.strategy != "remat":  # remat+compile: _remat_compile
             continue
         base = by_key.get(r.matched_to)
         if base is None or not base.step_times_s or not r.step_times_s:
@@ -185,6 +186,43 @@ def _compile(rows: Sequence[Row]) -> list[Finding]:
     return found
 
 
+def _remat_compile(rows: Sequence[Row]) -> list[Finding]:
+    """remat's plan on the stage-compiled model against each compile row, at the peak that
+    compile row measured; and the lowest peak each reaches."""
+    by_key = {r.key: r for r in rows}
+    found = []
+    for c in rows:
+        ours = by_key.get(f"{REMAT_COMPILE}@{c.key}")
+        if c.strategy != "compile" or ours is None:
+            continue
+        name = f"remat+compile vs compile @{c.budget}"
+        if c.status != "ok" or ours.status != "ok":
+            found.append(Finding(name, "compare", f"compile@{c.budget}: {c.status}; "
+                                 f"{ours.key}: {ours.status}: {ours.reason}", None))
+            continue
+        assert ours.measured_peak_bytes is not None and c.measured_peak_bytes is not None
+        ratio, _ = paired(ours.step_times_s, c.step_times_s)
+        found.append(Finding(
+            name, "at compile's measured peak, remat+compile no slower (median ratio <= 1.00)",
+            f"compile@{c.budget} {format_bytes(c.measured_peak_bytes)}, "
+            f"{_ms(c.step_time_s)}; {ours.key} {format_bytes(ours.measured_peak_bytes)}, "
+            f"{_ms(ours.step_time_s)}: remat+compile/compile median time ratio {ratio:.2f}",
+            ratio <= 1.0 and ours.measured_peak_bytes <= c.measured_peak_bytes,
+        ))
+    ok = [r for r in rows if r.status == "ok" and r.measured_peak_bytes is not None]
+    compiled = [r.measured_peak_bytes or 0 for r in ok if r.strategy == "compile"]
+    ours_peaks = [r.measured_peak_bytes or 0 for r in ok if r.strategy == REMAT_COMPILE]
+    if compiled and ours_peaks:
+        low, theirs = min(ours_peaks), min(compiled)
+        found.append(Finding(
+            "lowest peak, remat+compile vs compile", "remat+compile reaches a lower peak",
+            f"lowest measured peak: remat+compile {format_bytes(low)}, compile "
+            f"{format_bytes(theirs)}",
+            low < theirs,
+        ))
+    return found
+
+
 def _gradients(rows: Sequence[Row]) -> list[Finding]:
     planned = [r for r in rows if r.status == "ok" and r.strategy != "compile"]
     bad = [r.key for r in planned if not r.grads_match]
@@ -215,7 +253,7 @@ def _noise(rows: Sequence[Row]) -> list[Finding]:
 def findings(rows: Sequence[Row], micro: MicrobatchReport | None) -> tuple[Finding, ...]:
     found = [
         *_noise(rows), *_prediction(rows), *_gradients(rows), *_matched(rows), *_rebuild(rows),
-        *_per_stage(rows), *_compile(rows),
+        *_per_stage(rows), *_compile(rows), *_remat_compile(rows),
     ]
     if micro is not None:
         found.append(Finding("fastest under budget", "state it", micro.statement, None))

@@ -28,7 +28,7 @@ from remat.verification.harness import verify
 from remat.verification.report import Check
 from remat.verification.tolerance import parse_tolerance
 
-from .runners import CompiledRunner, Factory, enable_hf_gc, is_hf_gc
+from .runners import Factory, Runner, enable_hf_gc, is_hf_gc
 
 __all__ = ["GradCheck", "check_compiled", "check_hf_gc", "check_plan"]
 
@@ -106,16 +106,21 @@ def _worst_vs(model: nn.Module, exact: dict[str, nn.Parameter]) -> float:
     return worst
 
 
-def check_compiled(runner: CompiledRunner, *, seed: int = 0) -> GradCheck:
+def check_compiled(
+    runner: Runner, *, seed: int = 0, reference: nn.Module | None = None
+) -> GradCheck:
     """Step 1 of the compiled row against the eager model (call it before any other step).
 
     The compiled row's first call compiles; the caller times it. When the two differ, one
     eager float64 step from the same state says which of them is further from exact:
     float32 rounding on an ill-conditioned gradient can put eager itself far off, and the
-    compiled kernels (another summation order) elsewhere.
+    compiled kernels (another summation order) elsewhere. ``reference``: the eager model
+    with the same weights (default: a copy of the row's model; a row whose stages are
+    compiled gives its eager twin, since a copy of it would be compiled too).
     """
-    reference = copy.deepcopy(runner.model)
-    exact = copy.deepcopy(runner.model).double()
+    if reference is None:
+        reference = copy.deepcopy(runner.model)
+    exact = copy.deepcopy(reference).double()
 
     compiled_loss = _seeded_step(runner.model, runner.loss, seed, runner.context())
     eager_loss = _seeded_step(reference, lambda: runner.loss_fn(reference, runner.batch), seed)

@@ -10,10 +10,12 @@ under one budget. Rows that fail are reported with their reason; the run goes on
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from remat.core.errors import UsageError
 from remat.core.planner import to_problem
@@ -23,7 +25,15 @@ from remat.measure.malloc import set_malloc
 from remat.profiling.profiler import profile, profile_scaling
 
 from .environment import describe_environment
-from .factory import batch_size_of, describe, failure, make_factory, torch_threads, whole
+from .factory import (
+    batch_size_of,
+    compiling,
+    describe,
+    failure,
+    make_factory,
+    torch_threads,
+    whole,
+)
 from .findings import findings
 from .grads import GradCheck, check_compiled, check_plan
 from .main_job import first_step, hazard_reason, rebuild_rejected, step
@@ -34,6 +44,7 @@ from .results import BenchReport, Row
 from .runners import CompiledRunner, EagerRunner, Factory, Runner
 from .strategies import (
     DEFAULT_BUDGETS,
+    REMAT_COMPILE,
     STRATEGIES,
     RowSpec,
     matched_rows,
@@ -97,8 +108,10 @@ class _Bench:
 
     def __init__(self, factory: Factory, optimizer: str, verify_steps: int,
                  progress: Progress, ranks: Ranks | None = None,
-                 check_factory: Factory | None = None) -> None:
+                 check_factory: Factory | None = None,
+                 compiled_factory: Factory | None = None) -> None:
         self.factory = factory
+        self.compiled_factory = compiled_factory  # remat+compile rows' models
         self.check_factory = check_factory or factory
         self.ranks = ranks
         self.optimizer = optimizer
@@ -116,6 +129,9 @@ class _Bench:
                 self.rows[spec.key] = replace(row, status="infeasible", reason=spec.error)
                 continue
             runner: Runner | None = None
+            if spec.strategy == REMAT_COMPILE:
+                self._stage_compiled(spec, row)
+                continue
             try:
                 model, batch, loss_fn = self.factory(None)
                 plan = None if spec.strategy == "none" else spec.plan
@@ -144,6 +160,29 @@ class _Bench:
             self.rows[spec.key] = _measured(row, memory, check,
                                             profiler_peak_bytes=cross.peak_bytes,
                                             peak_by_category=memory.by_category)
+
+    def _stage_compiled(self, spec: RowSpec, row: Row) -> None:
+        """A ``remat+compile`` row: the plan on the model with its stages compiled,
+        measured by the tracker (compiled calls are windows, docs/compile.md) and the
+        profiler, its first step's gradients against the eager model's."""
+        assert self.compiled_factory is not None and spec.plan is not None
+        runner: Runner | None = None
+        try:
+            model, batch, loss_fn = self.compiled_factory(None)
+            runner = EagerRunner(model, batch, loss_fn, self.optimizer, spec.plan)
+            check = check_compiled(runner, reference=self.factory(None)[0])
+            runner.step()  # compiled before anything is measured
+            memory = by_tracker(runner)
+            cross = by_profiler(runner, warmup=False)
+        except Exception as err:  # a row that cannot run is a finding, not a crash
+            if runner is not None:
+                runner.close()
+            self.rows[spec.key] = replace(row, status="failed", reason=failure(err))
+            return
+        self.runners[spec.key] = runner
+        self.timelines[spec.key] = memory.timeline
+        self.rows[spec.key] = _measured(row, memory, check, profiler_peak_bytes=cross.peak_bytes,
+                                        peak_by_category=memory.by_category)
 
     def compiled(self, specs: Sequence[RowSpec], limit_s: float) -> str:
         spent, statuses = 0.0, []
@@ -301,8 +340,21 @@ def bench(
         distributed=distributed,
         allocator=set_malloc(malloc),  # before the profile: it times steps too
     )
-    with torch_threads(threads):
+    with torch_threads(threads), _compiled_random(settings.strategies):
         return _run(model, options or {}, stages, settings, progress or _no_progress, command)
+
+
+def _compiled_random(strategies: Sequence[str]) -> AbstractContextManager[Any]:
+    """With ``remat+compile`` rows, the whole run compiles with inductor's
+    ``fallback_random``: compiled dropout then draws from torch's generator as eager does,
+    so those rows' gradients compare with eager's (as the compile rows' do: they set it
+    per step). Every graph of a stage is compiled under it (the profile compiles them
+    first, and Dynamo reuses a stage's graph across models)."""
+    if REMAT_COMPILE not in strategies:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return cast(AbstractContextManager[Any], inductor_config.patch(fallback_random=True))
 
 
 def _run(
@@ -321,7 +373,8 @@ def _run(
 
         ranks = Ranks(s.distributed, init_from_env())
         factory = ranks.shard(factory)
-        s = replace(s, strategies=tuple(n for n in s.strategies if n != "compile"))
+        s = replace(s, strategies=tuple(n for n in s.strategies
+                                        if n not in ("compile", REMAT_COMPILE)))
     with step("loading the model"):
         model0, batch0, loss0 = factory(None)
     if ranks is None:  # a wrapped model's step is a collective: leave it to the profile
@@ -349,8 +402,18 @@ def _run(
         ranks.stages = prof.stage_names
         problem = rank_problem(problem, ranks, factory, s.optimizer, s.profile_repeats)
     del model0
-    specs = plan_rows(problem, s.strategies, s.budgets)
-    run = _Bench(factory, s.optimizer, s.verify_steps, progress, ranks)
+    compiled_factory = compiled_problem = compiled_prof = None
+    if REMAT_COMPILE in s.strategies:
+        compiled_factory = compiling(factory, stages)
+        with step("profiling the compiled stages",
+                  diagnose=lambda err: hazard_reason(err, lambda: factory(None), stages)):
+            compiled_prof = _profile(compiled_factory, None, stages, s.optimizer,
+                                     s.profile_repeats, f"{description} (stages compiled)",
+                                     progress)
+        compiled_problem = to_problem(compiled_prof)
+    specs = plan_rows(problem, s.strategies, s.budgets, compiled_problem)
+    run = _Bench(factory, s.optimizer, s.verify_steps, progress, ranks,
+                 compiled_factory=compiled_factory)
     try:
         run.eager([r for r in specs if r.strategy != "compile"])
         matched: list[RowSpec] = []
@@ -366,6 +429,16 @@ def _run(
             run.eager(matched)
         compile_status = run.compiled([r for r in specs if r.strategy == "compile"],
                                       s.compile_limit_s)
+        if compiled_problem is not None and "compile" in s.strategies:
+            # remat's compiled plan at each compile row's measured peak
+            at_compile = {
+                r.key: r.measured_peak_bytes for r in run.rows.values()
+                if r.strategy == "compile" and r.measured_peak_bytes is not None
+            }
+            compile_matched = matched_rows(compiled_problem, at_compile, REMAT_COMPILE,
+                                           reference=problem)
+            run.eager(compile_matched)
+            matched += compile_matched
         run.time_all(s.repeats, s.warmup)
     finally:
         run.close()
@@ -374,7 +447,7 @@ def _run(
 
             dist.barrier()  # every rank done before any tears its group down
     if ranks is None:  # per rank, the profile's rounds are one process's
-        _paired_predictions(run.rows, [*specs, *matched], prof)
+        _paired_predictions(run.rows, [*specs, *matched], prof, compiled_prof)
     micro = None
     if s.microbatch_budget is not None:
         micro = compare_microbatches(
@@ -404,15 +477,28 @@ def _run(
     )
 
 
-def _paired_predictions(rows: dict[str, Row], specs: Sequence[RowSpec], prof: Profile) -> None:
+def _paired_predictions(rows: dict[str, Row], specs: Sequence[RowSpec], prof: Profile,
+                        compiled: Profile | None = None) -> None:
     """Each planned row's predicted overhead as the median of the profile's per-round ratios,
     the statistic its measured overhead is (Note [Paired overhead] in remat/core/solve/paired.py);
-    rows keep the ratio of the medians where the profile kept no rounds."""
+    rows keep the ratio of the medians where the profile kept no rounds. A ``remat+compile``
+    row's overhead is measured against the eager model without checkpointing: its
+    prediction is its plan's step (priced on the ``compiled`` profile) over the eager
+    profile's plain step, a ratio of medians from two profiles."""
     from remat.core.solve.paired import paired_overhead
 
     for spec in specs:
         row = rows.get(spec.key)
         if row is None or spec.plan is None or row.predicted_overhead is None:
+            continue
+        if spec.strategy == REMAT_COMPILE:
+            step_s = spec.plan.predicted_step_time_s
+            known = bool(step_s and prof.step_s)
+            rows[spec.key] = replace(
+                row,
+                predicted_overhead=step_s / prof.step_s - 1 if step_s and known else None,
+                predicted_rebuild_time_s=step_s - prof.step_s if step_s and known else None,
+            )
             continue
         paired = paired_overhead(spec.plan, prof)
         if paired is not None:

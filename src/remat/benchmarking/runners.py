@@ -13,7 +13,6 @@ so rows can be interleaved step by step without applying and removing plans.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -25,6 +24,7 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.measure.step import make_optimizer
 from remat.runtime import Handle, apply
+from remat.runtime.compiled_stages import code_copy
 
 __all__ = [
     "HF_GC",
@@ -150,13 +150,9 @@ def _fresh_function(model: nn.Module, loss_fn: LossFn, tag: str) -> Callable[[An
     def compiled_loss(batch: Any) -> Any:
         return loss_fn(model, batch)
 
-    # Dynamo keeps compiled code and its guards on the code object of the frame it
-    # compiled, and the guards ignore activation_memory_budget: rows sharing one code
-    # object would all run the first row's graph. A copy per row gives each its own cache.
-    code = compiled_loss.__code__.replace(co_name=f"compiled_loss_{tag}")
-    return types.FunctionType(
-        code, compiled_loss.__globals__, code.co_name, None, compiled_loss.__closure__
-    )
+    # rows sharing one code object would all run the first row's graph (the guards ignore
+    # activation_memory_budget): a copy per row gives each its own cache
+    return code_copy(compiled_loss, f"compiled_loss_{tag}")
 
 
 class CompiledRunner(Runner):

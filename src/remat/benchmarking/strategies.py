@@ -25,6 +25,7 @@ from .runners import HF_GC, supports_hf_gc
 __all__ = [
     "DEFAULT_BUDGETS",
     "OPTIONAL_STRATEGIES",
+    "REMAT_COMPILE",
     "STRATEGIES",
     "RowSpec",
     "baseline_plan",
@@ -37,12 +38,17 @@ __all__ = [
 
 #: Strategy names in report order; ``every-K`` takes any whole K (``every-2`` by default).
 STRATEGIES = ("none", "per-stage", "every-2", "sqrt", "selective", "compile", "remat")
+#: remat's plan for the model with its stages compiled (``remat.compile_stages``), from a
+#: profile of the compiled stages; with ``compile`` also at each compile row's peak.
+REMAT_COMPILE = "remat+compile"
 #: Strategies outside the default set: ``hf-gc`` needs a transformers model
-#: (:func:`with_default_rows` adds it to the default set on one).
-OPTIONAL_STRATEGIES = (HF_GC,)
-_ORDER = ("none", "per-stage", HF_GC, "every-2", "sqrt", "selective", "compile", "remat")
+#: (:func:`with_default_rows` adds it to the default set on one); ``remat+compile``
+#: profiles the model a second time, compiled (``remat bench --compile`` adds it).
+OPTIONAL_STRATEGIES = (HF_GC, REMAT_COMPILE)
+_ORDER = ("none", "per-stage", HF_GC, "every-2", "sqrt", "selective", "compile", "remat",
+          REMAT_COMPILE)
 DEFAULT_BUDGETS = ("100%", "75%", "50%", "35%", "25%")
-BUDGETED = ("compile", "remat")
+BUDGETED = ("compile", "remat", REMAT_COMPILE)
 _EVERY = re.compile(r"^every-([0-9]+)$")
 
 # A stand-in problem whose only use is to let parse_budget check the syntax of a budget
@@ -148,20 +154,26 @@ def _label(budget: str | int | float) -> str:
 
 
 def _remat_row(
-    problem: Problem, label: str, budget: int, peak: int | None, matched_to: str | None = None
+    problem: Problem, label: str, budget: int, peak: int | None, matched_to: str | None = None,
+    strategy: str = "remat",
 ) -> RowSpec:
     fraction = None if not peak else budget / peak
     try:
         plan = make_plan(problem, budget, "optimal")
     except CheckFailed as err:
-        return RowSpec("remat", label, budget, fraction, None, matched_to, str(err))
-    return RowSpec("remat", label, budget, fraction, plan, matched_to)
+        return RowSpec(strategy, label, budget, fraction, None, matched_to, str(err))
+    if strategy == REMAT_COMPILE:  # solved from the compiled stages' problem
+        plan = replace(plan, compiled=True)
+    return RowSpec(strategy, label, budget, fraction, plan, matched_to)
 
 
 def plan_rows(
-    problem: Problem, strategies: Sequence[str], budgets: Sequence[str | int | float]
+    problem: Problem, strategies: Sequence[str], budgets: Sequence[str | int | float],
+    compiled: Problem | None = None,
 ) -> list[RowSpec]:
-    """Every row the strategies and budgets ask for; ``none`` always comes first."""
+    """Every row the strategies and budgets ask for; ``none`` always comes first.
+    ``compiled``: the problem of the stage-compiled model, for ``remat+compile`` rows
+    (their budgets are the same bytes as the other rows')."""
     peak = problem.measured_no_checkpoint_peak_bytes
     rows = [RowSpec("none", plan=baseline_plan(problem, "none"))]
     for strategy in strategies:
@@ -176,14 +188,20 @@ def plan_rows(
             rows.append(RowSpec("compile", label, nbytes, fraction))
         if "remat" in strategies:
             rows.append(_remat_row(problem, label, nbytes, peak))
+        if REMAT_COMPILE in strategies and compiled is not None:
+            rows.append(_remat_row(compiled, label, nbytes, peak, strategy=REMAT_COMPILE))
     return rows
 
 
-def matched_rows(problem: Problem, peaks: dict[str, int]) -> list[RowSpec]:
-    """remat's plan with each baseline's peak as its budget (the matched comparison)."""
-    peak = problem.measured_no_checkpoint_peak_bytes
+def matched_rows(
+    problem: Problem, peaks: dict[str, int], strategy: str = "remat",
+    reference: Problem | None = None,
+) -> list[RowSpec]:
+    """remat's plan with each baseline's peak as its budget (the matched comparison);
+    ``reference`` gives the peak fractions are of (default: ``problem``'s)."""
+    peak = (reference or problem).measured_no_checkpoint_peak_bytes
     return [
-        _remat_row(problem, f"={name}", nbytes, peak, matched_to=name)
+        _remat_row(problem, f"={name}", nbytes, peak, matched_to=name, strategy=strategy)
         for name, nbytes in peaks.items()
         if name != "none"
     ]

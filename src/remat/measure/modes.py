@@ -11,12 +11,15 @@ of a compiled model would leave it eager for good. Every such mode of remat's is
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EagerDispatchMode", "compiled_code_runs_eagerly"]
+__all__ = ["EagerDispatchMode", "compiled_code_runs_eagerly", "runs_compiled",
+           "without_compiled_insides"]
 
 
 def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
@@ -50,3 +53,32 @@ class EagerDispatchMode(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self.__dict__["_stances"].pop().__exit__(None, None, None)
+
+
+def runs_compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s own ``forward`` is a compiled stage's
+    (``remat.compile_stages``), looking through wrappers such as a plan's."""
+    forward = module.__dict__.get("forward")
+    while forward is not None:
+        if getattr(forward, "runs_compiled", False):
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
+
+
+def without_compiled_insides(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``root.named_modules()`` less the modules inside a compiled stage.
+
+    Dynamo traces a submodule's hooks into the compiled graph and guards on how many
+    there are: one hook added there recompiles the stage into another program (with the
+    hook's Python inside), and a few such changes pass Dynamo's recompile limit, after
+    which the stage runs eagerly for good. So whoever hooks every module for a
+    measurement leaves those alone; the stage's own hooks run outside its graph.
+    """
+    inside: list[str] = []
+    for name, module in root.named_modules():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        yield name, module
+        if runs_compiled(module):
+            inside.append(f"{name}." if name else "")

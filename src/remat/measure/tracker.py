@@ -55,7 +55,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils.hooks import RemovableHandle
 
 from remat.core.errors import UsageError
-from remat.measure.modes import EagerDispatchMode, compiled_code_runs_eagerly
+from remat.measure.modes import (
+    EagerDispatchMode,
+    compiled_code_runs_eagerly,
+    without_compiled_insides,
+)
 from remat.measure.report import (
     Category,
     CategoryBytes,
@@ -154,6 +158,11 @@ def _as_phase(phase: Phase | str) -> Phase:
 
 
 class _DispatchCounter(EagerDispatchMode):
+    # A compiled backward can call higher-order operators (run_with_rng_state, replaying
+    # a dropout it recomputes): they come here with this mode off, run as they are, and
+    # their outputs are counted like an op's (Note [Compiled calls under the tracker]).
+    supports_higher_order_operators = True
+
     def __init__(self, tracker: LiveMemoryTracker) -> None:
         super().__init__()
         self.tracker = tracker
@@ -450,7 +459,7 @@ class LiveMemoryTracker:
             self._handles.append(obj.register_step_pre_hook(self._optimizer_enter))
             self._handles.append(obj.register_step_post_hook(self._optimizer_exit))
             return
-        for name, module in obj.named_modules():
+        for name, module in without_compiled_insides(obj):
             self._handles.append(
                 module.register_forward_pre_hook(partial(self._module_enter, name))
             )
@@ -706,6 +715,8 @@ class LiveMemoryTracker:
                 if nbytes > 0:
                     self._live[Category.TEMPORARIES] -= nbytes
                     self._live_total -= nbytes
+            if nbytes > 0:
+                self._emit("free")  # the call's own buffers went before it returned
 
     # ----------------------------------------------------------------- phases, paths, events
 

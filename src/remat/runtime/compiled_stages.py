@@ -33,8 +33,10 @@ from remat.runtime.stages import resolve_stages
 
 __all__ = [
     "CompiledForward",
+    "code_copy",
     "compile_stages",
     "compiled_flags",
+    "compiled_forward",
     "stages_compiled",
     "uncompile_stages",
 ]
@@ -46,6 +48,8 @@ _MISSING = object()
 class CompiledForward:
     """A stage's ``forward`` compiled by ``torch.compile`` (``compiled``), with the eager
     one it was made from (``eager``), called so the tracker can measure it."""
+
+    runs_compiled = True  # remat.measure.modes.runs_compiled: hooks stay off its insides
 
     def __init__(
         self, eager: Any, compiled: Any, previous: Any, options: dict[str, Any] | None = None
@@ -81,8 +85,43 @@ class CompiledForward:
         previous = self.previous
         if previous is not _MISSING:
             previous = torch.compile(copy.deepcopy(previous._torchdynamo_orig_callable, memo))
-        compiled = previous if previous is not _MISSING else torch.compile(eager, **self.options)
+        compiled = previous if previous is not _MISSING else compiled_forward(
+            eager, self.options)
         return CompiledForward(eager, compiled, previous, self.options)
+
+
+def code_copy(fn: Callable[..., Any], name: str) -> types.FunctionType:
+    """``fn`` with a code object of its own, named ``name``. Dynamo keeps compiled code
+    and its guards on the code object, and its guards ignore settings such as inductor's
+    ``fallback_random`` or functorch's ``activation_memory_budget``: functions sharing a
+    code object compiled under other settings would run each other's graphs."""
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"code_copy needs a Python function, got {type(fn).__name__}")
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _settings() -> tuple[Any, ...]:
+    """Inductor settings that change a compiled graph and that Dynamo does not guard on."""
+    import torch._inductor.config as inductor_config
+
+    return (bool(inductor_config.fallback_random),)
+
+
+_FORWARDS: dict[tuple[Any, ...], types.FunctionType] = {}
+
+
+def compiled_forward(eager: Any, options: dict[str, Any]) -> Any:
+    """``torch.compile`` of a stage's bound ``forward``, through a copy of its code per
+    class, compile options and inductor settings (:func:`code_copy`): identical stages
+    share one graph, and a model compiled under other settings gets graphs of its own."""
+    func = getattr(eager, "__func__", None)
+    if not isinstance(func, types.FunctionType):
+        return torch.compile(eager, **options)
+    key = (func.__code__, repr(sorted(options.items())), _settings())
+    if key not in _FORWARDS:
+        _FORWARDS[key] = code_copy(func, f"{func.__name__}_compiled_{len(_FORWARDS)}")
+    return torch.compile(types.MethodType(_FORWARDS[key], eager.__self__), **options)
 
 
 # Note [Selective options on compiled stages]
@@ -95,7 +134,7 @@ class CompiledForward:
 # rebuilt by it). Each (forward, policy) pair gets a function with its own code object,
 # so Dynamo caches it apart: one shared code object would collect a recompile per
 # stage class and policy and fall back to eager past Dynamo's recompile limit.
-_SELECTIVE_GRAPHS: dict[tuple[Any, tuple[str, ...], str], Callable[..., Any]] = {}
+_SELECTIVE_GRAPHS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
 class _QuietContextFnNote(logging.Filter):
@@ -117,14 +156,9 @@ def _selective_graph(
     eager: Any, ops: tuple[str, ...], options: dict[str, Any]
 ) -> Callable[..., Any]:
     code = getattr(getattr(eager, "__func__", eager), "__code__", None)
-    key = (code, ops, repr(sorted(options.items())))
+    key = (code, ops, repr(sorted(options.items())), _settings())
     if key not in _SELECTIVE_GRAPHS:
-        template = _checkpointed
-        fresh = types.FunctionType(
-            template.__code__.replace(co_name=f"_checkpointed_{len(_SELECTIVE_GRAPHS)}"),
-            template.__globals__, template.__name__, template.__defaults__,
-            template.__closure__,
-        )
+        fresh = code_copy(_checkpointed, f"_checkpointed_{len(_SELECTIVE_GRAPHS)}")
         _SELECTIVE_GRAPHS[key] = torch.compile(fresh, **options)
     return _SELECTIVE_GRAPHS[key]
 
@@ -187,7 +221,7 @@ def compile_stages(
         else:
             eager = module.forward
             module.forward = CompiledForward(
-                eager, torch.compile(eager, **compile_options), _MISSING, compile_options
+                eager, compiled_forward(eager, compile_options), _MISSING, compile_options
             )
     return tuple(paths)
 

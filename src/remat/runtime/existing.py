@@ -59,6 +59,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.measure.modes import without_compiled_insides
 
 __all__ = [
     "OwnCheckpointing",
@@ -233,7 +234,8 @@ def recomputed_stages(
         if in_backward:
             reran.setdefault(owner[id(module)], None)
 
-    modules = {id(m): m for name in stages for m in model.get_submodule(name).modules()}
+    modules = {id(m): m for name in stages
+               for _, m in without_compiled_insides(model.get_submodule(name))}
     handles = [m.register_forward_pre_hook(seen) for m in modules.values()]
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
+from remat.measure.modes import without_compiled_insides
 
 __all__ = [
     "SPLIT_SHARE",
@@ -178,7 +179,7 @@ def _trace(model: nn.Module, batch: Any, run: Callable[[], Any]) -> _Trace:
         return t
 
     handles = []
-    for path, module in model.named_modules():
+    for path, module in without_compiled_insides(model):
 
         def pre(_m: nn.Module, _args: Any, path: str = path) -> None:
             calls[path] = calls.get(path, 0) + 1
