@@ -43,7 +43,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, cast
@@ -655,37 +655,19 @@ class LiveMemoryTracker:
 
     def _count_op(self, func: Any, input_keys: set[int], out: Any) -> None:
         with self._lock:
-            fresh = func in _FRESH_OPS
+            self._adopt(out, skip=frozenset() if func in _FRESH_OPS else input_keys)
+            self._emit(str(func))
+
+    def _adopt(self, tensors: Any, skip: Collection[int] = ()) -> int:
+        """Count the storages of ``tensors`` not yet counted, except those whose id is in
+        ``skip`` (an op's inputs); return the bytes newly counted. Also for storages made
+        where the dispatcher was not watching (a compiled call)."""
+        with self._lock:
             category = (
                 Category.ACTIVATIONS
                 if self._current_phase() is Phase.REBUILD
                 else Category.TEMPORARIES
             )
-            for t in iter_tensors(out):
-                storage = _storage(t)
-                if storage is None:
-                    continue
-                record = self._records.get(id(storage))
-                if record is not None and record.ref is not None and record.ref() is storage:
-                    self._resized(record, storage)
-                    continue
-                if id(storage) in input_keys and not fresh:
-                    continue
-                nbytes = self._counted_bytes(storage)
-                if nbytes is not None:
-                    self._add(storage, nbytes, category)
-            self._emit(str(func))
-
-    def _adopt(self, tensors: Any, category: Category | None = None) -> int:
-        """Count the storages of ``tensors`` not yet counted (made where the dispatcher
-        was not watching: a compiled call); return the bytes newly counted."""
-        with self._lock:
-            if category is None:
-                category = (
-                    Category.ACTIVATIONS
-                    if self._current_phase() is Phase.REBUILD
-                    else Category.TEMPORARIES
-                )
             added = 0
             for t in iter_tensors(tensors):
                 storage = _storage(t)
@@ -694,6 +676,8 @@ class LiveMemoryTracker:
                 record = self._records.get(id(storage))
                 if record is not None and record.ref is not None and record.ref() is storage:
                     self._resized(record, storage)
+                    continue
+                if id(storage) in skip:
                     continue
                 nbytes = self._counted_bytes(storage)
                 if nbytes is not None:
