@@ -254,7 +254,8 @@ def test_bench_compile_adds_remat_on_the_compiled_stages_beside_compile(tmp_path
     assert main(["bench", "--model", f"{__file__}:chain", "--compile", "--strategies",
                  "compile", "--budgets", "60%", "--repeats", "1", "--warmup", "0",
                  "--profile-repeats", "1", "--microbatch-budget", "off",
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "tradeoff.png").stat().st_size > 0  # plots render these rows
     rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
     assert {"none", "compile@60%", "remat+compile@60%",
             "remat+compile@compile@60%"} <= set(rows)

@@ -9,6 +9,7 @@ from typing import Any
 from remat.core.errors import UsageError
 
 from .results import BenchReport, Row
+from .strategies import REMAT_COMPILE
 
 __all__ = ["PLOT_HINT", "plot_all"]
 
@@ -85,9 +86,15 @@ def tradeoff(report: BenchReport, path: Path) -> Path | None:
         ("baselines", [r for r in measured if r.budget is None], "o", "tab:blue", ""),
         ("remat (budgets)", [r for r in measured if r.strategy == "remat"
                              and r.matched_to is None], "s", "tab:green", "-"),
-        ("remat (matched)", [r for r in measured if r.matched_to is not None], "D",
-         "tab:olive", ""),
+        ("remat (matched)", [r for r in measured if r.strategy == "remat"
+                             and r.matched_to is not None], "D", "tab:olive", ""),
         ("torch.compile", [r for r in measured if r.strategy == "compile"], "^", "tab:red", "-"),
+        ("remat+compile (budgets)", [r for r in measured if r.strategy == REMAT_COMPILE
+                                     and r.matched_to is None], "P", "tab:purple", "-"),
+        ("remat+compile (at compile's peaks)", [r for r in measured
+                                                if r.strategy == REMAT_COMPILE
+                                                and r.matched_to is not None], "X",
+         "tab:pink", ""),
     )
     for label, rows, marker, color, style in groups:
         if not rows:
