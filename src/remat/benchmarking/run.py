@@ -128,29 +128,12 @@ class _Bench:
             if spec.error is not None or spec.plan is None:
                 self.rows[spec.key] = replace(row, status="infeasible", reason=spec.error)
                 continue
-            runner: Runner | None = None
-            if spec.strategy == REMAT_COMPILE:
-                self._stage_compiled(spec, row)
-                continue
             try:
-                model, batch, loss_fn = self.factory(None)
-                plan = None if spec.strategy == "none" else spec.plan
-                if self.ranks is not None:
-                    runner = self.ranks.runner(model, batch, loss_fn, self.optimizer, plan)
-                    memory = cross = self.ranks.measure(runner)
-                else:
-                    runner = (Runner(model, batch, loss_fn, self.optimizer) if plan is None
-                              else EagerRunner(model, batch, loss_fn, self.optimizer, plan))
-                    memory = by_tracker(runner)
-                    cross = by_profiler(runner, warmup=False)
-                # the plan on this rank's plain model: gradients are a property of the plan
-                check = check_plan(self.check_factory, spec.plan, optimizer=self.optimizer,
-                                   steps=self.verify_steps)
+                runner, memory, cross, check = self._measure(spec)
             except Exception as err:  # a row that cannot run is a finding, not a crash
-                if runner is not None:
-                    runner.close()
                 reason = failure(err)
-                if rebuild_rejected(err):  # the hazard behind it; the command then exits 1
+                # the hazard behind it; the command then exits 1
+                if rebuild_rejected(err) and spec.strategy != REMAT_COMPILE:
                     reason = hazard_reason(err, lambda: self.check_factory(None),
                                            spec.plan.stages)
                 self.rows[spec.key] = replace(row, status="failed", reason=reason)
@@ -161,28 +144,44 @@ class _Bench:
                                             profiler_peak_bytes=cross.peak_bytes,
                                             peak_by_category=memory.by_category)
 
-    def _stage_compiled(self, spec: RowSpec, row: Row) -> None:
-        """A ``remat+compile`` row: the plan on the model with its stages compiled,
-        measured by the tracker (compiled calls are windows, docs/compile.md) and the
-        profiler, its first step's gradients against the eager model's."""
-        assert self.compiled_factory is not None and spec.plan is not None
-        runner: Runner | None = None
+    def _measure(
+        self, spec: RowSpec
+    ) -> tuple[Runner, MemoryMeasure, MemoryMeasure, GradCheck]:
+        """A planned row's runner, its memory (tracker, profiler) and its gradient check.
+
+        A ``remat+compile`` row runs the plan on the model with its stages compiled (the
+        tracker measures compiled calls as windows, docs/compile.md); its first step's
+        gradients are compared with the eager model's, as a compile row's are.
+        """
+        assert spec.plan is not None
+        compiled = spec.strategy == REMAT_COMPILE
+        factory = self.compiled_factory if compiled else self.factory
+        assert factory is not None
+        model, batch, loss_fn = factory(None)
+        plan = None if spec.strategy == "none" else spec.plan
+        runner: Runner
+        if self.ranks is not None:
+            runner = self.ranks.runner(model, batch, loss_fn, self.optimizer, plan)
+        else:
+            runner = (Runner(model, batch, loss_fn, self.optimizer) if plan is None
+                      else EagerRunner(model, batch, loss_fn, self.optimizer, plan))
         try:
-            model, batch, loss_fn = self.compiled_factory(None)
-            runner = EagerRunner(model, batch, loss_fn, self.optimizer, spec.plan)
-            check = check_compiled(runner, reference=self.factory(None)[0])
-            runner.step()  # compiled before anything is measured
-            memory = by_tracker(runner)
-            cross = by_profiler(runner, warmup=False)
-        except Exception as err:  # a row that cannot run is a finding, not a crash
-            if runner is not None:
-                runner.close()
-            self.rows[spec.key] = replace(row, status="failed", reason=failure(err))
-            return
-        self.runners[spec.key] = runner
-        self.timelines[spec.key] = memory.timeline
-        self.rows[spec.key] = _measured(row, memory, check, profiler_peak_bytes=cross.peak_bytes,
-                                        peak_by_category=memory.by_category)
+            if compiled:
+                check = check_compiled(runner, reference=self.factory(None)[0])
+                runner.step()  # compiled before anything is measured
+            if self.ranks is not None:
+                memory = cross = self.ranks.measure(runner)
+            else:
+                memory = by_tracker(runner)
+                cross = by_profiler(runner, warmup=False)
+            if not compiled:
+                # the plan on this rank's plain model: gradients are a property of the plan
+                check = check_plan(self.check_factory, spec.plan, optimizer=self.optimizer,
+                                   steps=self.verify_steps)
+        except BaseException:
+            runner.close()
+            raise
+        return runner, memory, cross, check
 
     def compiled(self, specs: Sequence[RowSpec], limit_s: float) -> str:
         spent, statuses = 0.0, []

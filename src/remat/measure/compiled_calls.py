@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from remat.measure.allocator_events import AllocatorEvents, running_peak
+from remat.measure.modes import dynamo_stance
 from remat.measure.tracker import (
     _MODULE_KEY,
     LiveMemoryTracker,
@@ -85,8 +86,7 @@ def _modes_off() -> Iterator[None]:
     while torch._C._len_torch_function_stack() > 0:
         functions.append(torch._C._pop_torch_function_stack())
     try:
-        set_stance = getattr(torch.compiler, "set_stance", None)
-        with set_stance("default") if set_stance is not None else contextlib.nullcontext():
+        with dynamo_stance("default"):
             yield
     finally:
         for mode in reversed(functions):
@@ -111,9 +111,9 @@ def _open(tracker: LiveMemoryTracker, stack: ExitStack, values: Any) -> _Window:
         return window
     with tracker._lock:
         window = _Window(first_serial=tracker._serial, before=tracker._live_total)
+    # Under another running profiler (they do not nest) no events are read, and the
+    # call's own buffers go unseen (documented in docs/compile.md).
     if not torch.autograd.profiler._is_profiler_enabled:
-        # another profiler is running: it cannot be nested, so the call's own buffers
-        # go unseen (documented in docs/compile.md)
         window.events = stack.enter_context(AllocatorEvents(_device_of(tracker, values)))
     tracker._window = window
     return window
@@ -197,8 +197,8 @@ def _backward_enter(
         stack = ExitStack()
         state["window"] = _open(tracker, stack, grad_outputs)
         state["stack"] = stack
-        if tracker._pending_restore is None:
-            tracker._pending_restore = stack
+        if tracker._backward_events is None:
+            tracker._backward_events = stack
 
     return enter
 
@@ -212,8 +212,8 @@ def _backward_exit(
         stack = state.pop("stack", None)
         if tracker is None or window is None or stack is None:
             return
-        if tracker._pending_restore is stack:
-            tracker._pending_restore = None
+        if tracker._backward_events is stack:
+            tracker._backward_events = None
         if window.depth == 1:
             stack.close()
         tracker._adopt(grad_inputs)

@@ -12,26 +12,31 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EagerDispatchMode", "compiled_code_runs_eagerly", "runs_compiled",
-           "without_compiled_insides"]
+__all__ = ["EagerDispatchMode", "compiled_code_runs_eagerly", "dynamo_stance",
+           "is_compiled_forward", "runs_compiled", "without_compiled_insides"]
+
+
+def dynamo_stance(stance: str) -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's ``stance`` for the with-block; a null context on torch before 2.6, which
+    has no stances."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    return cast(contextlib.AbstractContextManager[Any], set_stance(stance))
 
 
 def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager[Any]:
     """Dynamo's ``force_eager`` stance: compiled code runs eagerly inside, and keeps its
     compiled graphs for afterwards. Measured with torch 2.13: a block compiled by
     ``block.forward = torch.compile(block.forward)`` ran its graph in no later step after
-    one tracked forward without it (0 calls), and in every one with it. Torch before 2.6
-    has no stances: a null context there."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:
-        return contextlib.nullcontext()
-    return set_stance("force_eager")
+    one tracked forward without it (0 calls), and in every one with it."""
+    return dynamo_stance("force_eager")
 
 
 class EagerDispatchMode(TorchDispatchMode):
@@ -55,12 +60,18 @@ class EagerDispatchMode(TorchDispatchMode):
             self.__dict__["_stances"].pop().__exit__(None, None, None)
 
 
+def is_compiled_forward(fn: Any) -> bool:
+    """Whether ``fn`` is a compiled forward: a compiled stage's (``remat.compile_stages``)
+    or one a user made with ``torch.compile``."""
+    return bool(getattr(fn, "runs_compiled", False)) or hasattr(fn, "_torchdynamo_orig_callable")
+
+
 def runs_compiled(module: nn.Module) -> bool:
-    """Whether ``module``'s own ``forward`` is a compiled stage's
-    (``remat.compile_stages``), looking through wrappers such as a plan's."""
+    """Whether ``module``'s own ``forward`` is compiled (:func:`is_compiled_forward`),
+    looking through wrappers such as a plan's (``functools.wraps``: ``__wrapped__``)."""
     forward = module.__dict__.get("forward")
     while forward is not None:
-        if getattr(forward, "runs_compiled", False):
+        if is_compiled_forward(forward):
             return True
         forward = getattr(forward, "__wrapped__", None)
     return False

@@ -279,9 +279,10 @@ class LiveMemoryTracker:
         self._cuda_allocated: int | None = None
         self._cuda_reserved: int | None = None
         # A compiled call in progress (remat.measure.compiled_calls): the frees it sees,
-        # timed, and what puts the tracker's modes back should the call never return.
+        # timed, and what stops its allocator events should a compiled backward raise
+        # between its two hooks.
         self._window: Any = None  # compiled_calls._Window while one is open
-        self._pending_restore: ExitStack | None = None
+        self._backward_events: ExitStack | None = None
         self._serial = 0  # counts records made; a window frees only older ones by hand
 
     # ----------------------------------------------------------------- public API
@@ -440,7 +441,7 @@ class LiveMemoryTracker:
     def __exit__(self, *exc: object) -> None:
         stack, self._exit_stack = self._exit_stack, None
         assert stack is not None, "__exit__ without __enter__"
-        pending, self._pending_restore = self._pending_restore, None
+        pending, self._backward_events = self._backward_events, None
         if pending is not None:  # a compiled backward raised between its two hooks
             pending.close()
         self._window = None

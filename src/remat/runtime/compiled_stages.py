@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from remat.core.errors import UsageError
 from remat.measure.compiled_calls import call_compiled
+from remat.measure.modes import is_compiled_forward, runs_compiled
 from remat.runtime.stages import resolve_stages
 
 __all__ = [
@@ -163,24 +164,10 @@ def _selective_graph(
     return _SELECTIVE_GRAPHS[key]
 
 
-def _is_dynamo_compiled(fn: Any) -> bool:
-    return hasattr(fn, "_torchdynamo_orig_callable")
-
-
-def _is_compiled(fn: Any) -> bool:
-    return isinstance(fn, CompiledForward) or _is_dynamo_compiled(fn)
-
-
 def compiled_flags(model: nn.Module, stages: Sequence[str]) -> tuple[bool, ...]:
     """Per stage: whether its ``forward`` is compiled (by :func:`compile_stages` or by
     ``torch.compile`` on the stage's forward), looking through a plan's wrapper."""
-    flags = []
-    for path in stages:
-        forward = model.get_submodule(path).__dict__.get("forward")
-        while forward is not None and not _is_compiled(forward):
-            forward = getattr(forward, "__wrapped__", None)  # remat's engine: functools.wraps
-        flags.append(forward is not None)
-    return tuple(flags)
+    return tuple(runs_compiled(model.get_submodule(path)) for path in stages)
 
 
 def stages_compiled(model: nn.Module, stages: Sequence[str]) -> bool:
@@ -207,7 +194,7 @@ def compile_stages(
     modules = [model.get_submodule(p) for p in paths]
     for path, module in zip(paths, modules, strict=True):
         own = module.__dict__.get("forward", _MISSING)
-        if own is not _MISSING and not _is_compiled(own):
+        if own is not _MISSING and not is_compiled_forward(own):
             raise UsageError(
                 f"stage {path!r} has a forward of its own ({type(own).__name__}): call "
                 "remat.remove(model) first if a plan is applied, else del stage.forward"
