@@ -24,6 +24,7 @@ from remat.core.planner import to_problem
 from remat.core.profile_format import OPTIONS
 from remat.core.solve import simulate
 from remat.measure import measure_step
+from remat.profiling.timeline import split_step
 from remat.runtime.compiled_stages import CompiledForward, compile_stages, stages_compiled
 from test_compile import N_BLOCKS, _needs_inductor, make_chain  # noqa: F401 (fixture)
 
@@ -266,3 +267,59 @@ def test_bench_compile_adds_remat_on_the_compiled_stages_beside_compile(tmp_path
         assert abs(row["measured_peak_bytes"] / row["predicted_peak_bytes"] - 1) <= 0.05
     assert rows["remat+compile@compile@60%"]["budget_bytes"] == \
         rows["compile@60%"]["measured_peak_bytes"]
+
+
+class _ConvBlock(torch.nn.Module):
+    """A UNet's resnet block in small: inductor saves its weights in a layout of its own."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(2, channels)
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(torch.nn.functional.silu(self.norm(x)))
+
+
+class _ConvChain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(_ConvBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_compiled_option_that_saves_a_copy_of_its_input_is_priced_as_it_runs():
+    # Compiled with save-nothing, a conv block saves a copy of its input and of its
+    # weights (inductor's layout), not the input itself: measured in the option's own
+    # pass, not taken from the no-save pass, and its input not counted twice. The built-in
+    # UNet's plan was 4.6% under its measured peak without this, and 7.8% over with only
+    # the first half.
+    torch.manual_seed(0)
+    model, x = _ConvChain(), torch.randn(4, 3, 16, 16)
+    option = "selective:save-nothing"
+    profile = remat.profile(model, x, mean_square, compile=True, repeats=1,
+                            options=["keep", option])
+    stage = profile.stages[1]
+    assert option in stage.input_kept_by_option
+    assert stage.saved_bytes[option] > 0  # the pass that saves nothing would say 0
+    problem = to_problem(profile)
+    for options in [("keep",) * 3, (option,) * 3, ("keep", option, "keep")]:
+        plan = Plan(stages=profile.stage_names, options=options)
+        predicted = {e.label: e.live_bytes for e in simulate(plan, problem).events}
+        remat.apply(model, plan)
+        try:
+            measured = measure_step(model, x, mean_square, timeline=True)
+        finally:
+            remat.remove(model)
+        # this chain's prediction is a hidden state off after the chain (as eager), so
+        # compare inside it: each block's backward, where the saved bytes are all alive
+        spans = split_step(measured, profile.stage_names)
+        for i, span in enumerate(spans.stage_backward):
+            label = f"backward blocks.{i}"
+            assert abs(span.peak_bytes - predicted[label]) <= 64, (options, label)

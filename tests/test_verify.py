@@ -376,3 +376,71 @@ def test_cli_budget_profiles_plans_and_verifies(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["ok"] is True and data["plan_source"] == "budget 1GiB"
     assert data["plan"]["solver"] == "optimal"
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer steps that amplify rounding (Note [Optimizer steps that amplify rounding])
+
+
+class Nudged(nn.Module):
+    """A linear layer that, once remat wraps its forward, adds a constant times its
+    weight.s sum: gradients 1e-9 apart (rounding-sized, as a compiled selective graph's
+    are), which Adam turns into steps about 1e-4 apart where the plain gradient is 0.
+    ``shift_bias`` also moves the planned twin's bias by 1e-4 in its first forward."""
+
+    def __init__(self, shift_bias: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.shift_bias = shift_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if "forward" not in vars(self):  # the plain twin
+            return y
+        if self.shift_bias:
+            self.shift_bias = False
+            with torch.no_grad():
+                self.lin.bias.add_(1e-4)
+        return y + 1e-8 * self.lin.weight.sum()
+
+
+def _nudged_chain(shift_bias: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(Nudged(), Nudged(shift_bias))
+    x = torch.randn(16, 8)
+    x[:, 3] = 0  # the weights' column 3 gets no gradient in the plain model
+    return model, x
+
+
+def _nudged_plan() -> Plan:
+    return Plan(stages=("0", "1"), options=("selective:save-nothing", "keep"))
+
+
+def test_adam_amplifying_gradient_rounding_passes_and_says_why() -> None:
+    model, x = _nudged_chain()
+    report = verify(model, x, _nudged_plan(), mean_square, optimizer="adamw", steps=3)
+    assert report.check("parameter-gradients").status == "pass"
+    assert report.check("sgd-step").status == "pass"
+    for name in ("adamw-step", "trajectory-parameters"):
+        check = report.check(name)
+        assert check.status == "pass", report.to_dict()
+        assert "adamw amplifies their rounding" in check.message
+    # the models did step apart: the raw difference is in the message, above the tolerance
+    assert "differ by up to" in report.check("adamw-step").message
+    assert report.ok, report.to_dict()
+
+
+def test_a_parameter_that_differs_besides_the_gradients_still_fails_the_steps() -> None:
+    model, x = _nudged_chain(shift_bias=True)
+    report = verify(model, x, _nudged_plan(), mean_square, optimizer="adamw", steps=3)
+    assert report.check("parameter-gradients").status == "pass", report.to_dict()
+    for name in ("sgd-step", "adamw-step"):
+        check = report.check(name)
+        assert check.status == "fail", (name, report.to_dict())
+        assert "not from the gradients alone" in check.message, check.message
+        assert check.message.endswith("worst '1.lin.bias'")
+    # the later losses differ too (the bias moved), so nothing is explained there
+    assert report.check("trajectory-losses").status == "fail"
+    trajectory = report.check("trajectory-parameters")
+    assert trajectory.status == "fail" and "amplifies" not in trajectory.message
+    assert not report.ok

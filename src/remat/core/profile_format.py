@@ -187,6 +187,8 @@ class StageProfile(StageRecord):
                 if self.selective_bwd_transient_bytes
                 else {}
             ),
+            **({"input_kept_by_option": dict(self.input_kept_by_option)}
+               if self.input_kept_by_option else {}),
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
@@ -237,6 +239,7 @@ _OPTIONAL_STAGE_KEYS = (
     "output_held_through",
     "gets_previous_output",
     "selective_bwd_transient_bytes",
+    "input_kept_by_option",
     "reads",
     "pending_grad_bytes",
     "identity",

@@ -111,6 +111,10 @@ class StageRecord:
     # whose first op saves only what it computes, so the input can go after its forward).
     # Selective stages always keep it: torch's checkpoint frame holds the input.
     saves_input: bool = True
+    # option -> whether the stage holds its input under that option where it was measured
+    # apart: a compiled stage runs a selective option as its own graph, which saves what
+    # inductor chooses (often a copy of the input in another layout, not the input).
+    input_kept_by_option: Mapping[str, bool] = field(default_factory=dict, hash=False)
     # Why no region may span the link from the previous stage into this one (the model's
     # code there cannot be replayed, Note [Glue between stages]); None: regions may.
     break_before: str | None = None
@@ -155,6 +159,14 @@ class StageRecord:
         extra = {self.option(k, "extra_bwd_s"): check.seconds(v, f"{where} extra_bwd_s[{k!r}]")
                  for k, v in self.extra_bwd_s.items()}
         object.__setattr__(self, "extra_bwd_s", MappingProxyType(extra))
+        if not isinstance(self.input_kept_by_option, Mapping):
+            raise UsageError(f"{where} input_kept_by_option={self.input_kept_by_option!r} "
+                             "must map options to true or false")
+        for k, v in self.input_kept_by_option.items():
+            check.flag(v, f"{where} input_kept_by_option[{k!r}]")
+        object.__setattr__(self, "input_kept_by_option", MappingProxyType({
+            self.option(k, "input_kept_by_option"): v
+            for k, v in self.input_kept_by_option.items()}))
         object.__setattr__(self, "reads", reads_from(self.reads, where))
 
     @property

@@ -112,9 +112,12 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
         kept = max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)
         saved: dict[str, int] = {KEEP: kept}
+        input_kept: dict[str, bool] = {}
         for option, stages in m.measured_in.items():
             if i in stages:
                 saved[option] = m.selective[option].stages[i].kept_bytes
+                if m.compiled and m.compiled[i]:  # the option's own graph: see what it kept
+                    input_kept[option] = m.selective[option].stages[i].saves_input
         # An option whose ops the stage never runs saves what saving nothing saves.
         for option in m.selective_options:
             saved.setdefault(option, nosave.kept_bytes)
@@ -167,6 +170,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 reads=m.reads[i],
                 link_saved_bytes=link_saved_bytes(m, i),
                 selective_bwd_transient_bytes=replay,
+                input_kept_by_option=input_kept,
                 input_held_through=m.nosave.input_held_through[i],
                 output_held_through=m.nosave.output_held_through[i],
                 gets_previous_output=i == 0 or nosave.gets_previous_output,

@@ -110,6 +110,10 @@ def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) 
     return sum(storage_bytes(b) for b in changed.values())
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _never(_packed: None) -> torch.Tensor:
     raise AssertionError("remat profile: a no-save pass was run backward")
 
@@ -170,6 +174,12 @@ def forward_pass(
             # a tensor without one storage is neither the input nor the output
             with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                 offered.append(weakref.ref(t.untyped_storage()))
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        # saving pass: what a stage saves outside a checkpoint frame (a compiled stage's
+        # graph, whatever option it was compiled with) reaches this hook
+        drop(t)
+        return t
 
     def offered_any(t: torch.Tensor | None) -> bool:
         if t is None:
@@ -237,7 +247,8 @@ def forward_pass(
         try:
             with stage_hooks(modules, pre, post), tracker:
                 if save:
-                    loss = loss_fn(model, batch)
+                    with torch.autograd.graph.saved_tensors_hooks(note, _same):
+                        loss = loss_fn(model, batch)
                 else:
                     with torch.autograd.graph.saved_tensors_hooks(drop, _never):
                         loss = loss_fn(model, batch)

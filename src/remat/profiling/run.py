@@ -24,7 +24,8 @@ measured by the tracker and up to four tracked forwards:
    gets one more set (:func:`.noise.extra_rounds`);
 3. one step measured by ``measure_step`` with a timeline (see :mod:`.timeline`);
 4. for each selective option, one forward with the option applied to the stages that run
-   one of its ops (a stage that runs none keeps what ``save-nothing`` keeps), and one step
+   one of its ops (an eager stage that runs none keeps what ``save-nothing`` keeps; a
+   compiled stage is measured under every option, as it runs the option compiled in), and one step
    measured with a timeline with the option on every stage (each stage's backward with
    its replay), plus one such step under ``save-nothing`` (:func:`_replayed`);
 5. the fixed cost of one region on a chain of tiny stages (:mod:`.overhead`), the floor
@@ -87,6 +88,7 @@ class Measurements:
     overhead: RegionOverhead
     same_as: tuple[int, ...] = ()  # per stage: the first stage identical to it (pooling)
     extra_rounds: int = 0  # rounds added because the first ones were noisy
+    compiled: tuple[bool, ...] = ()  # per stage: whether its forward is compiled
     # regions over the longest runs no break divides (two stages or more each), and the
     # steps with them applied, round by round (Note [Links inside a region])
     spanning: tuple[tuple[int, int], ...] = ()
@@ -308,8 +310,12 @@ def measure_all(
             eager[i] if compiled[i] else ops for i, ops in enumerate(spans.stage_ops)))
     for option in (o for o in options if Option(o).is_selective):
         part(f"saved bytes, {option}")
+        # A compiled stage runs the option compiled in, whatever its ops: that program
+        # saves what inductor chooses (weights in its own layout, for one), not what the
+        # no-save pass kept, so it is measured even where the policy names none of its ops.
         wanted = frozenset(
-            i for i, name in enumerate(names) if spans.stage_ops[i] & policy_op_names(option, name)
+            i for i, name in enumerate(names)
+            if compiled[i] or spans.stage_ops[i] & policy_op_names(option, name)
         )
         if not wanted:
             continue
@@ -349,4 +355,5 @@ def measure_all(
         overhead=overhead,
         same_as=same_as,
         extra_rounds=extra,
+        compiled=compiled,
     )

@@ -124,6 +124,8 @@ class StageCost(StageRecord):
         parsed = Option(option)
         if parsed.is_offload:
             return False  # its saved tensors, input included, went to the host
+        if parsed in self.input_kept_by_option:
+            return self.input_kept_by_option[parsed]
         return self.saves_input or not parsed.is_keep
 
     @property
@@ -158,6 +160,8 @@ class StageCost(StageRecord):
             **({"break_before": self.break_before} if self.break_before is not None else {}),
             **({"bwd_transient_by_option": dict(self.bwd_transient_by_option)}
                if self.bwd_transient_by_option else {}),
+            **({"input_kept_by_option": dict(self.input_kept_by_option)}
+               if self.input_kept_by_option else {}),
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
@@ -195,7 +199,7 @@ _STAGE_KEYS_V1 = (
 _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
-    "link_saved_bytes", "unit_bytes", "reduce_bytes",
+    "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",
