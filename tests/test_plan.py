@@ -79,6 +79,24 @@ def test_parse_option_accepts(text: str, parts: tuple[str, str | None, tuple[str
     assert parse_option(parsed) is parsed  # parsed once
 
 
+@pytest.mark.parametrize("text,budget", [("selective:budget=0.5", 0.5),
+                                         ("selective:budget=0", 0.0),
+                                         ("selective:budget=.25", 0.25)])
+def test_parse_option_reads_a_partitioner_budget(text: str, budget: float) -> None:
+    parsed = parse_option(text)
+    assert parsed == text and parsed.is_selective and parsed.is_partitioned
+    assert (parsed.budget, parsed.policy, parsed.ops) == (budget, None, ())
+    assert not parse_option("selective:save-nothing").is_partitioned
+
+
+@pytest.mark.parametrize("text", ["selective:budget=1", "selective:budget=1.0",
+                                  "selective:budget=-0.5", "selective:budget=",
+                                  "selective:budget=x", "selective:budget=0.5,mm"])
+def test_parse_option_rejects_a_budget_outside_0_to_1(text: str) -> None:
+    with pytest.raises(UsageError, match=r"fraction from 0 up to \(not including\) 1"):
+        parse_option(text)
+
+
 def test_a_plan_parses_its_options_once_and_they_stay_strings() -> None:
     import json
     import pickle

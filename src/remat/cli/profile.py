@@ -12,6 +12,7 @@ from rich.table import Table
 from remat.cli.common import add_model_options, load, profile_with_progress, runs_one_thread
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.coverage import coverage_lines
+from remat.core.plan_format import Option
 from remat.core.profile_format import OPTIONS
 from remat.core.solve.uncertainty import noise_lines
 from remat.core.units import format_bytes
@@ -66,14 +67,19 @@ def _table(data: dict[str, Any]) -> Table:
             "input and output, kept and under selective:save-matmuls, save-attention, "
             "save-nothing; * the output stays referenced outside the chain; fwd, bwd, "
             "rebuild: medians over the rounds, pooled over identical stages (= k: the "
-            "same as stage k)"
+            "same as stage k); budget f: inductor's partitioner at "
+            "activation_memory_budget f (compiled stages without random ops; - where "
+            "not offered)"
         ),
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
     table.add_column("stage", no_wrap=True)
     table.add_column("boundary", justify="right")
-    for _, title in _OPTION_COLUMNS:
+    partitioned = {Option(o): None for s in data["stages"] for o in s["saved_bytes"]
+                   if Option(o).is_partitioned}
+    columns = [*_OPTION_COLUMNS, *((o, f"budget {o.budget:g}") for o in partitioned)]
+    for _, title in columns:
         table.add_column(title, justify="right")
     for title in ("fwd", "bwd", "rebuild"):
         table.add_column(title, justify="right")
@@ -84,7 +90,7 @@ def _table(data: dict[str, Any]) -> Table:
             s["name"] + (" *" if s["output_kept_outside"] else "")
             + ("" if same is None else f" (= {same})"),
             size(s["boundary_bytes"]),
-            *(size(saved[o]) if o in saved else "-" for o, _ in _OPTION_COLUMNS),
+            *(size(saved[o]) if o in saved else "-" for o, _ in columns),
             f"{s['fwd_s'] * 1e3:.2f}",
             f"{s['bwd_s'] * 1e3:.2f}",
             f"{s['rebuild_s'] * 1e3:.2f}",

@@ -12,7 +12,10 @@ disjoint; the tree is implied by nesting) and one ``option`` per stage::
 Options are ``keep``, ``offload`` or ``selective:<policy>`` where the policy is one of
 :data:`POLICIES` or a comma-separated list of aten op names (``selective:mm,addmm``,
 ``selective:convolution.default``); the plan checks only the syntax, the runtime
-resolves the names against the installed torch.
+resolves the names against the installed torch. On a compiled stage there is one more:
+``selective:budget=<fraction>`` (``0 <= fraction < 1``), the stage compiled with
+inductor's own min-cut partitioner under that ``activation_memory_budget``
+(docs/compile.md).
 
 A plan made from a profile (or by a builder of :mod:`remat.plans`) also records what it
 was made for (``made_for``, :class:`remat.core.model_identity.MadeFor`): ``remat.apply``
@@ -44,7 +47,9 @@ POLICIES = ("save-matmuls", "save-attention", "save-nothing")
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?\Z")
 _OPTION_HINT = "use keep, offload, or selective:<policy> with a policy from " + ", ".join(
     POLICIES
-) + " or a comma-separated list of aten op names such as selective:mm,addmm"
+) + (", a comma-separated list of aten op names such as selective:mm,addmm, or "
+     "selective:budget=<fraction> (compiled stages)")
+_BUDGET = re.compile(r"budget=(\d+(\.\d*)?|\.\d+)\Z")
 
 
 @dataclass(frozen=True, order=True)
@@ -86,19 +91,23 @@ class Option(str):
     was written as) that carries its parts: ``kind`` (``keep``, ``selective`` or
     ``offload``), for a selective option ``policy`` (one of :data:`POLICIES`, or None for
     a custom op list) and ``ops`` (custom aten op names, e.g. ``("mm",
-    "convolution.default")``). Code asks ``option.is_keep``, never compares names; the
-    parser (:func:`parse_option`, or ``Option(text)``) is the one place that reads them.
+    "convolution.default")``), or ``budget`` (``selective:budget=0.5``: the fraction
+    inductor's partitioner is given on a compiled stage; None otherwise). Code asks
+    ``option.is_keep``, never compares names; the parser (:func:`parse_option`, or
+    ``Option(text)``) is the one place that reads them.
     """
 
     kind: str
     policy: str | None
     ops: tuple[str, ...]
+    budget: float | None
 
     def __new__(cls, text: object) -> Option:
         if isinstance(text, Option):
             return text
         ops: tuple[str, ...] = ()
         policy: str | None = None
+        budget: float | None = None
         if text in ("keep", "offload"):
             kind = str(text)
         elif isinstance(text, str) and text.startswith("selective:"):
@@ -107,6 +116,13 @@ class Option(str):
             kind = "selective"
             if spec in POLICIES:
                 policy = spec
+            elif spec.startswith("budget="):
+                if not _BUDGET.match(spec) or not float(spec[len("budget="):]) < 1:
+                    raise UsageError(
+                        f"option {text!r} is not valid; give selective:budget=<fraction> "
+                        "with a fraction from 0 up to (not including) 1, such as "
+                        "selective:budget=0.5 (1 is keep)")
+                budget = float(spec[len("budget="):])
             elif names and all(_OP_NAME.match(name) for name in names):
                 ops = names
             else:
@@ -117,6 +133,7 @@ class Option(str):
         object.__setattr__(option, "kind", kind)
         object.__setattr__(option, "policy", policy)
         object.__setattr__(option, "ops", ops)
+        object.__setattr__(option, "budget", budget)
         return option
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -137,6 +154,11 @@ class Option(str):
     def is_selective(self) -> bool:
         return self.kind == "selective"
 
+    @property
+    def is_partitioned(self) -> bool:
+        """``selective:budget=<fraction>``: inductor's partitioner chooses what to save."""
+        return self.budget is not None
+
     @classmethod
     def selective(cls, spec: str) -> Option:
         """``selective:<spec>`` for a policy name or comma-separated op names."""
@@ -149,7 +171,8 @@ OFFLOAD = Option("offload")
 
 
 def parse_option(text: object) -> Option:
-    """Parse ``keep``, ``offload`` or ``selective:<policy|op,op,...>``; raise UsageError."""
+    """Parse ``keep``, ``offload`` or ``selective:<policy|op,op,...|budget=<fraction>>``;
+    raise UsageError."""
     return Option(text)
 
 

@@ -49,6 +49,7 @@ from remat.core.plan_format import KEEP, Option
 from remat.core.stage_record import StageRecord
 
 __all__ = [
+    "COMPILED_OPTIONS",
     "OPTIONS",
     "SCHEMA_VERSION",
     "FixedBytes",
@@ -71,6 +72,9 @@ OPTIONS = (
     Option.selective("save-attention"),
     Option.selective("save-nothing"),
 )
+#: Measured besides on compiled stages that draw no random numbers: inductor's own
+#: partitioner at half of keep's saved bytes (docs/compile.md).
+COMPILED_OPTIONS = (Option.selective("budget=0.5"),)
 
 
 def _int(value: object, what: str) -> int:

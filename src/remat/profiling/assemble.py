@@ -51,7 +51,7 @@ from typing import Any
 
 from torch import nn
 
-from remat.core.plan_format import KEEP
+from remat.core.plan_format import KEEP, Option
 from remat.core.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
 from remat.profiling.noise import option_extras, stage_times
@@ -118,25 +118,29 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 saved[option] = m.selective[option].stages[i].kept_bytes
                 if m.compiled and m.compiled[i]:  # the option's own graph: see what it kept
                     input_kept[option] = m.selective[option].stages[i].saves_input
-        # An option whose ops the stage never runs saves what saving nothing saves.
+        # An option whose ops the stage never runs saves what saving nothing saves; a
+        # partitioned one is offered only where it was measured (a compiled stage that
+        # draws no random numbers).
         for option in m.selective_options:
-            saved.setdefault(option, nosave.kept_bytes)
+            if not Option(option).is_partitioned:
+                saved.setdefault(option, nosave.kept_bytes)
         input_grad = nosave.boundary_bytes if nosave.input_requires_grad else 0
         clones = nosave.mutated_buffer_bytes
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output else 0
-        extra = {option: extras[option][i].median for option in m.selective_options}
+        extra = {option: extras[option][i].median for option in m.selective_options
+                 if option in saved}
         pooled: dict[str, Pooled] = {
             **{what: times[what][i] for what in times},
-            **{f"extra_bwd_s.{o}": extras[o][i] for o in m.selective_options},
+            **{f"extra_bwd_s.{o}": extras[o][i] for o in m.selective_options if o in saved},
         }
         # Under a selective option the stage's backward replays its unsaved ops first; in
         # the simulator's terms (its backward event charges keep's saved bytes), the
         # transient that backward needs (the problem offers the option only where keep's
         # figure covers it).
         replay = {}
-        for option in m.selective_options:
+        for option in (o for o in m.selective_options if o in saved):
             measured = option in m.measured_in and i in m.measured_in[option]
             spans = m.selective_backward.get(option if measured else NOTHING)
             if spans is not None:

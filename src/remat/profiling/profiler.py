@@ -24,7 +24,14 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Option
-from remat.core.profile_format import OPTIONS, LinearFit, Profile, Scaling, numeric_paths
+from remat.core.profile_format import (
+    COMPILED_OPTIONS,
+    OPTIONS,
+    LinearFit,
+    Profile,
+    Scaling,
+    numeric_paths,
+)
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.measure.step import checked_loss, make_optimizer
 from remat.measure.tracker import iter_tensors
@@ -106,7 +113,7 @@ def profile(
     optimizer: str | torch.optim.Optimizer = "adamw",
     *,
     repeats: int = 2,
-    options: Sequence[str] = OPTIONS,
+    options: Sequence[str] | None = None,
     batch_size: int | None = None,
     description: str | None = None,
     lr: float = 1e-3,
@@ -124,7 +131,10 @@ def profile(
         optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9) or an optimizer of the model.
         repeats: timed steps of each kind (plain, per-stage regions) after one warm-up
             step of each; times are medians.
-        options: ``keep`` and the selective options to measure saved bytes for.
+        options: ``keep`` and the selective options to measure saved bytes for; by
+            default :data:`~remat.core.profile_format.OPTIONS`, and on compiled stages
+            :data:`~remat.core.profile_format.COMPILED_OPTIONS` too
+            (``selective:budget=<fraction>`` needs compiled stages).
         batch_size: recorded in the profile; by default the first tensor's first dimension.
         description: the model's name in the profile (default: its class name).
         progress: ``progress(what, done, total)`` before each part and once at the end.
@@ -143,7 +153,8 @@ def profile(
         raise UsageError(f"repeats={repeats!r} is invalid; give a whole number >= 1")
     if not isinstance(compile, bool):
         raise UsageError(f"compile={compile!r} is not a bool; pass True or False")
-    options = _check_options(options)
+    given = options
+    options = _check_options(OPTIONS if options is None else options)
     loss_fn = loss_fn or _default_loss
     names = (
         resolve_stages(model, stages)
@@ -151,6 +162,12 @@ def profile(
         else discover_stages(model, batch, loss_fn)
     )
     compiled = compile or any(compiled_flags(model, names))
+    partitioned = next((o for o in options if o.is_partitioned), None)
+    if partitioned is not None and not compiled:
+        raise UsageError(f"option {partitioned!r} needs compiled stages; pass compile=True "
+                         "(--compile) or leave it out")
+    if given is None and compiled:
+        options = (*options, *COMPILED_OPTIONS)
     if compiled:
         compile_stages(model, names)  # the rest compiled, the caller's own wrapped
     if not applied(model):  # with a plan applied, remat's own rebuilds would count

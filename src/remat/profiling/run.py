@@ -153,16 +153,18 @@ def _replayed(
     loss_fn: Callable[[nn.Module, Any], Any],
     names: tuple[str, ...],
     optimizer: torch.optim.Optimizer,
-    option: str,
+    option: str | Plan,
 ) -> tuple[Span, ...]:
-    """Each stage's backward, its replay included, in one step with ``option`` on every stage.
+    """Each stage's backward, its replay included, in one step with ``option`` on every
+    stage (or ``option`` a plan: its options, no regions).
 
     A selective stage replays its unsaved ops at its backward, and that replay can peak
     above what keep's backward holds (a block ending in a ReLU makes its output again):
     measured, for the problem to offer an option only where the simulator's figure covers
     it (docs/cost-model.md, assumption 7).
     """
-    plan = Plan(stages=names, options=(option,) * len(names), solver="profile")
+    plan = option if isinstance(option, Plan) else Plan(
+        stages=names, options=(option,) * len(names), solver="profile")
     handle = apply(model, plan)
     gc.freeze()
     try:
@@ -196,6 +198,19 @@ def measure_all(
     agree = agree or (lambda n: n)
     names = tuple(names)
     modules = [model.get_submodule(name) for name in names]
+    # Compiled stages run their ops inside graphs, out of the tracker's sight: their ops
+    # come from one eager forward, and with them which stages draw random numbers, where
+    # a partitioned option is not offered (Note [Partitioned options on compiled stages])
+    compiled = compiled_flags(model, names)
+    eager = eager_stage_ops(model, batch, loss_fn, names) if any(compiled) else None
+
+    def offered(option: str, i: int) -> bool:
+        if not Option(option).is_partitioned:
+            return True
+        return compiled[i] and eager is not None and not eager.random[i]
+
+    # a partitioned option no stage is offered is not measured (nor recorded)
+    options = tuple(o for o in options if any(offered(o, i) for i in range(len(names))))
     parts = part_names(options)
     tell = iter(range(len(parts)))
 
@@ -219,9 +234,10 @@ def measure_all(
     # which made the step without checkpointing look up to 40% slower than it is.
     per_stage = plans.per_stage(model, stages=names)
     option_plans = {
-        option: plans.selective(model, str(Option(option).policy), stages=names)
+        option: Plan(stages=names, solver="profile", options=tuple(
+            option if offered(option, i) else KEEP for i in range(len(names))))
         for option in options
-        if Option(option).is_selective
+        if Option(option).is_selective and any(offered(option, i) for i in range(len(names)))
     }
     spanning = spanning_regions(links.breaks)
     spanning_plan = (Plan(names, tuple(Region(a, b) for a, b in spanning), solver="profile")
@@ -303,19 +319,18 @@ def measure_all(
     selective: dict[str, ForwardPass] = {}
     selective_backward: dict[str, tuple[Span, ...]] = {}
     measured_in: dict[str, frozenset[int]] = {}
-    compiled = compiled_flags(model, names)
-    if any(compiled):  # their ops ran inside their graphs, out of the tracker's sight
-        eager = eager_stage_ops(model, batch, loss_fn, names)
+    if eager is not None:  # their ops ran inside their graphs, out of the tracker's sight
         spans = replace(spans, stage_ops=tuple(
-            eager[i] if compiled[i] else ops for i, ops in enumerate(spans.stage_ops)))
-    for option in (o for o in options if Option(o).is_selective):
+            eager.ops[i] if compiled[i] else ops for i, ops in enumerate(spans.stage_ops)))
+    for option in (o for o in options if o in option_plans):
         part(f"saved bytes, {option}")
         # A compiled stage runs the option compiled in, whatever its ops: that program
         # saves what inductor chooses (weights in its own layout, for one), not what the
         # no-save pass kept, so it is measured even where the policy names none of its ops.
         wanted = frozenset(
             i for i, name in enumerate(names)
-            if compiled[i] or spans.stage_ops[i] & policy_op_names(option, name)
+            if offered(option, i) and (
+                compiled[i] or spans.stage_ops[i] & policy_op_names(option, name))
         )
         if not wanted:
             continue
@@ -326,7 +341,8 @@ def measure_all(
         )
         selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
         measured_in[option] = wanted
-        selective_backward[option] = _replayed(model, batch, loss_fn, names, optimizer, option)
+        selective_backward[option] = _replayed(
+            model, batch, loss_fn, names, optimizer, option_plans[option])
     if any(Option(o).is_selective for o in options):
         # A stage that runs none of an option's ops replays like save-nothing.
         selective_backward[NOTHING] = _replayed(model, batch, loss_fn, names, optimizer, NOTHING)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from remat.core.plan_format import KEEP
+from remat.core.plan_format import KEEP, Option
 from remat.core.profile_format import Profile, StageProfile
 from remat.profiling.noise import option_diffs, pooled_extras
 from remat.profiling.optimes import policy_op_names
@@ -33,9 +33,12 @@ def twin_groups(stage_ops: frozenset[str], stage: str, options: tuple[str, ...]
                 ) -> list[list[str]]:
     """The selective ``options`` grouped by the ops each saves in ``stage`` (which runs
     ``stage_ops``), each group led by the option it is offered under."""
-    by_saved: dict[frozenset[str], list[str]] = {}
+    by_saved: dict[object, list[str]] = {}
     for option in options:
-        by_saved.setdefault(stage_ops & policy_op_names(option, stage), []).append(option)
+        # a partitioned option saves what inductor's partitioner chooses: no twin of any
+        key = option if Option(option).is_partitioned else (
+            stage_ops & policy_op_names(option, stage))
+        by_saved.setdefault(key, []).append(option)
     return [sorted(group, key=lambda o: (len(policy_op_names(o, stage)), o))
             for group in by_saved.values()]
 

@@ -258,9 +258,15 @@ def apply(
     forwards = [m.forward for m in stages]
     for i, module in enumerate(stages):
         own = module.__dict__.get("forward")
+        budget = policies[i].budget
         if isinstance(own, CompiledForward) and policies[i].kind == "selective":
-            forwards[i] = own.selective(policies[i].ops)
+            forwards[i] = (own.selective(policies[i].ops) if budget is None
+                           else own.partitioned(budget))
             policies[i] = StagePolicy(KEEP.kind)
+        elif budget is not None:
+            raise UsageError(
+                f"stage {plan.stages[i]!r} has option {plan.options[i]!r}, which needs the "
+                "stage compiled: call remat.compile_stages(model) first (--compile)")
 
     # Everything is checked: from here on nothing can fail half-way.
     engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state)

@@ -50,6 +50,9 @@ class StagePolicy:
 
     kind: str
     ops: tuple[Any, ...] = ()  # OpOverloads saved by a selective stage; others are rebuilt
+    # selective:budget=<fraction>: inductor's partitioner saves, under this
+    # activation_memory_budget (compiled stages only)
+    budget: float | None = None
 
     @property
     def is_keep(self) -> bool:
@@ -67,6 +70,8 @@ def resolve(option: str, stage: str) -> StagePolicy:
         return StagePolicy(parsed.kind)
     if parsed.policy is not None:
         return StagePolicy("selective", _NAMED[parsed.policy])
+    if parsed.budget is not None:
+        return StagePolicy("selective", budget=parsed.budget)
     ops: list[Any] = []
     for name in parsed.ops:
         packet_name, _, overload = name.partition(".")
