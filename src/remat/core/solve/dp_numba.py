@@ -1,4 +1,4 @@
-"""The optimal solver's tables compiled with numba (optional: ``pip install remat[fast]``).
+"""The optimal solver's tables compiled with numba (a dependency; numpy where it is missing).
 
 The same candidates, in the same arithmetic, as :func:`remat.core.solve.dp.numpy_tables`
 (Note [The recursion]): each value is ``t + rest`` or ``(t + inner) + rest`` in IEEE

@@ -176,7 +176,8 @@ def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
         from remat.core.solve import dp_numba
 
         if not dp_numba.available():
-            raise UsageError("path='numba' needs numba; install it with pip install remat[fast]")
+            raise UsageError("path='numba' needs numba, which did not import here; "
+                             "install it with pip install numba or use path='numpy'")
         return dp_numba.numba_tables
     fill = {"numpy": dp.numpy_tables, "python": dp.python_tables}.get(path)
     if fill is None:
@@ -228,7 +229,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
 
     Memory is divided into ``problem.slots`` slots; ``path`` is ``numba`` (compiled,
-    fastest; needs the ``fast`` extra), ``numpy``, ``python`` (the reference loops) or
+    fastest; numba is a dependency, but may be missing where it has no wheel), ``numpy``, ``python`` (the reference loops) or
     ``auto`` (numba when installed, else numpy): all fill bitwise equal tables. When
     rounding to slots leaves no plan
     although one fits (budgets within a few slots of the minimum), the plan with the
