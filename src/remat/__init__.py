@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "auto": "remat.benchmarking.main_job",
     "compile_stages": "remat.runtime.compiled_stages",
     "uncompile_stages": "remat.runtime.compiled_stages",
+    "fake_mode": "remat.profiling.fake",
 }
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from remat.core.plan_format import Plan, Region
     from remat.core.planner import plan
     from remat.core.profile_format import Profile
+    from remat.profiling.fake import fake_mode
     from remat.profiling.profiler import profile
     from remat.runtime.compiled_stages import compile_stages, uncompile_stages
     from remat.runtime.install import Handle, applied, apply, remove
@@ -59,6 +61,7 @@ __all__ = [
     "auto",
     "bench",
     "compile_stages",
+    "fake_mode",
     "plan",
     "profile",
     "remove",

@@ -167,6 +167,7 @@ def profile_with_progress(
     description: str | None = None,
     malloc: str = "keep",
     fresh: Callable[[], tuple[Any, Any, Any]] | None = None,
+    fake: bool = False,
 ) -> Profile:
     """``remat.profile`` with a progress bar on stderr (shown only on a terminal).
 
@@ -211,4 +212,5 @@ def profile_with_progress(
             repeats=repeats,
             description=description,
             progress=progress,
+            fake=fake,
         )

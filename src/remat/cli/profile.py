@@ -12,6 +12,7 @@ from rich.table import Table
 from remat.cli.common import add_model_options, load, profile_with_progress, runs_one_thread
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.coverage import coverage_lines
+from remat.core.errors import UsageError
 from remat.core.plan_format import Option
 from remat.core.profile_format import OPTIONS
 from remat.core.solve.uncertainty import noise_lines
@@ -36,6 +37,15 @@ def add_parser(sub: Any, name: str) -> None:
     add_model_options(p)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds of steps (default 2)")
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help=(
+            "build the model and batch as fake tensors (no weights allocated, no kernel "
+            "runs) and profile its memory, as exact as a real profile; times are not the "
+            "machine's (docs/fake.md)"
+        ),
+    )
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -130,7 +140,17 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, batch, loss_fn, stages, description = load(args)
+    if args.fake:
+        if args.compile:
+            raise UsageError("--fake and --compile do not go together: a fake profile runs "
+                             "no compiled code")
+        from remat.profiling.fake import fake_mode
+
+        with fake_mode():  # only the building: the profile enters the mode itself
+            model, batch, loss_fn, stages, description = load(args)
+        description += " (fake)"
+    else:
+        model, batch, loss_fn, stages, description = load(args)
     result = profile_with_progress(
         model,
         batch,
@@ -140,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         description=description,
         malloc=args.malloc,
-        fresh=lambda: load(args, check_step=False)[:3],
+        fresh=None if args.fake else lambda: load(args, check_step=False)[:3],
+        fake=args.fake,
     )
     data = result.to_dict()
     console = console_for(args.json)
@@ -148,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
     _summary(console, data)
     for line in coverage_lines(result, given=stages is not None):
         console.print(line)
+    if result.fake:
+        console.print("fake profile: bytes as the real step's; the times are the fake run's "
+                      "dispatch, not this machine's kernels (docs/fake.md)")
     for line in noise_lines(result, one_thread=runs_one_thread()):
         console.print(line)
     write_json(data, args.json)

@@ -562,10 +562,15 @@ class Profile(JsonArtifact):
     # measured on stages whose forward is compiled by torch.compile (docs/compile.md);
     # plans made from it carry the flag. Written only when set.
     compiled: bool = False
+    # measured under FakeTensorMode (no weights allocated, no kernel run): its bytes are
+    # the real step's, its times only the fake run's dispatch, not kernels (docs/fake.md).
+    # Written only when set.
+    fake: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.compiled, bool):
-            raise UsageError(f"profile compiled={self.compiled!r} is not a bool")
+        for flag in ("compiled", "fake"):
+            if not isinstance(getattr(self, flag), bool):
+                raise UsageError(f"profile {flag}={getattr(self, flag)!r} is not a bool")
         stages = tuple(self.stages)
         if not stages or not all(isinstance(s, StageProfile) for s in stages):
             raise UsageError("a profile needs at least one stage, each a StageProfile")
@@ -658,6 +663,7 @@ class Profile(JsonArtifact):
                 else {}
             ),
             **({"compiled": True} if self.compiled else {}),
+            **({"fake": True} if self.fake else {}),
         }
 
     @classmethod
@@ -715,7 +721,7 @@ _PROFILE_KEYS = (
 )
 # written only when set
 _OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
-                          "timed_rounds", "compiled")
+                          "timed_rounds", "compiled", "fake")
 
 
 def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:

@@ -69,13 +69,48 @@ from remat.measure.report import (
     PhasePeaks,
 )
 
-__all__ = ["LiveMemoryTracker", "active_tracker"]
+__all__ = ["LiveMemoryTracker", "active_tracker", "counting_fake_storages", "storage_key"]
 
 _CUDA_BLOCK_BYTES = 512
 _MODULE_KEY = "remat.module_path"
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 _ORDERED_CATEGORIES = tuple(Category)
 _ACTIVE: list[LiveMemoryTracker] = []  # trackers inside their with-block, innermost last
+
+
+# Note [Fake storages]
+# Under FakeTensorMode a tensor's storage is a meta storage of the right size: nothing is
+# allocated, but the storage is an object that lives and dies as the real one would, so
+# the tracker's accounting (one record per storage, freed by a weakref callback) holds
+# unchanged. Meta storages are otherwise ignored (meta tensors allocate nothing); inside
+# counting_fake_storages() they are counted, whatever device the fake tensor reports.
+_COUNT_FAKE = [False]
+
+
+@contextmanager
+def counting_fake_storages() -> Iterator[None]:
+    """Count meta storages (a fake-tensor run's) as the memory they stand for."""
+    before = _COUNT_FAKE[0]
+    _COUNT_FAKE[0] = True
+    try:
+        yield
+    finally:
+        _COUNT_FAKE[0] = before
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """What identifies ``t``'s storage among live tensors (views share it): its device and
+    address; for a meta storage (a fake tensor's, all at address 0) the storage object's
+    own. None for a tensor without one storage, or an empty one."""
+    try:
+        storage = t.untyped_storage()
+        if not storage.nbytes():
+            return None
+        if storage.device.type == "meta":
+            return ("meta", int(storage._cdata))
+        return (str(t.device), int(storage.data_ptr()))
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, opaque
+        return None
 
 
 def active_tracker() -> LiveMemoryTracker | None:
@@ -543,8 +578,8 @@ class LiveMemoryTracker:
 
     def _counted_bytes(self, storage: torch.UntypedStorage) -> int | None:
         device = storage.device
-        if device.type == "meta":
-            return None
+        if device.type == "meta":  # Note [Fake storages]
+            return int(storage.nbytes()) if _COUNT_FAKE[0] else None
         wanted = self._device
         if wanted is not None and (
             device.type != wanted.type

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.measure.tracker import storage_key
 from remat.runtime.engine import main_input, main_output
 
 __all__ = [
@@ -40,10 +41,8 @@ def storage_bytes(t: torch.Tensor | None) -> int:
 def same_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return False
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+    key = storage_key(a)
+    return key is not None and key == storage_key(b)
 
 
 PreHook = Callable[[int, tuple[Any, ...], dict[str, Any]], None]

@@ -34,10 +34,11 @@ from remat.core.profile_format import (
 )
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.measure.step import checked_loss, make_optimizer
-from remat.measure.tracker import iter_tensors
+from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.calibrate import calibrated
+from remat.profiling.fake import fake_mode_of
 from remat.profiling.noise import timing_noise
 from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
 from remat.profiling.rounds import timed_rounds
@@ -120,6 +121,7 @@ def profile(
     progress: Progress | None = None,
     ranks_agree: bool = False,
     compile: bool = False,
+    fake: bool = False,
 ) -> Profile:
     """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
 
@@ -146,13 +148,29 @@ def profile(
             stages stay compiled) and measure the compiled program; stages the caller
             compiled are measured compiled without it. A selective option on a
             compiled stage is compiled into the stage (docs/compile.md).
+        fake: the model and batch were built under :func:`remat.fake_mode` (fake tensors:
+            no weights allocated, no kernel runs); the step is measured in that mode, the
+            bytes as the real step's, and the profile says ``fake`` (its times are only
+            the fake run's dispatch: docs/fake.md).
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise UsageError(f"repeats={repeats!r} is invalid; give a whole number >= 1")
-    if not isinstance(compile, bool):
-        raise UsageError(f"compile={compile!r} is not a bool; pass True or False")
+    for name, flag in (("compile", compile), ("fake", fake)):
+        if not isinstance(flag, bool):
+            raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
+    if fake:
+        mode = fake_mode_of(model, batch)
+        if compile:
+            raise UsageError("compile=True and fake=True do not go together: a fake profile "
+                             "runs no compiled code; profile the compiled model for real")
+        with mode, counting_fake_storages():
+            return replace(
+                profile(model, batch, loss_fn, stages, optimizer, repeats=1, options=options,
+                        batch_size=batch_size, description=description, lr=lr,
+                        progress=progress, ranks_agree=ranks_agree),
+                fake=True, timing_noise=None, timed_rounds=None)
     given = options
     options = _check_options(OPTIONS if options is None else options)
     loss_fn = loss_fn or _default_loss

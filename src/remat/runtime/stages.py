@@ -38,6 +38,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.measure.modes import without_compiled_insides
+from remat.measure.tracker import storage_key
 
 __all__ = [
     "SPLIT_SHARE",
@@ -119,11 +120,7 @@ class _Trace:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        storage = t.untyped_storage()
-        return (str(t.device), storage.data_ptr()) if storage.nbytes() else None
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, fake)
-        return None
+    return storage_key(t)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -229,7 +229,8 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
 
     Memory is divided into ``problem.slots`` slots; ``path`` is ``numba`` (compiled,
-    fastest; numba is a dependency, but may be missing where it has no wheel), ``numpy``, ``python`` (the reference loops) or
+    fastest; numba is a dependency, but may be missing where it has no wheel),
+    ``numpy``, ``python`` (the reference loops) or
     ``auto`` (numba when installed, else numpy): all fill bitwise equal tables. When
     rounding to slots leaves no plan
     although one fits (budgets within a few slots of the minimum), the plan with the

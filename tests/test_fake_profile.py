@@ -1,0 +1,122 @@
+"""Fake-tensor profiles (docs/fake.md): the profiler run under FakeTensorMode counts what the
+real step holds, byte for byte, without allocating the model; plans made from it apply to
+the real model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import remat
+from remat.cli import main
+from remat.core.errors import UsageError
+from remat.core.planner import to_problem
+from remat.core.solve import simulate
+from remat.measure import measure_step
+from remat.models import load_model
+from remat.profiling.fake import fake_mode_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Every byte figure a stage record holds (times are the fake run's own).
+_BYTES = ("boundary_bytes", "output_bytes", "saved_bytes", "fwd_transient_bytes",
+          "bwd_transient_bytes", "nosave_transient_bytes", "grad_bytes", "output_kept_outside",
+          "saves_input", "saves_output", "input_held_through", "output_held_through",
+          "gets_previous_output", "selective_bwd_transient_bytes", "pending_grad_bytes",
+          "link_saved_bytes", "input_kept_by_option", "break_before")
+
+SMALL = {
+    "gpt": {"n_layer": 3, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size": 64,
+            "batch_size": 2},
+    # batch-norm statistics updated in place, stride-2 blocks of other shapes
+    "convnet-bn": {"n_blocks": 4, "channels": 8, "image_size": 16, "batch_size": 4},
+    # skip connections held across stages, concatenations between them
+    "unet": {"channels": 8, "image_size": 16, "batch_size": 2},
+}
+
+
+def _profiles(name: str) -> tuple[remat.Profile, remat.Profile]:
+    real = remat.profile(*load_model(name, **SMALL[name]), repeats=1)
+    with remat.fake_mode():
+        model, batch, loss_fn = load_model(name, **SMALL[name])
+    fake_mode_of(model, batch)  # every tensor fake, of one mode
+    return real, remat.profile(model, batch, loss_fn, fake=True)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_a_fake_profile_counts_the_bytes_of_the_real_one(name: str) -> None:
+    real, fake = _profiles(name)
+    assert fake.fake and not real.fake
+    assert fake.stage_names == real.stage_names
+    for f, r in zip(fake.stages, real.stages, strict=True):
+        for field in _BYTES:
+            assert getattr(f, field) == getattr(r, field), (name, f.name, field)
+    fixed, expected = fake.fixed.to_dict(), real.fixed.to_dict()
+    if name == "unet":
+        # the one kernel that differs: CPU mse_loss returns a view of its elementwise
+        # losses (the loss holds the output's size through backward), the meta kernel a
+        # fresh 4-byte scalar (docs/fake.md)
+        output = 2 * 3 * 16 * 16 * 4 - 4
+        assert expected["backward_residue"] - fixed["backward_residue"] == output
+        assert expected["post_chain"] - fixed["post_chain"] == output
+        for key in ("backward_residue", "post_chain", "post_chain_forward",
+                    "post_chain_backward"):
+            fixed.pop(key), expected.pop(key)
+        assert real.measured_peak_bytes - fake.measured_peak_bytes in (0, output)
+    else:
+        assert fake.measured_peak_bytes == real.measured_peak_bytes
+        assert fake.predicted_peak_bytes == real.predicted_peak_bytes
+    assert fixed == expected
+    # the file says it is fake; timing noise and rounds are not kept (not this machine's)
+    data = json.loads(fake.to_json())
+    assert data["fake"] is True and "timing_noise" not in data and "timed_rounds" not in data
+    assert remat.Profile.from_json(fake.to_json()).fake
+
+
+def test_a_plan_from_a_fake_profile_keeps_its_prediction_on_the_real_model() -> None:
+    with remat.fake_mode():
+        fake_model, fake_batch, loss_fn = load_model("gpt", **SMALL["gpt"])
+    profile = remat.profile(fake_model, fake_batch, loss_fn, fake=True)
+    least = remat.plan(profile, None, solver="min-peak").predicted_peak_bytes
+    assert least is not None
+    budget = (least + profile.measured_peak_bytes) // 2
+    plan = remat.plan(profile, budget)
+    assert plan.regions or any(not o.is_keep for o in plan.parsed_options)
+    model, batch, loss_fn = load_model("gpt", **SMALL["gpt"])
+    remat.apply(model, plan)  # made for this model: same stages, classes and shapes
+    try:
+        measured = measure_step(model, batch, loss_fn).peak_bytes
+    finally:
+        remat.remove(model)
+    predicted = simulate(plan, to_problem(profile)).peak_bytes
+    assert abs(measured / predicted - 1) <= 0.05 and measured <= budget
+    # the same prediction a real profile makes for the plan (to the byte)
+    real = remat.profile(*load_model("gpt", **SMALL["gpt"]), repeats=1)
+    assert simulate(plan, to_problem(real)).peak_bytes == predicted
+
+
+def test_fake_needs_a_model_built_under_fake_mode_and_no_compile() -> None:
+    model, batch, loss_fn = load_model("gpt", **SMALL["gpt"])
+    with pytest.raises(UsageError, match="is a real tensor; build them inside"):
+        remat.profile(model, batch, loss_fn, fake=True)
+    with remat.fake_mode():
+        fake_model, fake_batch, fake_loss = load_model("gpt", **SMALL["gpt"])
+    with pytest.raises(UsageError, match="do not go together"):
+        remat.profile(fake_model, fake_batch, fake_loss, fake=True, compile=True)
+    with pytest.raises(UsageError, match="fake="):
+        remat.profile(model, batch, loss_fn, fake="yes")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="batch tensor 0 is a real tensor"):
+        remat.profile(fake_model, batch, fake_loss, fake=True)
+
+
+def test_the_cli_profiles_a_fake_model(tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "fake.json"
+    sets = [f"--set={k}={v}" for k, v in SMALL["gpt"].items()]
+    assert main(["profile", "--fake", "--model", "gpt", *sets, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["fake"] is True and data["model"].endswith("(fake)")
+    assert "fake profile: bytes as the real step's" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(out), "--solver", "min-peak", "--json", str(tmp_path / "p.json")]) == 0
+    assert main(["profile", "--fake", "--compile", "--model", "gpt", *sets]) == 2
