@@ -120,3 +120,33 @@ def test_the_cli_profiles_a_fake_model(tmp_path: Any, capsys: Any) -> None:
     assert "fake profile: bytes as the real step's" in capsys.readouterr().out
     assert main(["plan", "--profile", str(out), "--solver", "min-peak", "--json", str(tmp_path / "p.json")]) == 0
     assert main(["profile", "--fake", "--compile", "--model", "gpt", *sets]) == 2
+
+
+def test_a_long_chain_of_identical_stages_is_profiled_by_its_first_three_and_four(
+    monkeypatch: Any,
+) -> None:
+    from remat.profiling import fake as fake_profiles
+
+    options = {**SMALL["gpt"], "n_layer": 7}
+    with remat.fake_mode():
+        model, batch, loss_fn = load_model("gpt", **options)
+    short = remat.profile(model, batch, loss_fn, fake=True)
+    assert short.model.endswith("(4 of 7 identical stages profiled)")
+    monkeypatch.setattr(fake_profiles, "MIN_EXPANDED_STAGES", 10**9)
+    whole = remat.profile(model, batch, loss_fn, fake=True)
+    assert "profiled" not in whole.model and whole.stage_names == short.stage_names
+    for s, w in zip(short.stages, whole.stages, strict=True):
+        for field in _BYTES:
+            assert getattr(s, field) == getattr(w, field), (s.name, field)
+    assert short.fixed == whole.fixed
+    assert short.predicted_peak_bytes == whole.predicted_peak_bytes
+    # the step without checkpointing is the cost model's there, as close as it is here
+    assert abs(short.measured_peak_bytes - whole.measured_peak_bytes) <= 64
+    assert len(model.blocks) == 7  # the chain is whole again
+
+
+def test_a_chain_of_stages_that_differ_is_profiled_whole() -> None:
+    with remat.fake_mode():
+        model, batch, loss_fn = load_model("mlp-hetero")  # widths differ by stage
+    profile = remat.profile(model, batch, loss_fn, fake=True)
+    assert len(profile.stages) >= 6 and "profiled" not in profile.model

@@ -122,6 +122,7 @@ def profile(
     ranks_agree: bool = False,
     compile: bool = False,
     fake: bool = False,
+    _timed: bool = True,
 ) -> Profile:
     """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
 
@@ -152,6 +153,8 @@ def profile(
             no weights allocated, no kernel runs); the step is measured in that mode, the
             bytes as the real step's, and the profile says ``fake`` (its times are only
             the fake run's dispatch: docs/fake.md).
+        _timed: internal (the fake profile): False runs only the steps its byte figures
+            and the times the format needs take, no rounds for timing alone.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
@@ -166,11 +169,9 @@ def profile(
             raise UsageError("compile=True and fake=True do not go together: a fake profile "
                              "runs no compiled code; profile the compiled model for real")
         with mode, counting_fake_storages():
-            return replace(
-                profile(model, batch, loss_fn, stages, optimizer, repeats=1, options=options,
-                        batch_size=batch_size, description=description, lr=lr,
-                        progress=progress, ranks_agree=ranks_agree),
-                fake=True, timing_noise=None, timed_rounds=None)
+            return _fake_profile(model, batch, loss_fn, stages, optimizer, options=options,
+                                 batch_size=batch_size, description=description, lr=lr,
+                                 progress=progress, ranks_agree=ranks_agree)
     given = options
     options = _check_options(OPTIONS if options is None else options)
     loss_fn = loss_fn or _default_loss
@@ -225,6 +226,7 @@ def profile(
             dtype=dtype,
             progress=progress,
             agree=most_over_ranks if ranks_agree else None,
+            timed=_timed,
         )
     profile_s = time.perf_counter() - began
 
@@ -277,6 +279,33 @@ def profile(
     total = len(part_names(options))
     progress("done", total, total)
     return result
+
+
+def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+                  stages: Sequence[str] | None, optimizer: str | torch.optim.Optimizer,
+                  **kwargs: Any) -> Profile:
+    """``profile`` inside the fake mode; a long chain of identical stages by its first 3 and
+    4 (Note [Depth under fake tensors] in :mod:`remat.profiling.fake`)."""
+    from remat.profiling import fake as fake_profiles
+
+    def run(names: Sequence[str] | None) -> Profile:
+        return replace(profile(model, batch, loss_fn, names, optimizer, repeats=1,
+                               _timed=False, **kwargs),
+                       fake=True, timing_noise=None, timed_rounds=None)
+
+    names = (resolve_stages(model, stages) if stages is not None
+             else discover_stages(model, batch, loss_fn or _default_loss))
+    found = (fake_profiles.chain_container(model, names)
+             if len(names) >= fake_profiles.MIN_EXPANDED_STAGES else None)
+    if found is None:
+        return run(names)
+    parent, attribute, prefix = found
+    cuts = []
+    for k in (3, 4):
+        with fake_profiles.cut_to(parent, attribute, k):
+            cuts.append(run([f"{prefix}.{i}" for i in range(k)]))
+    whole = fake_profiles.expanded(cuts[0], cuts[1], len(names), prefix)
+    return whole if whole is not None else run(names)
 
 
 def notes(result: Profile, *, transformers_model: bool = False) -> tuple[str, ...]:

@@ -189,11 +189,15 @@ def measure_all(
     dtype: torch.dtype,
     progress: Progress,
     agree: Callable[[int], int] | None = None,
+    timed: bool = True,
 ) -> Measurements:
     """Run every measurement (module docstring); the model must be in training mode.
 
     ``agree(n)``: the count every rank uses where this rank would use ``n`` (rounds added
     to a noisy profile), so ranks whose steps communicate run the same steps.
+    ``timed=False`` (a fake profile): no step that only times something (the spanning
+    regions', the bare one, each option's: taken as the plain step of the round), and no
+    rounds added for noise.
     """
     agree = agree or (lambda n: n)
     names = tuple(names)
@@ -239,7 +243,7 @@ def measure_all(
         for option in options
         if Option(option).is_selective and any(offered(option, i) for i in range(len(names)))
     }
-    spanning = spanning_regions(links.breaks)
+    spanning = spanning_regions(links.breaks) if timed else ()
     spanning_plan = (Plan(names, tuple(Region(a, b) for a, b in spanning), solver="profile")
                      if spanning else None)
     rebuilt: list[StepTimes] = []
@@ -261,7 +265,7 @@ def measure_all(
             device=device,
             on_step=count_fixed,
         )
-        if spanning_plan is not None:
+        if spanning_plan is not None and timed:
             spanned += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
                                    plan=spanning_plan, device=device)
         if signatures is None:
@@ -272,6 +276,10 @@ def measure_all(
                 plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
                                      device=device)
             signatures[:] = found
+        if not timed:
+            for option in option_plans:
+                with_option[option] += plain[-1:]
+            return
         bare.append(bare_step_s(model, batch, loss_fn, optimizer, device=device))
         for option, plan in option_plans.items():
             with_option[option] += timed_steps(
@@ -289,7 +297,7 @@ def measure_all(
                          others=[rebuilt[1:], *([spanned[1:]] if spanned else []),
                                  *(steps[1:] for steps in with_option.values())],
                          per_stage=rebuilt[1:])
-    extra = agree(extra)
+    extra = agree(extra) if timed else 0
     for _ in range(extra):
         one_round()
     # Note [Rounds for the paired overhead]: then one at a time while the per-round
@@ -297,7 +305,7 @@ def measure_all(
     # as there are already (a profile's timed steps at most double: a large model's
     # rounds take minutes)
     so_far, added = repeats + extra, 0
-    while (extra < MAX_ADDED_ROUNDS and added < so_far
+    while (timed and extra < MAX_ADDED_ROUNDS and added < so_far
            and agree(int(paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE))):
         one_round()
         extra += 1
