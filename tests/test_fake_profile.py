@@ -118,8 +118,14 @@ def test_the_cli_profiles_a_fake_model(tmp_path: Any, capsys: Any) -> None:
     data = json.loads(out.read_text())
     assert data["fake"] is True and data["model"].endswith("(fake)")
     assert "fake profile: bytes as the real step's" in capsys.readouterr().out
-    assert main(["plan", "--profile", str(out), "--solver", "min-peak", "--json", str(tmp_path / "p.json")]) == 0
+    plan_out = str(tmp_path / "p.json")
+    assert main(["plan", "--profile", str(out), "--solver", "min-peak", "--json", plan_out]) == 0
     assert main(["profile", "--fake", "--compile", "--model", "gpt", *sets]) == 2
+    capsys.readouterr()
+    assert main(["plan", "--fake", "--model", "gpt", *sets, "--solver", "min-peak"]) == 0
+    printed = capsys.readouterr().out
+    assert "counted on fake tensors" in printed and "the plan is chosen by memory" in printed
+    assert main(["plan", "--fake", "--profile", str(out), "--solver", "min-peak"]) == 2
 
 
 def test_a_long_chain_of_identical_stages_is_profiled_by_its_first_three_and_four(

@@ -156,6 +156,34 @@ def load(
     return model, batch, loss_fn, stages, describe(args.model, options)
 
 
+def add_fake_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help=(
+            "build the model and batch as fake tensors (no weights allocated, no kernel "
+            "runs) and profile its memory, as exact as a real profile; times are not the "
+            "machine's (docs/fake.md)"
+        ),
+    )
+
+
+def load_for_profile(
+    args: argparse.Namespace,
+) -> tuple[Any, Any, Any, list[str] | None, str]:
+    """:func:`load`, under :func:`remat.fake_mode` with ``--fake`` (then no compiling)."""
+    if not getattr(args, "fake", False):
+        return load(args)
+    if getattr(args, "compile", False):
+        raise UsageError("--fake and --compile do not go together: a fake profile runs no "
+                         "compiled code")
+    from remat.profiling.fake import fake_mode
+
+    with fake_mode():  # only the building: the profile enters the mode itself
+        model, batch, loss_fn, stages, description = load(args)
+    return model, batch, loss_fn, stages, description + " (fake)"
+
+
 def profile_with_progress(
     model: Any,
     batch: Any,

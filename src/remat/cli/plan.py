@@ -9,8 +9,9 @@ from rich import box
 from rich.table import Table
 
 from remat.cli.common import (
+    add_fake_option,
     add_model_options,
-    load,
+    load_for_profile,
     profile_with_progress,
     runs_one_thread,
     stage_list,
@@ -52,25 +53,28 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="layers for megatron-*")
     p.add_argument("--slots", type=int, default=None, help="memory slots of the optimal solver")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    add_fake_option(p)
     add_json_option(p)
     p.set_defaults(run=run)
 
 
 def _problem_source(args: argparse.Namespace) -> Any:
     if args.profile is not None:
-        if args.model is not None or args.sets or args.stages or args.batch_size:
+        if (args.model is not None or args.sets or args.stages or args.batch_size
+                or args.fake):
             raise UsageError(
-                "--profile already fixes the model; drop --model, --set, --stages and --batch-size"
+                "--profile already fixes the model; drop --model, --set, --stages, "
+                "--batch-size and --fake"
             )
         from remat.core.profile_format import Profile
 
         return Profile.load(args.profile)
     if args.model is None:
         args.model = "gpt"
-    model, batch, loss_fn, stages, description = load(args)
+    model, batch, loss_fn, stages, description = load_for_profile(args)
     return profile_with_progress(
         model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
-        malloc=args.malloc,
+        malloc=args.malloc, fake=args.fake,
     )
 
 
@@ -143,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     problem = to_problem(source, slots=args.slots)
     result = make_plan(problem, args.budget, args.solver, **params)
     found = None
-    if isinstance(source, Profile):  # the simplest of the plans tied within the noise
+    fake = isinstance(source, Profile) and source.fake
+    if isinstance(source, Profile) and not fake:  # the simplest plan tied within the noise
         result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
     result = with_made_for(result, source)
     console.print(plan_table(result))
@@ -153,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if result.budget_bytes is not None:
         line += f" against a budget of {format_bytes(result.budget_bytes)}"
     if base:
-        line += f" (measured without checkpointing: {format_bytes(base)})"
+        how = "counted on fake tensors" if fake else "measured"
+        line += f" ({how} without checkpointing: {format_bytes(base)})"
     console.print(line)
     if _no_limit(result):
         console.print(
@@ -161,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
             "checkpointed (no limit)"
         )
     t, t0 = result.predicted_step_time_s, result.baseline_step_time_s
-    if t and t0:
+    if fake:
+        console.print("fake profile: the plan is chosen by memory exactly; its times are the "
+                      "fake run's dispatch, not this machine's kernels (docs/fake.md)")
+    elif t and t0:
         console.print(
             f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "
             f"checkpointing ({t / t0 - 1:+.1%}); solved in {result.solve_time_s:.3f} s"
@@ -171,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             "note: the profile records no stage identities (an older remat wrote it), so "
             "remat.apply cannot check this plan against the model; profile again to add them"
         )
-    if isinstance(source, Profile):  # the plan JSON stays a plan (verify --plan reads it)
+    if isinstance(source, Profile) and not fake:  # the plan JSON stays a plan
         for text in noise_lines(source, one_thread=runs_one_thread()):
             console.print(text)
         if found is not None:

@@ -9,10 +9,16 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from remat.cli.common import add_model_options, load, profile_with_progress, runs_one_thread
+from remat.cli.common import (
+    add_fake_option,
+    add_model_options,
+    load,
+    load_for_profile,
+    profile_with_progress,
+    runs_one_thread,
+)
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.coverage import coverage_lines
-from remat.core.errors import UsageError
 from remat.core.plan_format import Option
 from remat.core.profile_format import OPTIONS
 from remat.core.solve.uncertainty import noise_lines
@@ -37,15 +43,7 @@ def add_parser(sub: Any, name: str) -> None:
     add_model_options(p)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds of steps (default 2)")
-    p.add_argument(
-        "--fake",
-        action="store_true",
-        help=(
-            "build the model and batch as fake tensors (no weights allocated, no kernel "
-            "runs) and profile its memory, as exact as a real profile; times are not the "
-            "machine's (docs/fake.md)"
-        ),
-    )
+    add_fake_option(p)
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -140,17 +138,7 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.fake:
-        if args.compile:
-            raise UsageError("--fake and --compile do not go together: a fake profile runs "
-                             "no compiled code")
-        from remat.profiling.fake import fake_mode
-
-        with fake_mode():  # only the building: the profile enters the mode itself
-            model, batch, loss_fn, stages, description = load(args)
-        description += " (fake)"
-    else:
-        model, batch, loss_fn, stages, description = load(args)
+    model, batch, loss_fn, stages, description = load_for_profile(args)
     result = profile_with_progress(
         model,
         batch,
