@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 import remat
 from remat.cli import main
@@ -156,3 +157,56 @@ def test_a_chain_of_stages_that_differ_is_profiled_whole() -> None:
         model, batch, loss_fn = load_model("mlp-hetero")  # widths differ by stage
     profile = remat.profile(model, batch, loss_fn, fake=True)
     assert len(profile.stages) >= 6 and "profiled" not in profile.model
+
+
+# ---------------------------------------------------------------------------------------
+# Against Korthikanti et al. 2022: activation bytes per layer of a Megatron GPT layer
+
+
+class _MegatronLayer(torch.nn.Module):
+    """Their layer: LayerNorm, QKV, softmax attention with dropout (the math kernel),
+    projection and dropout, residual; LayerNorm, 4h GELU MLP, dropout, residual. (s, b, h)."""
+
+    def __init__(self, h: int, a: int, p: float = 0.1) -> None:
+        super().__init__()
+        self.a, self.p = a, p
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        s, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.a, h // self.a).permute(2, 1, 3, 0, 4)
+        scores = (q @ k.transpose(-1, -2)) / (h // self.a) ** 0.5
+        probs = F.dropout(torch.softmax(scores, dim=-1), self.p, self.training)
+        o = (probs @ v).permute(2, 0, 1, 3).reshape(s, b, h)
+        x = x + F.dropout(self.proj(o), self.p, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
+
+
+@pytest.mark.parametrize("s,b,h,a", [(512, 2, 1024, 16), (1024, 1, 2048, 16), (2048, 2, 1024, 8)])
+def test_a_megatron_layer_saves_what_korthikanti_counts_plus_what_torch_adds(
+    s: int, b: int, h: int, a: int
+) -> None:
+    torch.set_default_dtype(torch.float16)
+    try:
+        with remat.fake_mode():
+            model = torch.nn.Sequential(_MegatronLayer(h, a), _MegatronLayer(h, a))
+            x = torch.randn(s, b, h)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    profile = remat.profile(model, x, lambda m, t: m(t).float().square().mean(), fake=True,
+                            options=["keep"])
+    layer = profile.stages[1]
+    counted = layer.saved_bytes["keep"] + layer.boundary_bytes  # the input is saved too
+    paper = s * b * h * (34 + 5 * a * s / h)  # 16-bit, dropout masks of 1 byte
+    # what torch on CPU adds (docs/fake.md): its dropout multiplies by a noise tensor in
+    # the input's dtype and keeps it (2 bytes, not the 1-byte mask of CUDA's fused
+    # native_dropout) for the attention probabilities (a*s*s*b elements) and the two
+    # dropouts after the projection and the MLP (s*b*h each); each LayerNorm keeps its
+    # mean and reciprocal deviation (s*b each, 16-bit)
+    mask_extra = a * s * s * b + 2 * s * b * h
+    stats = 2 * 2 * (s * b * 2)
+    assert counted == paper + mask_extra + stats
