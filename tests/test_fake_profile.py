@@ -127,6 +127,15 @@ def test_the_cli_profiles_a_fake_model(tmp_path: Any, capsys: Any) -> None:
     printed = capsys.readouterr().out
     assert "counted on fake tensors" in printed and "the plan is chosen by memory" in printed
     assert main(["plan", "--fake", "--profile", str(out), "--solver", "min-peak"]) == 2
+    # one rank of a sharded job, on paper: its state sharded, so a lower peak
+    peaks = {}
+    for world in ([], ["--world", "fsdp=4"]):
+        path = tmp_path / f"world{len(world)}.json"
+        assert main(["plan", "--profile", str(out), "--solver", "none", *world,
+                     "--json", str(path)]) == 0
+        peaks[len(world)] = json.loads(path.read_text())["predicted_peak_bytes"]
+    assert peaks[2] < peaks[0]
+    assert main(["plan", "--profile", str(out), "--solver", "none", "--world", "fsdp=0"]) == 2
 
 
 def test_a_long_chain_of_identical_stages_is_profiled_by_its_first_three_and_four(

@@ -54,6 +54,16 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--slots", type=int, default=None, help="memory slots of the optimal solver")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
     add_fake_option(p)
+    p.add_argument(
+        "--world",
+        default=None,
+        metavar="STRATEGY=N",
+        help=(
+            "plan one rank of a data-parallel job on paper: fsdp=N (parameters, gradients "
+            "and optimizer state sharded over N ranks) or ddp=N; no collective times "
+            "(docs/distributed.md)"
+        ),
+    )
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -76,6 +86,34 @@ def _problem_source(args: argparse.Namespace) -> Any:
         model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
         malloc=args.malloc, fake=args.fake,
     )
+
+
+def _world(text: str | None) -> tuple[str, int] | None:
+    """``--world fsdp=8`` as ``("fsdp", 8)``; UsageError on anything else."""
+    if text is None:
+        return None
+    strategy, _, count = text.partition("=")
+    if strategy not in ("fsdp", "ddp") or not count.isdigit() or int(count) < 1:
+        raise UsageError(f"--world {text!r} is not valid; give fsdp=N or ddp=N with N >= 1, "
+                         "e.g. --world fsdp=8")
+    return strategy, int(count)
+
+
+def _per_rank(problem: Any, source: Any, strategy: str, world_size: int) -> Any:
+    """The problem of one rank (:func:`remat.core.transforms.per_rank_problem`), budgets as
+    fractions taken of that rank's step without checkpointing."""
+    from dataclasses import replace
+
+    from remat.core.plan_format import Plan
+    from remat.core.profile_format import Profile
+    from remat.core.solve import simulate
+    from remat.core.transforms import per_rank_problem
+
+    buffers = source.fixed.buffers_bytes if isinstance(source, Profile) else 0
+    ranked = per_rank_problem(problem, world_size=world_size, strategy=strategy,
+                              replicated_bytes=buffers, backend="nccl")
+    base = simulate(Plan(stages=ranked.stage_names), ranked).peak_bytes
+    return replace(ranked, measured_no_checkpoint_peak_bytes=base)
 
 
 def _solver_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -133,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.budget is not None:
         check_budget(args.budget)
+    world = _world(args.world)
     if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
         raise UsageError(
             f"--slots {args.slots} is outside 1..{MAX_SLOTS} (default 500); the solver's "
@@ -145,10 +184,16 @@ def run(args: argparse.Namespace) -> int:
         for text in coverage_lines(source, given=given):
             console.print(text)
     problem = to_problem(source, slots=args.slots)
+    if world is not None:
+        problem = _per_rank(problem, source, *world)
+        console.print(f"one rank of {world[0]} over {world[1]} ranks, on paper: parameters, "
+                      "gradients and optimizer state as that rank holds them; no collective "
+                      "times")
     result = make_plan(problem, args.budget, args.solver, **params)
     found = None
     fake = isinstance(source, Profile) and source.fake
-    if isinstance(source, Profile) and not fake:  # the simplest plan tied within the noise
+    if isinstance(source, Profile) and not fake and world is None:
+        # the simplest of the plans tied within the noise
         result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
     result = with_made_for(result, source)
     console.print(plan_table(result))
@@ -180,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             "note: the profile records no stage identities (an older remat wrote it), so "
             "remat.apply cannot check this plan against the model; profile again to add them"
         )
-    if isinstance(source, Profile) and not fake:  # the plan JSON stays a plan
+    if isinstance(source, Profile) and not fake and world is None:  # JSON stays a plan
         for text in noise_lines(source, one_thread=runs_one_thread()):
             console.print(text)
         if found is not None:
