@@ -129,18 +129,18 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output else 0
-        extra = {option: extras[option][i].median for option in m.selective_options
-                 if option in saved}
+        offered = [o for o in m.selective_options if o in saved]
+        extra = {option: extras[option][i].median for option in offered}
         pooled: dict[str, Pooled] = {
             **{what: times[what][i] for what in times},
-            **{f"extra_bwd_s.{o}": extras[o][i] for o in m.selective_options if o in saved},
+            **{f"extra_bwd_s.{o}": extras[o][i] for o in offered},
         }
         # Under a selective option the stage's backward replays its unsaved ops first; in
         # the simulator's terms (its backward event charges keep's saved bytes), the
         # transient that backward needs (the problem offers the option only where keep's
         # figure covers it).
         replay = {}
-        for option in (o for o in m.selective_options if o in saved):
+        for option in offered:
             measured = option in m.measured_in and i in m.measured_in[option]
             spans = m.selective_backward.get(option if measured else NOTHING)
             if spans is not None:

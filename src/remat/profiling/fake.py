@@ -117,11 +117,12 @@ _IGNORED = {"name", "same_as", *_INDEX_FIELDS}
 def _bytes_equal(a: StageProfile, b: StageProfile) -> bool:
     return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a)
                if f.name not in _IGNORED and not f.name.endswith("_s")
-               and f.name not in ("extra_bwd_s", "time_spread"))
+               and f.name != "time_spread")
 
 
 def _index(small: int | None, large: int | None, n: int) -> int | None:
-    """A stage index at 3 and at 4 stages, at ``n``: None if it cannot tell."""
+    """A stage index at 3 and at 4 stages, at ``n`` (None where neither has one);
+    :class:`_NotLinear` where it neither stays put nor moves with the chain's end."""
     if small is None and large is None:
         return None
     if small == large:
@@ -157,8 +158,7 @@ def expanded(small: Profile, large: Profile, n: int, prefix: str) -> Profile | N
         role = 0 if i == 0 else 2 if i == n - 1 else 1
         template = roles[role][1]
         stages.append(dataclasses.replace(
-            template, name=f"{prefix}.{i}", **index[role],
-            same_as=None if i == 0 else (1 if 1 < i < n - 1 else template.same_as)))
+            template, name=f"{prefix}.{i}", **index[role]))
 
     def line(a: int | None, b: int | None) -> int | None:
         return None if a is None or b is None else b + (n - _CUTS[1]) * (b - a)

@@ -241,7 +241,7 @@ def measure_all(
         option: Plan(stages=names, solver="profile", options=tuple(
             option if offered(option, i) else KEEP for i in range(len(names))))
         for option in options
-        if Option(option).is_selective and any(offered(option, i) for i in range(len(names)))
+        if Option(option).is_selective
     }
     spanning = spanning_regions(links.breaks) if timed else ()
     spanning_plan = (Plan(names, tuple(Region(a, b) for a, b in spanning), solver="profile")

@@ -131,13 +131,13 @@ def compiled_forward(eager: Any, options: dict[str, Any]) -> Any:
     share one graph, and a model compiled under other settings gets graphs of its own.
     An ``_BUDGET_KEY`` entry in ``options`` keys the copy and is not passed on."""
     func = getattr(eager, "__func__", None)
-    key = (getattr(func, "__code__", None), repr(sorted(options.items())), _settings())
-    options = {k: v for k, v in options.items() if k != _BUDGET_KEY}
+    given = {k: v for k, v in options.items() if k != _BUDGET_KEY}
     if not isinstance(func, types.FunctionType):
-        return torch.compile(eager, **options)
+        return torch.compile(eager, **given)
+    key = (func.__code__, repr(sorted(options.items())), _settings())
     if key not in _FORWARDS:
         _FORWARDS[key] = code_copy(func, f"{func.__name__}_compiled_{len(_FORWARDS)}")
-    return torch.compile(types.MethodType(_FORWARDS[key], eager.__self__), **options)
+    return torch.compile(types.MethodType(_FORWARDS[key], eager.__self__), **given)
 
 
 # Note [Partitioned options on compiled stages]

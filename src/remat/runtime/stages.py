@@ -119,10 +119,6 @@ class _Trace:
     total_bytes: int
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    return storage_key(t)
-
-
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -160,13 +156,13 @@ def _trace(model: nn.Module, batch: Any, run: Callable[[], Any]) -> _Trace:
     own: dict[str, int] = {}
     stack: list[str] = []
     events = [0]
-    excluded = {_storage_key(p) for p in model.parameters()}
-    excluded |= {_storage_key(t) for t in _tensors(batch)}
+    excluded = {storage_key(p) for p in model.parameters()}
+    excluded |= {storage_key(t) for t in _tensors(batch)}
     seen: set[tuple[str, int]] = set()
     total = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is not None and key not in excluded and key not in seen:
             seen.add(key)
             nbytes = t.untyped_storage().nbytes()

@@ -167,10 +167,7 @@ def _state_refs(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        **{n: p.detach().clone() for n, p in model.named_parameters()},
-        **{n: b.detach().clone() for n, b in model.named_buffers()},
-    }
+    return {n: t.detach().clone() for n, t in _state_refs(model).items()}
 
 
 def _skipped(names: tuple[str, ...], reason: str) -> list[Check]:
@@ -305,7 +302,8 @@ class _Run:
         value_check: ValueCheck | None,
         captures: tuple[StageRecords, StageRecords],
     ) -> tuple[list[Check], Divergence | None]:
-        initial = (_state(self.twin), _state(self.plain))  # for Harness._lockstep
+        # the twins start from one state (build_twins): one copy for Harness._lockstep
+        initial = _state(self.plain)
         plain_batch, plain_leaves = fresh_batch(self.batch, grad=True)
         twin_batch, twin_leaves = fresh_batch(self.batch, grad=True)
         plain_loss, plain_error = _guarded(lambda: self._first_step(self.plain, plain_batch))
@@ -388,7 +386,7 @@ class _Run:
 
     def _trajectory(
         self, steps: int, optimizer: str, twin_loss: torch.Tensor, plain_loss: torch.Tensor,
-        initial: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+        initial: dict[str, torch.Tensor],
     ) -> list[Check]:
         """Step 1's gradients, then ``steps - 1`` more steps, all with one ``optimizer``."""
         losses: tuple[list[torch.Tensor], list[torch.Tensor]] = ([twin_loss], [plain_loss])
@@ -427,16 +425,16 @@ class _Run:
 
     def _lockstep(
         self, steps: int, optimizer: str,
-        initial: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], what: str,
+        initial: dict[str, torch.Tensor], what: str,
     ) -> Check:
         """The trajectory again from the first state, the plain model stepping on the twin's
         gradients (Note [Optimizer steps that amplify rounding]): fails where a step's
         gradients differ beyond the tolerance, or the parameters and buffers at the end."""
         models = (self.twin, self.plain)
         with torch.no_grad():
-            for model, state in zip(models, initial, strict=True):
+            for model in models:
                 own = _state_refs(model)
-                for n, value in state.items():
+                for n, value in initial.items():
                     own[n].copy_(value)
         opts = [make_optimizer(m, optimizer, lr=self.lr) for m in models]
         for t in range(steps):
