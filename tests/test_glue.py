@@ -23,6 +23,7 @@ import remat
 from remat.core.plan_format import Plan, Region
 from remat.core.solve import solvers
 from remat.core.solve.from_profile import problem_from_profile
+from remat.core.solve.simulator import simulate
 from remat.measure import measure_step
 from remat.models.encdec import encdec
 from remat.models.unet import unet
@@ -118,6 +119,31 @@ def test_measured_peak_follows_the_prediction_over_glue(profiled: tuple[Any, ...
         bound = 0.08 if name == "unet" else 0.02
         assert abs(measured - plan.predicted_peak_bytes) <= bound * plan.predicted_peak_bytes, (
             name, plan.solver, measured, plan.predicted_peak_bytes)
+
+
+def test_a_selective_option_that_caches_the_block_output_is_priced_as_it_runs() -> None:
+    """Under save-matmuls each block's last Linear output stays in torch's selective cache
+    while the loop's residual add would let it go (Note [Outputs a selective cache holds]);
+    uniform and mixed plans, all predicted to the byte."""
+    model, batch, loss_fn = residual_loop()
+    profile = remat.profile(model, batch, loss_fn, repeats=1)
+    problem = problem_from_profile(profile)
+    names, n = problem.stage_names, problem.n
+    matmuls, nothing = "selective:save-matmuls", "selective:save-nothing"
+    variants = [
+        (matmuls,) * n,
+        tuple(matmuls if i == 2 else "keep" for i in range(n)),
+        tuple(matmuls if i in (1, 2, 3) else nothing if i == 4 else "keep" for i in range(n)),
+        tuple(matmuls if i == n - 1 else "keep" for i in range(n)),
+    ]
+    for options in variants:
+        plan = Plan(names, options=options)
+        m = copy.deepcopy(model)
+        handle = remat.apply(m, plan)
+        torch.manual_seed(1)
+        measured = measure_step(m, batch, loss_fn).peak_bytes
+        handle.remove()
+        assert measured == simulate(plan, problem).peak_bytes, options
 
 
 def test_verify_passes_on_a_region_over_glue(profiled: tuple[Any, ...]) -> None:

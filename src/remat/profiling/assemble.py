@@ -100,6 +100,30 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
     return max(0, rise - after.boundary_bytes + (before.new_output_bytes if let_go else 0))
 
 
+# Note [Outputs a selective cache holds]
+# torch's selective checkpoint keeps the outputs of the ops its policy saves in its own
+# cache, whether or not backward needs them, until the region's backward. A stage whose
+# last op is one of them (a block ending in a Linear under save-matmuls) thus holds its
+# output from its forward to its backward. Where the next stage takes it as its input
+# that changes nothing the simulator counts; where the model's code between makes the
+# next input from it (``x = x + block(x)``), that code would let it go, and the simulator
+# does so (``link_saved_bytes``). Found by comparing what is alive two stages later (or
+# after the forward) in the option's pass with a saving pass without checkpointing: held
+# there only, by the option; counted as part of what the option saves.
+
+
+def output_held_by_option(m: Measurements, option: str, i: int) -> bool:
+    """Whether stage ``i`` under ``option`` holds the output the model's code lets go."""
+    option_pass = m.selective.get(option)
+    if (option_pass is None or m.plain_pass is None or i + 1 >= len(m.names)
+            or i not in m.measured_in.get(option, ())):
+        return False
+    nosave = m.nosave
+    return (option_pass.kept_outside[i] and not m.plain_pass.kept_outside[i]
+            and not nosave.kept_outside[i] and nosave.stages[i].output_is_new
+            and not nosave.stages[i + 1].gets_previous_output)
+
+
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     found = []
     same_as = m.same_as or tuple(range(len(m.names)))
@@ -116,6 +140,8 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         for option, stages in m.measured_in.items():
             if i in stages:
                 saved[option] = m.selective[option].stages[i].kept_bytes
+                if output_held_by_option(m, option, i):
+                    saved[option] += nosave.output_bytes
                 if m.compiled and m.compiled[i]:  # the option's own graph: see what it kept
                     input_kept[option] = m.selective[option].stages[i].saves_input
         # An option whose ops the stage never runs saves what saving nothing saves; a

@@ -81,8 +81,9 @@ class StageForward:
 @dataclass(frozen=True)
 class ForwardPass:
     stages: tuple[StageForward, ...]
-    # Per stage: its output was still referenced after the chain moved past it (two
-    # stages later, or after the forward) although nothing was saved.
+    # Per stage: its output was still alive after the chain moved past it (two stages
+    # later, or after the forward). In the no-save pass nothing was saved, so that is a
+    # reference from outside the chain; in a saving pass, also whatever saved it.
     kept_outside: tuple[bool, ...]
     # Per stage: the last stage whose return still found its input / its output
     # referenced beyond what the chain holds (n: still after the model's forward
@@ -254,6 +255,9 @@ def forward_pass(
                         loss = loss_fn(model, batch)
                 loss_storage = (loss.untyped_storage().nbytes()
                                 if isinstance(loss, torch.Tensor) else 0)
+                if save:  # what the graph holds counts, so before it goes
+                    for j in range(n):
+                        kept[j] = kept[j] or alive(j)
                 del loss
                 if not save:
                     for j in range(n):

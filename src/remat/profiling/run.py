@@ -80,6 +80,7 @@ class Measurements:
     step: StepMemory
     spans: StepSpans
     selective: dict[str, ForwardPass]  # option -> pass (only options some stage needs)
+    plain_pass: ForwardPass | None  # a saving pass without checkpointing, with `selective`
     # option -> each stage's backward (its replay included) in a step with the option on
     # every stage; save-nothing's always when a selective option was asked for
     selective_backward: dict[str, tuple[Span, ...]]
@@ -351,6 +352,11 @@ def measure_all(
         measured_in[option] = wanted
         selective_backward[option] = _replayed(
             model, batch, loss_fn, names, optimizer, option_plans[option])
+    plain_pass = None
+    if selective:
+        # what stays alive with nothing checkpointed, against which each option's pass
+        # shows the stage outputs its cache holds (Note [Outputs a selective cache holds])
+        plain_pass = forward_pass(model, batch, loss_fn, names, device=device)
     if any(Option(o).is_selective for o in options):
         # A stage that runs none of an option's ops replays like save-nothing.
         selective_backward[NOTHING] = _replayed(model, batch, loss_fn, names, optimizer, NOTHING)
@@ -373,6 +379,7 @@ def measure_all(
         step=step,
         spans=spans,
         selective=selective,
+        plain_pass=plain_pass,
         selective_backward=selective_backward,
         measured_in=measured_in,
         counts=counts,
