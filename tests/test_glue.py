@@ -121,29 +121,72 @@ def test_measured_peak_follows_the_prediction_over_glue(profiled: tuple[Any, ...
             name, plan.solver, measured, plan.predicted_peak_bytes)
 
 
-def test_a_selective_option_that_caches_the_block_output_is_priced_as_it_runs() -> None:
-    """Under save-matmuls each block's last Linear output stays in torch's selective cache
-    while the loop's residual add would let it go (Note [Outputs a selective cache holds]);
-    uniform and mixed plans, all predicted to the byte."""
-    model, batch, loss_fn = residual_loop()
+class LoopBlock(nn.Module):
+    def __init__(self, d: int, relu: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.relu = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return torch.relu(y) if self.relu else y
+
+
+class Loop(nn.Module):
+    """``x = x + block(x)`` or ``x = x * sigmoid(block(x))``, blocks ending in a Linear or
+    a ReLU: what the code between stages frees, and what a stage or option still holds."""
+
+    def __init__(self, glue: str, relu: bool, n: int = 6, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(LoopBlock(d, relu) for _ in range(n))
+        self.glue = glue
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x) if self.glue == "add" else x * torch.sigmoid(block(x))
+        return x
+
+
+@pytest.mark.parametrize(("glue", "relu"), [("add", False), ("add", True), ("gate", False)])
+def test_what_the_loop_frees_and_the_stages_hold_is_priced_as_it_runs(glue: str, relu: bool
+                                                                      ) -> None:
+    """Under save-matmuls a block's last Linear output stays in torch's selective cache
+    while the loop's residual add would let it go; a block ending in a ReLU keeps its
+    output only while it saves (Note [Outputs a selective cache holds]); a gate saves the
+    block's input, which a region ending there would otherwise free (HeldRead.saved).
+    Uniform, mixed and region plans: never under the measured peak, and over it by at
+    most one boundary (the simulator's conservative terms around nested regions and the
+    pre-chain's gradients: up to 16,384 bytes here)."""
+    torch.manual_seed(0)
+    model = Loop(glue, relu)
+    batch = torch.randn(256, 16)  # activations well above the weights: peaks in backward
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).pow(2).mean()
+
     profile = remat.profile(model, batch, loss_fn, repeats=1)
     problem = problem_from_profile(profile)
     names, n = problem.stage_names, problem.n
     matmuls, nothing = "selective:save-matmuls", "selective:save-nothing"
+    mixed = tuple(matmuls if i in (1, 2, 3) else nothing if i == 4 else "keep" for i in range(n))
     variants = [
-        (matmuls,) * n,
-        tuple(matmuls if i == 2 else "keep" for i in range(n)),
-        tuple(matmuls if i in (1, 2, 3) else nothing if i == 4 else "keep" for i in range(n)),
-        tuple(matmuls if i == n - 1 else "keep" for i in range(n)),
+        Plan(names, options=(matmuls,) * n),
+        Plan(names, options=(nothing,) * n),
+        Plan(names, options=tuple(matmuls if i == 2 else "keep" for i in range(n))),
+        Plan(names, options=mixed),
+        Plan(names, options=tuple(matmuls if i == n - 1 else "keep" for i in range(n))),
+        Plan(names, (Region(0, 2), Region(2, 4))),
+        Plan(names, (Region(1, 4), Region(1, 2)), options=mixed),
     ]
-    for options in variants:
-        plan = Plan(names, options=options)
+    for plan in variants:
         m = copy.deepcopy(model)
         handle = remat.apply(m, plan)
-        torch.manual_seed(1)
         measured = measure_step(m, batch, loss_fn).peak_bytes
         handle.remove()
-        assert measured == simulate(plan, problem).peak_bytes, options
+        predicted = simulate(plan, problem).peak_bytes
+        assert measured <= predicted <= measured + batch.numel() * 4, (
+            plan.regions, plan.options, measured, predicted)
 
 
 def test_verify_passes_on_a_region_over_glue(profiled: tuple[Any, ...]) -> None:

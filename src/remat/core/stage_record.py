@@ -38,7 +38,9 @@ class HeldRead:
     ``tensor`` names the tensor (its reads share it); ``made_after``: the stages called
     before it was made, so ``x_q`` (the boundary stage ``q`` receives) has ``made_after``
     ``q``; ``boundary``: it is that boundary; ``by_call``: the stage's call reads it (else
-    the code before the stage).
+    the code before the stage); ``saved``: that code saves the boundary for backward
+    (``x * sigmoid(block(x))`` saves the block's input ``x``), so it stays alive wherever
+    that code runs with grad, to the stage's backward (docs/cost-model.md).
     """
 
     tensor: int
@@ -46,27 +48,32 @@ class HeldRead:
     nbytes: int
     boundary: bool = False
     by_call: bool = False
+    saved: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor", "made_after", "nbytes"):
             object.__setattr__(self, name,
                                check.byte_count(getattr(self, name), f"profile read {name}"))
-        for name in ("boundary", "by_call"):
+        for name in ("boundary", "by_call", "saved"):
             check.flag(getattr(self, name), f"profile read {name}")
+        if self.saved and not (self.boundary and not self.by_call):
+            raise UsageError("a profile read marked saved must be a boundary read by the "
+                             "code before the stage; regenerate it with remat profile")
 
     def to_dict(self) -> dict[str, Any]:
         return {"tensor": self.tensor, "made_after": self.made_after, "bytes": self.nbytes,
-                "boundary": self.boundary, "by": "call" if self.by_call else "code"}
+                "boundary": self.boundary, "by": "call" if self.by_call else "code",
+                **({"saved": True} if self.saved else {})}
 
     @classmethod
     def from_dict(cls, data: Any) -> HeldRead:
         keys = ("tensor", "made_after", "bytes", "boundary", "by")
-        check.check_keys(data, keys, keys, "a stage read",
+        check.check_keys(data, keys, (*keys, "saved"), "a stage read",
                          missing_hint="regenerate it with remat profile")
         if data["by"] not in ("call", "code"):
             raise UsageError(f"profile read by={data['by']!r} must be 'call' or 'code'")
         return cls(data["tensor"], data["made_after"], data["bytes"], data["boundary"],
-                   data["by"] == "call")
+                   data["by"] == "call", data.get("saved", False))
 
 
 def reads_from(value: Any, where: str) -> tuple[HeldRead, ...]:

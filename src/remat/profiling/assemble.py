@@ -112,16 +112,28 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
 # there only, by the option; counted as part of what the option saves.
 
 
+# The same holds for keep where the stage's own last op saves its output (a block ending
+# in a ReLU, then ``x = x + block(x)``): the output is part of what keep saves, to the
+# stage's backward, and only then; a region or an option that saves nothing frees it.
+
+
+def code_lets_go_output(m: Measurements, i: int) -> bool:
+    """Whether the model's code after stage ``i`` makes the next stage's input and then
+    has no use for stage ``i``'s output (the chain's last stage excepted)."""
+    nosave = m.nosave
+    return (i + 1 < len(m.names) and nosave.stages[i].output_is_new
+            and not nosave.stages[i + 1].gets_previous_output
+            and not nosave.kept_outside[i] and nosave.output_held_through[i] is None)
+
+
 def output_held_by_option(m: Measurements, option: str, i: int) -> bool:
     """Whether stage ``i`` under ``option`` holds the output the model's code lets go."""
     option_pass = m.selective.get(option)
-    if (option_pass is None or m.plain_pass is None or i + 1 >= len(m.names)
+    if (option_pass is None or m.plain_pass is None
             or i not in m.measured_in.get(option, ())):
         return False
-    nosave = m.nosave
-    return (option_pass.kept_outside[i] and not m.plain_pass.kept_outside[i]
-            and not nosave.kept_outside[i] and nosave.stages[i].output_is_new
-            and not nosave.stages[i + 1].gets_previous_output)
+    return (code_lets_go_output(m, i) and option_pass.kept_outside[i]
+            and not m.plain_pass.kept_outside[i])
 
 
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
@@ -135,6 +147,10 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
     for i, name in enumerate(m.names):
         fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
         kept = max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)
+        # Note [Outputs a selective cache holds], its last paragraph
+        output_saved = nosave.saves_output and code_lets_go_output(m, i)
+        if output_saved:
+            kept += nosave.output_bytes
         saved: dict[str, int] = {KEEP: kept}
         input_kept: dict[str, bool] = {}
         for option, stages in m.measured_in.items():
@@ -154,7 +170,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         clones = nosave.mutated_buffer_bytes
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
-        held_output = nosave.output_bytes if nosave.saves_output else 0
+        held_output = nosave.output_bytes if nosave.saves_output and not output_saved else 0
         offered = [o for o in m.selective_options if o in saved]
         extra = {option: extras[option][i].median for option in offered}
         pooled: dict[str, Pooled] = {

@@ -90,6 +90,9 @@ class ForwardPass:
     # returned), or None; read from the no-save pass only (Note [Held outside the chain]).
     input_held_through: tuple[int | None, ...] = ()
     output_held_through: tuple[int | None, ...] = ()
+    # Per stage: the stages whose input the model's code just before it saves for
+    # backward (``x * sigmoid(block(x))``); read from the no-save pass only.
+    link_saved_inputs: tuple[frozenset[int], ...] = ()
     # The storage behind the loss loss_fn returned: more than its one element where the
     # kernel returns a view of a whole buffer (CPU mse_loss keeps its elementwise losses).
     loss_storage_bytes: int = 0
@@ -170,11 +173,19 @@ def forward_pass(
     current: list[int] = []  # the stage running now, if any
     offered: list[weakref.ref[torch.UntypedStorage]] = []  # what it asked autograd to save
 
+    # per stage: the stage inputs the model's code just before it offered to save
+    link_saves: list[set[int]] = [set() for _ in range(n)]
+
     def drop(t: torch.Tensor) -> None:
-        if current:
-            # a tensor without one storage is neither the input nor the output
-            with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-                offered.append(weakref.ref(t.untyped_storage()))
+        # a tensor without one storage is neither an input nor an output
+        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+            storage = t.untyped_storage()
+            if current:
+                offered.append(weakref.ref(storage))
+            elif len(order) < n:  # the code before the next stage, order[-1] + 1
+                for j, ref in enumerate(inputs):
+                    if ref is not None and ref() is storage:
+                        link_saves[len(order)].add(j)
 
     def note(t: torch.Tensor) -> torch.Tensor:
         # saving pass: what a stage saves outside a checkpoint frame (a compiled stage's
@@ -289,6 +300,7 @@ def forward_pass(
     return ForwardPass(
         stages,
         tuple(kept),
+        link_saved_inputs=tuple(frozenset(js) for js in link_saves),
         input_held_through=tuple(k if k > i else None for i, k in enumerate(input_seen)),
         output_held_through=tuple(
             k if k > own[i] and i < n - 1 else None for i, k in enumerate(output_seen)

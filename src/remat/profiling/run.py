@@ -66,6 +66,17 @@ __all__ = ["Measurements", "measure_all", "part_names"]
 Progress = Callable[[str, int, int], None]
 
 
+def _with_saved(reads: tuple[tuple[HeldRead, ...], ...],
+                saved_inputs: Sequence[frozenset[int]]) -> tuple[tuple[HeldRead, ...], ...]:
+    """``reads`` with the boundaries the code before each stage saves marked saved."""
+    return tuple(
+        tuple(replace(r, saved=True)
+              if r.boundary and not r.by_call and r.made_after in saved else r
+              for r in stage_reads)
+        for stage_reads, saved in zip(reads, saved_inputs, strict=True)
+    )
+
+
 @dataclass(frozen=True)
 class Measurements:
     names: tuple[str, ...]
@@ -368,7 +379,7 @@ def measure_all(
         options=tuple(options),
         nosave=nosave,
         breaks=links.breaks,
-        reads=links.reads,
+        reads=_with_saved(links.reads, nosave.link_saved_inputs),
         before_chain_grads=links.before_chain_grad_bytes,
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),

@@ -44,7 +44,10 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
 * what the model's code between stages keeps for backward (``StageCost.link_saved_bytes``,
   inside the next stage's saved bytes) is dropped inside a region, except before a
   region's first stage: that code runs before the region, so the region holds it from
-  its forward to its backward (once however many regions start there).
+  its forward to its backward (once however many regions start there). A boundary that
+  code saves (``HeldRead.saved``: ``x * sigmoid(block(x))`` keeps the block's input) is
+  held the same way, by the stage after that code when it runs taped and by a region
+  opening there, counted once with its other holders.
 * a tensor a top-level region's stages made that stages after the region read (a
   position bias passed on) outlives the region's forward: held from there to the
   backward of its first reader (``StageCost.reads`` of the readers).
@@ -236,6 +239,11 @@ class _Walker:
                         readers.setdefault(r.tensor, (r.made_after, r.nbytes, []))[2].append(j)
             for tensor, (made_after, nbytes, js) in readers.items():
                 self.made.setdefault(made_after, []).append((tensor, nbytes, sorted(set(js))))
+        # per stage: boundaries the code before it saves (HeldRead.saved), held wherever
+        # that code runs with grad (before a taped stage, or before a region opening
+        # there) to the stage's backward; whether the stage holds them now
+        self.link_keeps = [tuple(r.made_after for r in s.reads if r.saved) for s in stages]
+        self.link_kept = [False] * n
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -327,6 +335,8 @@ class _Walker:
         start = region.start
         if self.p.stages[start].link_saved_bytes:
             self.hold_shared(("link", start), self.p.stages[start].link_saved_bytes)
+        for q in self.link_keeps[start]:
+            self.hold(q)
         reads = self.region_reads(region) if self.any_reads else []
         self.open_reads[region] = reads
         for r in reads:
@@ -340,6 +350,8 @@ class _Walker:
         start = region.start
         if self.p.stages[start].link_saved_bytes:
             self.release_shared(("link", start), self.p.stages[start].link_saved_bytes)
+        for q in self.link_keeps[start]:
+            self.release(q)
         for r in self.open_reads.pop(region):
             if r.boundary:
                 self.release(r.made_after)
@@ -478,6 +490,11 @@ class _Walker:
         """Stage i runs with grad under its option; its input is the current activation."""
         self.runs[i] += 1
         self.hold_current(i + 1)
+        if self.link_keeps[i]:
+            assert not self.link_kept[i], i
+            self.link_kept[i] = True
+            for q in self.link_keeps[i]:
+                self.hold(q)
         link = self.held_link(i)
         self.event(label, self.taped_extra[i] - link)
         if self.keeps[i]:
@@ -524,6 +541,10 @@ class _Walker:
         if self.by_stage[i]:
             self.by_stage[i] = False
             self.release(i)
+        if self.link_kept[i]:
+            self.link_kept[i] = False
+            for q in self.link_keeps[i]:
+                self.release(q)
         grad = self.grad[i + 1]
         assert grad is not None, i
         self.grad[i + 1] = None
