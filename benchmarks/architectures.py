@@ -10,8 +10,10 @@ whether gradients were equal and verify passed, and ``auto``'s verdict (exit 0 o
 Models: the built-ins (``resnet``, ``convnext``, ``encdec``, ``unet``, ``gpt``,
 ``mlp-hetero``, ``convnet-bn``), transformers families from configs (``hf:bert``,
 ``hf:t5``, ``hf:gpt_neox``, ``hf:mixtral``, ``hf:mamba``, ``hf:llama``) and a diffusers
-``UNet2DModel`` (``diffusers-unet``, skipped without diffusers). Random weights, nothing
-downloaded.
+``UNet2DModel`` (``diffusers-unet``, skipped without diffusers), and three loops with
+code between their blocks, written here (``loop-add``: ``x = x + block(x)`` over
+LayerNorm-MLP blocks; ``loop-relu-add``: the blocks end in a ReLU; ``loop-gate``:
+``x = x * sigmoid(block(x))``). Random weights, nothing downloaded.
 
 Run from the repository root::
 
@@ -67,7 +69,53 @@ def diffusers_unet(*, batch_size: int = 4, seed: int = 0) -> tuple[Any, Any, Cal
     return model, (noisy, t, noise), loss_fn
 
 
-EXTRA: dict[str, Callable[..., Any]] = {"diffusers-unet": diffusers_unet}
+class _LoopBlock(torch.nn.Module):
+    def __init__(self, d: int, relu: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return torch.relu(y) if self.relu else y
+
+
+class _Loop(torch.nn.Module):
+    """A user's loop with code between the blocks: ``x = x + block(x)`` or a gate."""
+
+    def __init__(self, glue: str, relu: bool, d: int = 128, n: int = 6) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(64, d), torch.nn.Linear(d, 10)
+        self.blocks = torch.nn.ModuleList(_LoopBlock(d, relu) for _ in range(n))
+        self.glue = glue
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x) if self.glue == "add" else x * torch.sigmoid(block(x))
+        return self.out(x)
+
+
+def _loop(glue: str, relu: bool) -> Callable[..., Any]:
+    def make(*, batch_size: int = 16, seed: int = 0) -> tuple[Any, Any, Callable]:
+        torch.manual_seed(seed)
+        batch = torch.randn(batch_size, 128, 64), torch.randint(0, 10, (batch_size, 128))
+
+        def loss_fn(m: Any, b: Any) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+
+        return _Loop(glue, relu), batch, loss_fn
+
+    return make
+
+
+EXTRA: dict[str, Callable[..., Any]] = {
+    "diffusers-unet": diffusers_unet,
+    "loop-add": _loop("add", relu=False),
+    "loop-relu-add": _loop("add", relu=True),
+    "loop-gate": _loop("gate", relu=False),
+}
 
 
 def _mib(n: int) -> str:
@@ -124,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".md")))
     args = parser.parse_args(argv)
+    default_out = str(Path(__file__).with_suffix(".md"))
+    out_flag = "" if args.out == default_out else f" --out {args.out}"
     chains = ["| model | stages found | covered |", "| --- | --- | --- |"]
     runs = ["| model | budget (MiB) | plan | no checkpointing | predicted | measured | "
             "within budget | gradients | exit |", "| --- | --- | --- | --- | --- | --- | --- | "
@@ -146,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         "# remat auto on the architectures users bring",
         "",
-        f"Command: `{COMMAND} --models {' '.join(args.models)}`",
+        f"Command: `{COMMAND} --models {' '.join(args.models)}{out_flag}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch "
         f"{torch.__version__}, Python {platform.python_version()}; one thread, "
