@@ -4,6 +4,7 @@ the real model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -219,3 +220,74 @@ def test_a_megatron_layer_saves_what_korthikanti_counts_plus_what_torch_adds(
     mask_extra = a * s * s * b + 2 * s * b * h
     stats = 2 * 2 * (s * b * 2)
     assert counted == paper + mask_extra + stats
+
+
+class _FusedMegatronLayer(torch.nn.Module):
+    """Their layer with attention as one fused call (dropout inside it), batch first as
+    transformers lays it out: (b, s, h)."""
+
+    def __init__(self, h: int, a: int, p: float = 0.1) -> None:
+        super().__init__()
+        self.a, self.p = a, p
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.a, h // self.a).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True)
+        x = x + F.dropout(self.proj(o.transpose(1, 2).reshape(b, s, h)), self.p, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.p, self.training)
+
+
+@pytest.mark.parametrize("s,b,h,a", [(512, 2, 1024, 16), (1024, 1, 2048, 16), (2048, 2, 1024, 8)])
+def test_on_an_accelerator_a_fused_attention_layer_keeps_korthikantis_34_sbh(
+    s: int, b: int, h: int, a: int
+) -> None:
+    torch.set_default_dtype(torch.float16)
+    try:
+        with remat.fake_mode():
+            model = torch.nn.Sequential(_FusedMegatronLayer(h, a), _FusedMegatronLayer(h, a))
+            x = torch.randn(b, s, h)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    profile = remat.profile(model, x, lambda m, t: m(t).float().square().mean(), fake=True,
+                            options=["keep"], device="h100-sxm")
+    assert profile.device == "h100-sxm"
+    assert profile.kernels == {"0": {"flash": 1}, "1": {"flash": 1}}
+    layer = profile.stages[1]
+    counted = layer.saved_bytes["keep"] + layer.boundary_bytes
+    paper = 34 * s * b * h  # the fused kernel keeps no S x S matrix; 1-byte dropout masks
+    # what the kernel keeps that they do not count: its float32 log-sum-exp per head and
+    # position; each LayerNorm's mean and reciprocal deviation (CPU's kernel, 16-bit here)
+    lse = 4 * b * a * s
+    stats = 2 * 2 * (s * b * 2)
+    assert counted == paper + lse + stats
+    assert abs(counted / paper - 1) < 0.05
+    # on this machine's kernels the same layer keeps the probabilities (math kernel, as
+    # CPU runs attention with dropout): far above
+    cpu = remat.profile(model, x, lambda m, t: m(t).float().square().mean(), fake=True,
+                        options=["keep"])
+    assert cpu.stages[1].saved_bytes["keep"] > layer.saved_bytes["keep"] + a * s * s * b
+
+
+def test_a_device_needs_a_fake_profile_and_a_known_name(tmp_path: Any, monkeypatch: Any
+                                                         ) -> None:
+    model, batch, loss_fn = load_model("gpt", n_layer=2)
+    with pytest.raises(UsageError, match="needs fake=True"):
+        remat.profile(model, batch, loss_fn, device="h100-sxm")
+    with remat.fake_mode():
+        fake_model, fake_batch, fake_loss = load_model("gpt", n_layer=2)
+    monkeypatch.setenv("REMAT_DEVICES", str(tmp_path / "devices.json"))
+    with pytest.raises(UsageError, match="unknown device 'tpu-v5'"):
+        remat.profile(fake_model, fake_batch, fake_loss, fake=True, device="tpu-v5")
+    # an entry in the user's table (remat calibrate writes one) is known from then on
+    from remat.core.devices import BUILT_IN, save_device
+
+    save_device(dataclasses.replace(BUILT_IN["h100-sxm"], name="tpu-v5", source="test"))
+    found = remat.profile(fake_model, fake_batch, fake_loss, fake=True, device="tpu-v5",
+                          options=["keep"])
+    assert found.device == "tpu-v5" and found.kernels is not None

@@ -166,6 +166,48 @@ def add_fake_option(p: argparse.ArgumentParser) -> None:
             "machine's (docs/fake.md)"
         ),
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        metavar="NAME",
+        help=(
+            "with --fake: size the step for this device (h100-sxm, h200, a100-80gb, "
+            "mi300x, cpu, or one remat calibrate added): its attention and dropout kernels "
+            "keep what they keep there (docs/fake.md)"
+        ),
+    )
+
+
+def fake_device(args: argparse.Namespace) -> Any:
+    """The ``--device`` named, checked: None without it; UsageError without ``--fake``."""
+    name = getattr(args, "device", None)
+    if name is None:
+        return None
+    if not getattr(args, "fake", False):
+        raise UsageError("--device sizes the step for another device and needs --fake (a "
+                         "real profile measures this machine)")
+    from remat.core.devices import get_device
+
+    return get_device(name)
+
+
+def kernel_lines(result: Profile) -> list[str]:
+    """What a fake profile for a device assumed its attention calls ran, in one line."""
+    if result.kernels is None:
+        return []
+    by_kernel: dict[str, list[str]] = {}
+    for stage, calls in result.kernels.items():
+        for kernel, n in calls.items():
+            by_kernel.setdefault(kernel, []).append(f"{stage} x{n}" if n > 1 else stage)
+    if not by_kernel:
+        return [f"device {result.device}: no attention calls; dropout keeps a 1-byte mask"]
+    parts = [f"{kernel} in {shown(stages)}" for kernel, stages in by_kernel.items()]
+    return [f"device {result.device}: attention assumed to run {'; '.join(parts)} "
+            "(keeps its output and log-sum-exp, no S x S matrix; docs/fake.md)"]
+
+
+def shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def load_for_profile(
@@ -196,6 +238,7 @@ def profile_with_progress(
     malloc: str = "keep",
     fresh: Callable[[], tuple[Any, Any, Any]] | None = None,
     fake: bool = False,
+    device: Any = None,
 ) -> Profile:
     """``remat.profile`` with a progress bar on stderr (shown only on a terminal).
 
@@ -241,4 +284,5 @@ def profile_with_progress(
             description=description,
             progress=progress,
             fake=fake,
+            device=device,
         )

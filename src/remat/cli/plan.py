@@ -11,6 +11,8 @@ from rich.table import Table
 from remat.cli.common import (
     add_fake_option,
     add_model_options,
+    fake_device,
+    kernel_lines,
     load_for_profile,
     profile_with_progress,
     runs_one_thread,
@@ -40,7 +42,9 @@ def add_parser(sub: Any, name: str) -> None:
     )
     add_model_options(p, default=None)
     p.add_argument("--profile", default=None, metavar="PATH", help="a profile JSON to plan from")
-    p.add_argument("--budget", default=None, help="memory budget: bytes or a fraction (e.g. 50%%)")
+    p.add_argument("--budget", default=None, help=(
+        "memory budget: bytes or a fraction (e.g. 50%%); with --fake --device, the device's "
+        "memory by default"))
     p.add_argument(
         "--solver",
         default="optimal",
@@ -76,6 +80,9 @@ def _problem_source(args: argparse.Namespace) -> Any:
                 "--profile already fixes the model; drop --model, --set, --stages, "
                 "--batch-size and --fake"
             )
+        if args.device is not None:
+            raise UsageError("--device sizes a fake profile as it is made; with --profile "
+                             "make that profile with --fake --device instead")
         from remat.core.profile_format import Profile
 
         return Profile.load(args.profile)
@@ -84,7 +91,7 @@ def _problem_source(args: argparse.Namespace) -> Any:
     model, batch, loss_fn, stages, description = load_for_profile(args)
     return profile_with_progress(
         model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
-        malloc=args.malloc, fake=args.fake,
+        malloc=args.malloc, fake=args.fake, device=fake_device(args),
     )
 
 
@@ -165,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
             f"--solver {args.solver!r} is not known; choose one of {', '.join(SOLVERS)}"
         )
     params = _solver_params(args)
+    target = fake_device(args)
+    if args.budget is None and target is not None:  # the whole device, by default
+        args.budget = str(target.memory_bytes)
     if args.budget is None and args.solver in ("optimal", "segments-optimal"):
         raise UsageError(
             f"--solver {args.solver} needs --budget, e.g. --budget 50% or --budget 6GiB"
@@ -215,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
     if fake:
         console.print("fake profile: the plan is chosen by memory exactly; its times are the "
                       "fake run's dispatch, not this machine's kernels (docs/fake.md)")
+        for text in kernel_lines(source):
+            console.print(text)
     elif t and t0:
         console.print(
             f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "

@@ -12,6 +12,8 @@ from rich.table import Table
 from remat.cli.common import (
     add_fake_option,
     add_model_options,
+    fake_device,
+    kernel_lines,
     load,
     load_for_profile,
     profile_with_progress,
@@ -138,6 +140,7 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    device = fake_device(args)
     model, batch, loss_fn, stages, description = load_for_profile(args)
     result = profile_with_progress(
         model,
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         malloc=args.malloc,
         fresh=None if args.fake else lambda: load(args, check_step=False)[:3],
         fake=args.fake,
+        device=device,
     )
     data = result.to_dict()
     console = console_for(args.json)
@@ -160,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if result.fake:
         console.print("fake profile: bytes as the real step's; the times are the fake run's "
                       "dispatch, not this machine's kernels (docs/fake.md)")
+    for line in kernel_lines(result):
+        console.print(line)
     for line in noise_lines(result, one_thread=runs_one_thread()):
         console.print(line)
     write_json(data, args.json)

@@ -566,8 +566,20 @@ class Profile(JsonArtifact):
     # the real step's, its times only the fake run's dispatch, not kernels (docs/fake.md).
     # Written only when set.
     fake: bool = False
+    # a fake profile for a target device (remat.core.devices): per stage (or "outside the
+    # chain"), the kernel each attention call was assumed to run -> calls per forward
+    kernels: Mapping[str, Mapping[str, int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.kernels is not None:
+            if not isinstance(self.kernels, Mapping) or not all(
+                    isinstance(v, Mapping) for v in self.kernels.values()):
+                raise UsageError("profile kernels must map stages to {kernel: calls}; "
+                                 "profile the model again")
+            object.__setattr__(self, "kernels", MappingProxyType({
+                str(stage): MappingProxyType({str(k): _int(n, "kernels calls")
+                                              for k, n in calls.items()})
+                for stage, calls in self.kernels.items()}))
         for flag in ("compiled", "fake"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"profile {flag}={getattr(self, flag)!r} is not a bool")
@@ -664,6 +676,8 @@ class Profile(JsonArtifact):
             ),
             **({"compiled": True} if self.compiled else {}),
             **({"fake": True} if self.fake else {}),
+            **({"kernels": {stage: dict(calls) for stage, calls in self.kernels.items()}}
+               if self.kernels is not None else {}),
         }
 
     @classmethod
@@ -721,7 +735,7 @@ _PROFILE_KEYS = (
 )
 # written only when set
 _OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
-                          "timed_rounds", "compiled", "fake")
+                          "timed_rounds", "compiled", "fake", "kernels")
 
 
 def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:

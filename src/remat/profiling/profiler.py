@@ -10,6 +10,7 @@ mode and the caller's RNG state are put back.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core.devices import Device, get_device
 from remat.core.errors import UsageError
 from remat.core.plan_format import Option
 from remat.core.profile_format import (
@@ -38,6 +40,7 @@ from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.calibrate import calibrated
+from remat.profiling.device_kernels import DeviceKernels
 from remat.profiling.fake import fake_mode_of
 from remat.profiling.noise import timing_noise
 from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
@@ -122,6 +125,7 @@ def profile(
     ranks_agree: bool = False,
     compile: bool = False,
     fake: bool = False,
+    device: str | Device | None = None,
     _timed: bool = True,
 ) -> Profile:
     """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
@@ -153,6 +157,10 @@ def profile(
             no weights allocated, no kernel runs); the step is measured in that mode, the
             bytes as the real step's, and the profile says ``fake`` (its times are only
             the fake run's dispatch: docs/fake.md).
+        device: with ``fake``, the target device (a name from ``remat.core.devices`` or a
+            ``Device``): its kernels stand in where they save other tensors than this
+            machine's (attention, dropout), and the profile records which kernel each
+            attention call was assumed to run (``kernels``). Default: this machine's.
         _timed: internal (the fake profile): False runs only the steps its byte figures
             and the times the format needs take, no rounds for timing alone.
     """
@@ -163,15 +171,20 @@ def profile(
     for name, flag in (("compile", compile), ("fake", fake)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
+    if device is not None and not fake:
+        raise UsageError("device= sizes a step for another device and needs fake=True (a "
+                         "real profile measures this machine)")
     if fake:
+        target = get_device(device) if isinstance(device, str) else device
         mode = fake_mode_of(model, batch)
         if compile:
             raise UsageError("compile=True and fake=True do not go together: a fake profile "
                              "runs no compiled code; profile the compiled model for real")
         with mode, counting_fake_storages():
-            return _fake_profile(model, batch, loss_fn, stages, optimizer, options=options,
-                                 batch_size=batch_size, description=description, lr=lr,
-                                 progress=progress, ranks_agree=ranks_agree)
+            return _fake_profile(model, batch, loss_fn, stages, optimizer, target,
+                                 options=options, batch_size=batch_size,
+                                 description=description, lr=lr, progress=progress,
+                                 ranks_agree=ranks_agree)
     given = options
     options = _check_options(OPTIONS if options is None else options)
     loss_fn = loss_fn or _default_loss
@@ -195,7 +208,7 @@ def profile(
     identities = [stage_identity(model.get_submodule(name)) for name in names]
     batch_shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
     first = next(model.parameters(), None)
-    device = first.device if first is not None else None
+    on = first.device if first is not None else None
     dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
     dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
     if batch_size is None:
@@ -205,7 +218,7 @@ def profile(
 
     began = time.perf_counter()
     with ExitStack() as stack:
-        devices = [device] if device is not None and device.type == "cuda" else []
+        devices = [on] if on is not None and on.type == "cuda" else []
         stack.enter_context(torch.random.fork_rng(devices=devices))
         stack.callback(model.train, model.training)
         model.train()
@@ -222,7 +235,7 @@ def profile(
             opt,
             options=options,
             repeats=repeats,
-            device=device,
+            device=on,
             dtype=dtype,
             progress=progress,
             agree=most_over_ranks if ranks_agree else None,
@@ -261,7 +274,7 @@ def profile(
         step_s=float(statistics.median(m.plain_step_s)),
         measured_peak_bytes=m.step.peak_bytes,
         optimizer=optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower(),
-        device=_device_name(device),
+        device=_device_name(on),
         torch_version=str(torch.__version__),
         dtype=str(dtype).removeprefix("torch."),
         profile_s=profile_s,
@@ -283,15 +296,26 @@ def profile(
 
 def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                   stages: Sequence[str] | None, optimizer: str | torch.optim.Optimizer,
-                  **kwargs: Any) -> Profile:
+                  device: Device | None, **kwargs: Any) -> Profile:
     """``profile`` inside the fake mode; a long chain of identical stages by its first 3 and
-    4 (Note [Depth under fake tensors] in :mod:`remat.profiling.fake`)."""
+    4 (Note [Depth under fake tensors] in :mod:`remat.profiling.fake`); on ``device``'s
+    kernels (:mod:`remat.profiling.device_kernels`) where it has its own."""
     from remat.profiling import fake as fake_profiles
 
-    def run(names: Sequence[str] | None) -> Profile:
-        return replace(profile(model, batch, loss_fn, names, optimizer, repeats=1,
-                               _timed=False, **kwargs),
-                       fake=True, timing_noise=None, timed_rounds=None)
+    def kernels(names: Sequence[str], counting: bool) -> Any:
+        if device is None or not device.is_accelerator:
+            return contextlib.nullcontext(None)
+        return DeviceKernels(device, names, counting=counting)
+
+    def run(names: Sequence[str]) -> Profile:
+        with kernels(names, counting=False):
+            found = profile(model, batch, loss_fn, names, optimizer, repeats=1,
+                            _timed=False, **kwargs)
+        with kernels(names, counting=True) as counter, torch.no_grad():
+            (loss_fn or _default_loss)(model, batch)  # one forward, to note the kernels
+        return replace(found, fake=True, timing_noise=None, timed_rounds=None,
+                       device=found.device if device is None else device.name,
+                       kernels=None if counter is None else counter.per_stage())
 
     names = (resolve_stages(model, stages) if stages is not None
              else discover_stages(model, batch, loss_fn or _default_loss))

@@ -13,8 +13,10 @@ torch names, so a torch upgrade breaks here, loudly, and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ import torch.utils.checkpoint as _tuc
 
 from remat.core.errors import RematError
 
-__all__ = ["CheckpointFrame", "check_available", "noop_context_fn"]
+__all__ = ["CheckpointFrame", "check_available", "noop_context_fn", "rebuilds_inside"]
 
 _NAME = "_checkpoint_without_reentrant_generator"
 # Parameter lists we know how to call (torch 2.5+ added early_stop before *args).
@@ -35,6 +37,42 @@ _WITHOUT_EARLY_STOP = (
 )
 
 noop_context_fn: Callable[[], Any] = _tuc.noop_context_fn
+
+#: What every rebuild runs inside besides its frame's own context: a fake profile for
+#: another device keeps that device's kernels in backward's rebuilds, which run where a
+#: torch-function mode entered around ``backward()`` is off (remat.profiling.device_kernels).
+_REBUILD_CONTEXTS: list[Callable[[], AbstractContextManager[Any]]] = []
+
+
+@contextlib.contextmanager
+def rebuilds_inside(factory: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """Frames opened inside this block run their rebuilds inside ``factory()`` too."""
+    _REBUILD_CONTEXTS.append(factory)
+    try:
+        yield
+    finally:
+        _REBUILD_CONTEXTS.remove(factory)
+
+
+def _with_rebuild_contexts(context_fn: Callable[[], Any],
+                           factories: tuple[Callable[[], AbstractContextManager[Any]], ...]
+                           ) -> Callable[[], Any]:
+    def both() -> tuple[Any, Any]:
+        forward, rebuild = context_fn()
+        stack = contextlib.ExitStack()
+
+        @contextlib.contextmanager
+        def rebuilding() -> Iterator[None]:
+            with stack:
+                stack.enter_context(rebuild)
+                for factory in factories:
+                    stack.enter_context(factory())
+                yield
+
+        return forward, rebuilding()
+
+    return both
+
 
 _generator: Callable[..., Generator[None, None, None]] | None = None
 _fixed_args: tuple[Any, ...] = ()
@@ -90,6 +128,8 @@ class CheckpointFrame:
     ) -> CheckpointFrame:
         check_available()
         assert _generator is not None
+        if _REBUILD_CONTEXTS:
+            context_fn = _with_rebuild_contexts(context_fn, tuple(_REBUILD_CONTEXTS))
         gen = _generator(fn, preserve_rng_state, context_fn, *_fixed_args, *args)
         next(gen)  # pre-forward: stash state, save args, push hooks
         return cls(gen)
