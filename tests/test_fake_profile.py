@@ -291,3 +291,58 @@ def test_a_device_needs_a_fake_profile_and_a_known_name(tmp_path: Any, monkeypat
     found = remat.profile(fake_model, fake_batch, fake_loss, fake=True, device="tpu-v5",
                           options=["keep"])
     assert found.device == "tpu-v5" and found.kernels is not None
+
+
+def test_the_largest_micro_batch_is_the_last_that_fits_for_each_strategy(tmp_path: Any,
+                                                                         capsys: Any) -> None:
+    """``remat plan --fake --largest-batch``: per strategy the largest micro-batch whose
+    plan fits, checked against the plans one size up; remat's is at least the others'."""
+    from remat.core.sizing import largest_batch
+    from remat.core.transforms import at_batch_size
+
+    sets = [f"--set={k}={v}" for k, v in SMALL["gpt"].items()]
+    out = tmp_path / "fits.json"
+    budget = 48 << 20
+    assert main(["plan", "--fake", "--device", "h100-sxm", "--largest-batch", "--model", "gpt",
+                 *sets, "--batch-size", "2", "--budget", str(budget), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "largest micro-batch within 48 MiB" in printed and "profiled at micro-batches 2 and 4" \
+        in printed
+    fits = {f["strategy"]: f for f in json.loads(out.read_text())["fits"]}
+    assert set(fits) == {"none", "per-stage", "optimal"}
+    sizes = {k: f["batch_size"] for k, f in fits.items()}
+    assert all(n is not None and n >= 1 for n in sizes.values())
+    assert sizes["optimal"] >= max(sizes["none"], sizes["per-stage"]) > 0
+    assert sizes["per-stage"] > sizes["none"]
+    for f in fits.values():
+        assert f["predicted_peak_bytes"] <= budget
+
+    # the search agrees with a plan made one size up, which does not fit
+    small = {k: v for k, v in SMALL["gpt"].items() if k != "batch_size"}
+    with remat.fake_mode():
+        m2, b2, l2 = load_model("gpt", **small, batch_size=2)
+        m4, b4, l4 = load_model("gpt", **small, batch_size=4)
+    from remat.profiling.profiler import fit_scaling
+
+    first = remat.profile(m2, b2, l2, fake=True, device="h100-sxm")
+    second = remat.profile(m4, b4, l4, fake=True, device="h100-sxm")
+    scaled = dataclasses.replace(first, scaling=fit_scaling(first, second))
+    for strategy, n in sizes.items():
+        fit = largest_batch(scaled, budget, strategy)
+        assert fit.batch_size == n
+        above = to_problem(at_batch_size(scaled, n + 1))
+        if strategy == "optimal":
+            with pytest.raises(remat.CheckFailed):
+                remat.plan(above, budget, "optimal")
+        else:
+            assert remat.plan(above, None, strategy).predicted_peak_bytes > budget
+
+    # misuse: not fake, a fraction, no budget
+    assert main(["plan", "--largest-batch", "--model", "gpt", *sets, "--budget", "1GiB"]) == 2
+    assert main(["plan", "--fake", "--largest-batch", "--model", "gpt", *sets,
+                 "--budget", "50%"]) == 2
+    assert main(["plan", "--fake", "--largest-batch", "--model", "gpt", *sets]) == 2
+    assert main(["profile", "--device", "h100-sxm", "--model", "gpt", *sets]) == 2
+    assert main(["plan", "--dtype", "bfloat16", "--model", "gpt", *sets, "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --fake" in err and "fraction" in err and "needs a budget in bytes" in err

@@ -177,6 +177,16 @@ def add_fake_option(p: argparse.ArgumentParser) -> None:
         ),
     )
 
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help=(
+            "with --fake: build the model with this default dtype (parameters, gradients "
+            "and optimizer state in it too: pure 16-bit training)"
+        ),
+    )
+
 
 def fake_device(args: argparse.Namespace) -> Any:
     """The ``--device`` named, checked: None without it; UsageError without ``--fake``."""
@@ -215,14 +225,26 @@ def load_for_profile(
 ) -> tuple[Any, Any, Any, list[str] | None, str]:
     """:func:`load`, under :func:`remat.fake_mode` with ``--fake`` (then no compiling)."""
     if not getattr(args, "fake", False):
+        if getattr(args, "dtype", None) is not None:
+            raise UsageError("--dtype builds a fake model in that dtype and needs --fake; a "
+                             "real model's dtype is its factory's")
         return load(args)
     if getattr(args, "compile", False):
         raise UsageError("--fake and --compile do not go together: a fake profile runs no "
                          "compiled code")
+    import torch
+
     from remat.profiling.fake import fake_mode
 
-    with fake_mode():  # only the building: the profile enters the mode itself
-        model, batch, loss_fn, stages, description = load(args)
+    dtype = getattr(args, "dtype", None)
+    before = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with fake_mode():  # only the building: the profile enters the mode itself
+            model, batch, loss_fn, stages, description = load(args)
+    finally:
+        torch.set_default_dtype(before)
     return model, batch, loss_fn, stages, description + " (fake)"
 
 

@@ -68,8 +68,94 @@ def add_parser(sub: Any, name: str) -> None:
             "(docs/distributed.md)"
         ),
     )
+    p.add_argument(
+        "--largest-batch",
+        action="store_true",
+        help=(
+            "with --fake: for no checkpointing, per-layer checkpointing and remat's plan, "
+            "the largest micro-batch whose step is predicted within the budget (bytes), "
+            "from fake profiles at two micro-batches fitted linearly (docs/fake.md)"
+        ),
+    )
     add_json_option(p)
     p.set_defaults(run=run)
+
+
+def _scaled(args: argparse.Namespace, first: Any) -> Any:
+    """``first`` with batch scaling: the model profiled again at twice its micro-batch."""
+    import copy
+    from dataclasses import replace
+
+    from remat.profiling.profiler import fit_scaling
+
+    size = first.batch_size
+    if not size:
+        raise UsageError("--largest-batch needs the model's micro-batch; pass --batch-size")
+    twice = copy.copy(args)
+    twice.batch_size = 2 * size
+    model, batch, loss_fn, stages, description = load_for_profile(twice)
+    second = profile_with_progress(
+        model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
+        malloc=args.malloc, fake=True, device=fake_device(args),
+    )
+    return replace(first, scaling=fit_scaling(first, second))
+
+
+def _bytes_budget(text: str) -> int:
+    """``text`` as bytes; a fraction is refused (of which micro-batch's step?)."""
+    from types import SimpleNamespace
+
+    from remat.core.solve.budget import parse_budget
+
+    no_peak: Any = SimpleNamespace(measured_no_checkpoint_peak_bytes=None)
+    return parse_budget(text, no_peak)
+
+
+def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console: Any) -> int:
+    """``--largest-batch``: each strategy's largest micro-batch under the budget."""
+    from rich.table import Table
+
+    from remat.core.sizing import STRATEGIES, largest_batch
+
+    budget = _bytes_budget(args.budget)
+    scaled = _scaled(args, source)
+    transform = None if world is None else (lambda pr: _per_rank(pr, scaled, *world))
+    where = "" if world is None else f" on one rank of {world[0]} over {world[1]}"
+    table = Table(title=f"largest micro-batch within {format_bytes(budget)}{where}")
+    for column in ("strategy", "micro-batch", "predicted peak", "plan"):
+        table.add_column(column)
+    rows = []
+    for strategy in STRATEGIES:
+        fit = largest_batch(scaled, budget, strategy, transform=transform)
+        peak = None if fit.plan is None else fit.plan.predicted_peak_bytes
+        table.add_row(_STRATEGY_NAMES[strategy], "none fits" if fit.batch_size is None
+                      else str(fit.batch_size), "-" if peak is None else format_bytes(peak),
+                      "-" if fit.plan is None else _summary(fit.plan))
+        rows.append({"strategy": strategy, "batch_size": fit.batch_size,
+                     "predicted_peak_bytes": peak,
+                     "plan": None if fit.plan is None else fit.plan.to_dict()})
+    console.print(table)
+    console.print(f"profiled at micro-batches {scaled.batch_size} and {2 * scaled.batch_size} "
+                  "(fake tensors), every other size fitted linearly through them")
+    for text in kernel_lines(scaled):
+        console.print(text)
+    write_json({"budget_bytes": budget, "world": None if world is None else list(world),
+                "fits": rows}, args.json)
+    return 0
+
+
+def _summary(plan: Any) -> str:
+    """``regions [0,2) [2,5); keep x8``."""
+    from collections import Counter
+
+    regions = " ".join(f"[{r.start},{r.stop})" for r in plan.regions) or "none"
+    options = ", ".join(f"{o.removeprefix('selective:')} x{n}"
+                        for o, n in Counter(plan.options).items())
+    return f"regions {regions}; {options}"
+
+
+_STRATEGY_NAMES = {"none": "no checkpointing", "per-stage": "per-layer checkpointing",
+                   "optimal": "remat (optimal)"}
 
 
 def _problem_source(args: argparse.Namespace) -> Any:
@@ -175,6 +261,14 @@ def run(args: argparse.Namespace) -> int:
     target = fake_device(args)
     if args.budget is None and target is not None:  # the whole device, by default
         args.budget = str(target.memory_bytes)
+    if args.largest_batch:
+        if not args.fake:
+            raise UsageError("--largest-batch works on fake profiles; add --fake (and "
+                             "--device NAME for an accelerator)")
+        if args.budget is None:
+            raise UsageError("--largest-batch needs a budget in bytes (e.g. --budget 80GiB, "
+                             "or --device NAME for that device's memory)")
+        _bytes_budget(args.budget)  # before profiling
     if args.budget is None and args.solver in ("optimal", "segments-optimal"):
         raise UsageError(
             f"--solver {args.solver} needs --budget, e.g. --budget 50% or --budget 6GiB"
@@ -189,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
         )
     source = _problem_source(args)
     console = console_for(args.json)
+    if args.largest_batch:
+        return _largest_batches(args, source, world, console)
     if isinstance(source, Profile):  # before solving, so it shows when no plan fits
         given = None if args.profile is not None else stage_list(args.stages) is not None
         for text in coverage_lines(source, given=given):

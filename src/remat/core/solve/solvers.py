@@ -147,15 +147,17 @@ def selective_everywhere(
 
 def minimum_budget(problem: Problem) -> int:
     """The least predicted peak over all plans (exact); where regions hold tensors read
-    from before them (which the tables do not count: Note [Reads from before a region]),
-    the simulated peak of the tables' smallest-peak plan: a budget that plan fits, which
-    another plan may undercut."""
+    from before them or FSDP2 units are gathered (which the tables do not count: Note
+    [Reads from before a region]), the simulated peak of the tables' smallest-peak plan: a
+    budget that plan fits, which another plan may undercut."""
     return _least_plan(problem)[0]
 
 
 def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[Option]]:
     least, regions, options = min_peak_plan(problem)
-    if any(s.reads or s.link_saved_bytes for s in problem.stages):
+    if any(s.reads or s.link_saved_bytes or s.unit_bytes for s in problem.stages) or (
+            problem.root_unit_bytes):
+        # what the tables do not count (reads, links, FSDP2 units): the simulator does
         least = max(least, simulate(_as_plan(problem, (regions, options)), problem).peak_bytes)
     return least, regions, options
 
