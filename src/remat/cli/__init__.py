@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "verify": "remat.cli.verify",
     "bench": "remat.cli.bench",
     "auto": "remat.cli.auto",
+    "calibrate": "remat.cli.calibrate",
 }
 
 EXIT_CODES = (

@@ -122,17 +122,27 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     transform = None if world is None else (lambda pr: _per_rank(pr, scaled, *world))
     where = "" if world is None else f" on one rank of {world[0]} over {world[1]}"
     table = Table(title=f"largest micro-batch within {format_bytes(budget)}{where}")
-    for column in ("strategy", "micro-batch", "predicted peak", "plan"):
+    timed = scaled.times_estimated  # else the times are the fake run's dispatch
+    columns = ["strategy", "micro-batch", "predicted peak",
+               *(["step (estimated)", "samples/s"] if timed else []), "plan"]
+    for column in columns:
         table.add_column(column)
     rows = []
     for strategy in STRATEGIES:
         fit = largest_batch(scaled, budget, strategy, transform=transform)
         peak = None if fit.plan is None else fit.plan.predicted_peak_bytes
-        table.add_row(_STRATEGY_NAMES[strategy], "none fits" if fit.batch_size is None
-                      else str(fit.batch_size), "-" if peak is None else format_bytes(peak),
-                      "-" if fit.plan is None else _summary(fit.plan))
+        step = None if fit.plan is None else fit.plan.predicted_step_time_s
+        rate = fit.batch_size / step if step and fit.batch_size else None
+        table.add_row(
+            _STRATEGY_NAMES[strategy],
+            "none fits" if fit.batch_size is None else str(fit.batch_size),
+            "-" if peak is None else format_bytes(peak),
+            *([("-" if step is None else f"{step:.3g} s"), ("-" if rate is None
+               else f"{rate:.3g}")] if timed else []),
+            "-" if fit.plan is None else _summary(fit.plan))
         rows.append({"strategy": strategy, "batch_size": fit.batch_size,
                      "predicted_peak_bytes": peak,
+                     "predicted_step_time_s": step if timed else None,
                      "plan": None if fit.plan is None else fit.plan.to_dict()})
     console.print(table)
     console.print(f"profiled at micro-batches {scaled.batch_size} and {2 * scaled.batch_size} "
@@ -318,7 +328,12 @@ def run(args: argparse.Namespace) -> int:
             "checkpointed (no limit)"
         )
     t, t0 = result.predicted_step_time_s, result.baseline_step_time_s
-    if fake:
+    if fake and source.times_estimated and t and t0:
+        console.print(
+            f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "
+            f"checkpointing ({t / t0 - 1:+.1%}): the roofline's estimate for {source.device}, "
+            "an estimate (docs/fake.md)")
+    elif fake:
         console.print("fake profile: the plan is chosen by memory exactly; its times are the "
                       "fake run's dispatch, not this machine's kernels (docs/fake.md)")
         for text in kernel_lines(source):

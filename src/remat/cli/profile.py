@@ -161,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     _summary(console, data)
     for line in coverage_lines(result, given=stages is not None):
         console.print(line)
-    if result.fake:
+    if result.fake and result.times_estimated:
+        console.print(f"fake profile: bytes as the real step's; the times are the roofline's "
+                      f"estimates for {result.device} from the step's counted FLOPs, bytes "
+                      "and ops (docs/fake.md)")
+    elif result.fake:
         console.print("fake profile: bytes as the real step's; the times are the fake run's "
                       "dispatch, not this machine's kernels (docs/fake.md)")
     for line in kernel_lines(result):

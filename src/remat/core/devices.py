@@ -55,6 +55,25 @@ class Device:
     source: str = "built-in, from the vendor's datasheet"
     notes: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # the roofline's factors (remat.core.roofline): the share of the peaks eager kernels
+    # reach, and what launching one op costs; assumed for the built-in accelerators,
+    # measured by remat calibrate for this machine
+    flop_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.7
+    op_overhead_s: float = 5e-6
+
+    @property
+    def op_rates(self) -> Mapping[str, tuple[float, float]]:
+        """Per aten op name, measured by ``remat calibrate``: seconds per FLOP and per byte
+        moved (``extra["op_rates"]``); empty for the built-in entries."""
+        rates = self.extra.get("op_rates") or {}
+        return {str(op): (float(r[0]), float(r[1])) for op, r in rates.items()}
+
+    def call_seconds(self, phase: str | None) -> float:
+        """What one op's call costs beyond its kernel, in ``phase`` where ``remat
+        calibrate`` measured it (``extra["call_s"]``), else ``op_overhead_s``."""
+        calls = self.extra.get("call_s") or {}
+        return float(calls.get(phase, self.op_overhead_s)) if phase else self.op_overhead_s
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
@@ -71,6 +90,15 @@ class Device:
         if not isinstance(bandwidth, (int, float)) or isinstance(bandwidth, bool) \
                 or bandwidth <= 0:
             raise UsageError(f"device {self.name}: bandwidth_bytes_per_s must be > 0")
+        for name in ("flop_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                    or not 0 < value <= 1:
+                raise UsageError(f"device {self.name}: {name} must be in (0, 1]")
+        overhead = self.op_overhead_s
+        if not isinstance(overhead, (int, float)) or isinstance(overhead, bool) \
+                or overhead < 0:
+            raise UsageError(f"device {self.name}: op_overhead_s must be >= 0")
         for flag in ("fused_attention", "fused_dropout"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"device {self.name}: {flag} must be true or false")
@@ -88,6 +116,9 @@ class Device:
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "fused_attention": self.fused_attention,
             "fused_dropout": self.fused_dropout,
+            "flop_efficiency": self.flop_efficiency,
+            "bandwidth_efficiency": self.bandwidth_efficiency,
+            "op_overhead_s": self.op_overhead_s,
             "source": self.source,
             **({"notes": self.notes} if self.notes else {}),
             **({"extra": dict(self.extra)} if self.extra else {}),
@@ -100,7 +131,9 @@ class Device:
         keys = {"memory_bytes", "peak_flops", "bandwidth_bytes_per_s", "fused_attention",
                 "fused_dropout"}
         missing = sorted(keys - set(data))
-        unknown = sorted(set(data) - keys - {"source", "notes", "extra"})
+        optional = {"source", "notes", "extra", "flop_efficiency", "bandwidth_efficiency",
+                    "op_overhead_s"}
+        unknown = sorted(set(data) - keys - optional)
         if missing or unknown:
             what = (f"is missing {', '.join(missing)}" if missing
                     else f"has unknown key(s) {', '.join(unknown)}")
@@ -112,7 +145,9 @@ class Device:
                    bandwidth_bytes_per_s=data["bandwidth_bytes_per_s"],
                    fused_attention=data["fused_attention"], fused_dropout=data["fused_dropout"],
                    source=str(data.get("source", "")), notes=str(data.get("notes", "")),
-                   extra=data.get("extra", {}))
+                   extra=data.get("extra", {}),
+                   **{k: data[k] for k in ("flop_efficiency", "bandwidth_efficiency",
+                                           "op_overhead_s") if k in data})
 
 
 def _gpu(name: str, memory_mib: int, bf16_tflops: float, fp32_tflops: float,

@@ -569,6 +569,9 @@ class Profile(JsonArtifact):
     # a fake profile for a target device (remat.core.devices): per stage (or "outside the
     # chain"), the kernel each attention call was assumed to run -> calls per forward
     kernels: Mapping[str, Mapping[str, int]] | None = None
+    # its times are the roofline's estimates for the target device, not measured
+    # (remat.core.roofline); written only when true
+    times_estimated: bool = False
 
     def __post_init__(self) -> None:
         if self.kernels is not None:
@@ -580,7 +583,7 @@ class Profile(JsonArtifact):
                 str(stage): MappingProxyType({str(k): _int(n, "kernels calls")
                                               for k, n in calls.items()})
                 for stage, calls in self.kernels.items()}))
-        for flag in ("compiled", "fake"):
+        for flag in ("compiled", "fake", "times_estimated"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"profile {flag}={getattr(self, flag)!r} is not a bool")
         stages = tuple(self.stages)
@@ -678,6 +681,7 @@ class Profile(JsonArtifact):
             **({"fake": True} if self.fake else {}),
             **({"kernels": {stage: dict(calls) for stage, calls in self.kernels.items()}}
                if self.kernels is not None else {}),
+            **({"times_estimated": True} if self.times_estimated else {}),
         }
 
     @classmethod
@@ -735,7 +739,7 @@ _PROFILE_KEYS = (
 )
 # written only when set
 _OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
-                          "timed_rounds", "compiled", "fake", "kernels")
+                          "timed_rounds", "compiled", "fake", "kernels", "times_estimated")
 
 
 def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:

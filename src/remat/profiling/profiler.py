@@ -41,8 +41,10 @@ from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
 from remat.profiling.calibrate import calibrated
 from remat.profiling.device_kernels import DeviceKernels
+from remat.profiling.estimated_times import with_estimated_times
 from remat.profiling.fake import fake_mode_of
 from remat.profiling.noise import timing_noise
+from remat.profiling.op_costs import count_work
 from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
 from remat.profiling.rounds import timed_rounds
 from remat.profiling.run import measure_all, part_names
@@ -313,9 +315,15 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                             _timed=False, **kwargs)
         with kernels(names, counting=True) as counter, torch.no_grad():
             (loss_fn or _default_loss)(model, batch)  # one forward, to note the kernels
-        return replace(found, fake=True, timing_noise=None, timed_rounds=None,
-                       device=found.device if device is None else device.name,
-                       kernels=None if counter is None else counter.per_stage())
+        found = replace(found, fake=True, timing_noise=None, timed_rounds=None,
+                        device=found.device if device is None else device.name,
+                        kernels=None if counter is None else counter.per_stage())
+        if device is None:
+            return found
+        # times: the roofline's for the device, from the step's counted work
+        with kernels(names, counting=False):
+            work = count_work(model, batch, loss_fn or _default_loss, names, optimizer)
+        return replace(with_estimated_times(found, work, device), times_estimated=True)
 
     names = (resolve_stages(model, stages) if stages is not None
              else discover_stages(model, batch, loss_fn or _default_loss))

@@ -1,0 +1,98 @@
+"""Times without measuring: the roofline calibrated on one model, checked on the others.
+
+Issue 18, item 3's check on this CPU: ``remat calibrate`` on the built-in gpt (its ops'
+rates and the cost of a call), then for each other model a real profile (one thread) and
+the work of one step counted (``remat.profiling.op_costs``): each stage's forward time
+as the roofline predicts it against the measured one, and the per-stage plan's overhead
+(one region per stage) with the estimated times against the measured times, both through
+the simulator. Targets: forward times within 25%, overhead within 10 points.
+
+Run from the repository root::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/roofline_cpu.py
+
+Prints a table and writes it to ``benchmarks/roofline_cpu.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+import remat
+from remat.core.plan_format import Plan, Region
+from remat.core.solve import simulate
+from remat.core.solve.from_profile import problem_from_profile
+from remat.models import load_model
+from remat.profiling.device_calibration import calibrate_device
+from remat.profiling.estimated_times import with_estimated_times
+from remat.profiling.op_costs import count_work
+
+COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/roofline_cpu.py"
+CALIBRATION = "gpt"
+MODELS = ["mlp-hetero", "convnet-bn", "resnet", "unet", "encdec", "hf:llama"]
+
+
+def overhead(profile: remat.Profile) -> float:
+    problem = problem_from_profile(profile)
+    names = profile.stage_names
+    none = simulate(Plan(names), problem).step_time_s
+    per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
+    return simulate(per_stage, problem).step_time_s / none - 1
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    model, batch, loss_fn = load_model(CALIBRATION)
+    device, fit = calibrate_device(model, batch, loss_fn, description=CALIBRATION)
+    lines = ["| model | stages | forward error, median | forward error, largest | "
+             "per-stage overhead measured | estimated | gap (pts) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in MODELS:
+        model, batch, loss_fn = load_model(name)
+        profile = remat.profile(model, batch, loss_fn, repeats=2)
+        work = count_work(model, batch, loss_fn, profile.stage_names, profile.optimizer)
+        estimated = with_estimated_times(profile, work, device)
+        errors = [e.fwd_s / m.fwd_s - 1 for e, m in zip(estimated.stages, profile.stages,
+                                                         strict=True) if m.fwd_s > 0]
+        worst = max(errors, key=abs)
+        measured_o, estimated_o = overhead(profile), overhead(estimated)
+        row = (f"| `{name}` | {len(errors)} | {statistics.median(abs(e) for e in errors):.0%} "
+               f"| {worst:+.0%} | {measured_o:+.1%} | {estimated_o:+.1%} | "
+               f"{100 * (estimated_o - measured_o):+.1f} |")
+        lines.append(row)
+        print(row, flush=True)
+    text = "\n".join([
+        "# The roofline on this CPU: calibrated on gpt, checked on the other models",
+        "",
+        f"Command: `{COMMAND}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch "
+        f"{torch.__version__}, Python {platform.python_version()}; one thread; {started}. "
+        f"Calibration on `{CALIBRATION}`: matmul {device.peak_flops['float32'] / 1e9:.0f} "
+        f"GFLOP/s, add {device.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {len(fit) and fit['ops']}"
+        f" ops' rates, a call {1e6 * device.call_seconds('forward'):.1f} us in forward and "
+        f"{1e6 * device.call_seconds('backward'):.1f} us in backward; its own stage times "
+        f"within {fit['median_abs_error']:.0%} (median). Forward error: the estimated stage "
+        "forward time over the measured median, less 1, per stage. Overhead: one region per "
+        "stage against no checkpointing, through the simulator, on measured and on "
+        "estimated times. One run.",
+        "",
+        *lines,
+        "",
+    ])
+    out = Path(__file__).with_suffix(".md")
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

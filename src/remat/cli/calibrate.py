@@ -1,0 +1,64 @@
+"""``remat calibrate``: measure this machine and write its entry of the device table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from remat.cli.common import add_model_options, load
+from remat.cli.output import add_json_option, console_for, write_json
+from remat.core.errors import UsageError
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="measure this machine's FLOP/s, bandwidth and op cost into the device table",
+        description=(
+            "Time a matmul, an elementwise add and a tiny op, profile one model and fit the "
+            "roofline's efficiency factors to its stages' measured times; write the entry "
+            "(default name cpu) into the device table ($REMAT_DEVICES or "
+            "~/.config/remat/devices.json) for fake profiles' times (docs/fake.md)."
+        ),
+    )
+    add_model_options(p)
+    p.add_argument("--name", default="cpu", help="the entry's name (default cpu)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds of the profile (3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads while measuring (default: torch's)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="the device table to write (default $REMAT_DEVICES or "
+                        "~/.config/remat/devices.json)")
+    add_json_option(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from remat.core.devices import save_device
+    from remat.core.units import format_bytes
+    from remat.profiling.device_calibration import calibrate_device
+
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats} is below 1; give 1 or more")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads {args.threads} is below 1; give 1 or more")
+        torch.set_num_threads(args.threads)
+    model, batch, loss_fn, _stages, description = load(args)
+    device, report = calibrate_device(model, batch, loss_fn, name=args.name,
+                                      repeats=args.repeats, description=description)
+    path = save_device(device, None if args.out is None else Path(args.out))
+    console = console_for(args.json)
+    console.print(
+        f"{device.name}: matmul {device.peak_flops['float32'] / 1e9:.1f} GFLOP/s, add "
+        f"{device.bandwidth_bytes_per_s / 1e9:.1f} GB/s, one op {device.op_overhead_s * 1e6:.1f}"
+        f" us; fitted on {description} ({report['rows']} stage times): flop efficiency "
+        f"{device.flop_efficiency:.2f}, bandwidth efficiency {device.bandwidth_efficiency:.2f};"
+        f" stage times predicted within {report['median_abs_error']:.0%} (median), "
+        f"{report['max_abs_error']:.0%} (largest); memory {format_bytes(device.memory_bytes)}")
+    console.print(f"wrote {device.name} to {path}")
+    write_json({"device": device.name, **device.to_dict(), "fit": report}, args.json)
+    return 0

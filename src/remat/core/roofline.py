@@ -1,0 +1,129 @@
+"""Times without the hardware: a step's work, counted per stage, priced for a device.
+
+An op costs ``flops / (peak[dtype] * flop_efficiency) + bytes / (bandwidth *
+bandwidth_efficiency) + op_overhead_s``: the compute and memory parts added, not the
+larger of the two (eager kernels rarely overlap them, and on a CPU the sum fits the
+measured times better), plus what launching one op costs (Python dispatch on a CPU, the
+launch on an accelerator). The work comes from counting one step's ops
+(``remat.profiling.op_costs``); the figures from the device table
+(``remat.core.devices``), measured on this machine by ``remat calibrate`` (which also
+times each op of its calibration model and a convolution: those rates replace the
+generic ones where they apply). An estimate:
+fused kernels, overlap and caches are not modelled (docs/fake.md). Torch-free.
+
+A stage's forward is its forward ops, its backward its backward ops, its rebuild its
+forward again; a selective option's replay is the forward less the ops whose outputs it
+saves (``save-matmuls``: the matmul group; ``save-attention``: the attention group;
+``save-nothing``: none of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from remat.core.devices import Device
+
+__all__ = ["GROUPS", "OUTSIDE", "Work", "WorkTable", "seconds"]
+
+#: Where work outside every stage is charged (the pre- and post-chain, the optimizer).
+OUTSIDE = "outside the chain"
+#: The op groups a selective option may save the outputs of.
+GROUPS = ("matmul", "attention", "other")
+_CONVOLUTIONS = ("convolution", "_convolution", "convolution_backward")
+_SAVED_GROUPS = {"selective:save-matmuls": ("matmul",),
+                 "selective:save-attention": ("attention",),
+                 "selective:save-nothing": ()}
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs by dtype name, bytes read and written, ops launched."""
+
+    flops: Mapping[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    ops: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flops", MappingProxyType(dict(self.flops)))
+
+    def __add__(self, other: Work) -> Work:
+        flops = dict(self.flops)
+        for dtype, n in other.flops.items():
+            flops[dtype] = flops.get(dtype, 0) + n
+        return Work(flops, self.bytes + other.bytes, self.ops + other.ops)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+
+def seconds(work: Work, device: Device, op: str | None = None,
+            phase: str | None = None) -> float:
+    """``work``'s time on ``device`` (module docstring); the work of op ``op`` at the
+    rate ``remat calibrate`` measured for it on this device, where it did, and a call in
+    ``phase`` at what a call cost there."""
+    rate = device.op_rates.get(op) if op is not None else None
+    per_call = device.call_seconds(phase)
+    if rate is not None:  # seconds per FLOP and per byte
+        return work.total_flops * rate[0] + work.bytes * rate[1] + work.ops * per_call
+    compute = 0.0
+    conv = device.extra.get("conv_flops_per_s") if op in _CONVOLUTIONS else None
+    for dtype, n in work.flops.items():
+        peak = device.peak_flops.get(dtype) or device.peak_flops.get("float32") or 1.0
+        compute += n / (float(conv) if conv else peak * device.flop_efficiency)
+    memory = work.bytes / (device.bandwidth_bytes_per_s * device.bandwidth_efficiency)
+    return compute + memory + work.ops * per_call
+
+
+def _sum(works: Iterable[Work]) -> Work:
+    total = Work()
+    for w in works:
+        total = total + w
+    return total
+
+
+class WorkTable:
+    """Work by (stage or :data:`OUTSIDE`, phase, group); phases ``forward``, ``backward``,
+    ``optimizer``."""
+
+    def __init__(self, table: Mapping[tuple[str, str, str, str], Work],
+                 spent: Mapping[tuple[str, str, str, str], float] | None = None) -> None:
+        self.table = dict(table)
+        # kernel seconds by the same keys, where the ops were timed as they ran
+        self.spent = dict(spent or {})
+
+    def kernel_seconds(self, stage: str, phase: str) -> float:
+        """The timed kernels' seconds of the stage's ops in ``phase`` (0 if untimed)."""
+        return sum(t for (s, p, _, _), t in self.spent.items() if s == stage and p == phase)
+
+    def work(self, stage: str, phase: str, groups: Iterable[str] = GROUPS) -> Work:
+        wanted = set(groups)
+        return _sum(w for (s, p, g, _), w in self.table.items()
+                    if s == stage and p == phase and g in wanted)
+
+    def time(self, stage: str, phase: str, device: Device,
+             groups: Iterable[str] = GROUPS) -> float:
+        """The stage's ops of ``groups`` in ``phase``, each priced by its own rate."""
+        wanted = set(groups)
+        return sum(seconds(w, device, op, phase) for (s, p, g, op), w in self.table.items()
+                   if s == stage and p == phase and g in wanted)
+
+    def forward(self, stage: str, device: Device) -> float:
+        return self.time(stage, "forward", device)
+
+    def backward(self, stage: str, device: Device) -> float:
+        return self.time(stage, "backward", device)
+
+    def replay(self, stage: str, option: str, device: Device) -> float:
+        """What ``option`` replays of the stage's forward in its backward."""
+        saved = _SAVED_GROUPS.get(option)
+        if saved is None:  # a policy of named ops: priced as replaying the whole forward
+            saved = ()
+        return self.time(stage, "forward", device, [g for g in GROUPS if g not in saved])
+
+    def outside(self, device: Device) -> float:
+        """The pre- and post-chain's forward and backward and the optimizer step."""
+        return sum(self.time(OUTSIDE, phase, device)
+                   for phase in ("forward", "backward", "optimizer"))

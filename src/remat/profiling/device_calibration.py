@@ -1,0 +1,133 @@
+"""``remat calibrate``: this machine's entry of the device table, measured.
+
+Three primitives, timed (medians): a float32 matmul's FLOP/s, an elementwise add's bytes
+per second (two operands read, one written) and one tiny op's launch cost. Then one
+model's profile (per stage, the measured forward and backward times) against the work
+counted in the same step (``remat.profiling.op_costs``): the two efficiency factors of
+the roofline (``remat.core.roofline``) are fitted to those times (least squares on the
+relative errors, each factor at most 1), so what the primitives miss on real kernels
+(small matrices, strided copies, the allocator) is in them. The entry keeps this
+machine's kernels (no stand-ins) and its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.devices import Device
+from remat.core.roofline import Work
+from remat.profiling.op_costs import count_work
+
+__all__ = ["Primitives", "calibrate_device", "primitives"]
+
+
+class Primitives:
+    def __init__(self, flops_per_s: float, bytes_per_s: float, op_s: float,
+                 conv_flops_per_s: float) -> None:
+        self.flops_per_s, self.bytes_per_s, self.op_s = flops_per_s, bytes_per_s, op_s
+        self.conv_flops_per_s = conv_flops_per_s
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def primitives(repeats: int = 7) -> Primitives:
+    """The three primitives (module docstring), on this machine's current threads."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm = _median_s(lambda: torch.mm(a, b), repeats)
+    big = 8 << 20  # 32 MiB of float32 per operand
+    x, y, out = torch.randn(big), torch.randn(big), torch.empty(big)
+    add = _median_s(lambda: torch.add(x, y, out=out), repeats)
+    one, two = torch.ones(1), torch.ones(1)
+    ops = 200
+    tiny = _median_s(lambda: [torch.add(one, two) for _ in range(ops)], repeats) / ops
+    # a 3x3 convolution as a ResNet's first stage runs it: CPU convolutions reach another
+    # rate than a square matmul, and a model calibrated without any still has one
+    image, weight = torch.randn(8, 64, 56, 56), torch.randn(64, 64, 3, 3)
+    conv = _median_s(lambda: torch.nn.functional.conv2d(image, weight, padding=1), repeats)
+    conv_flops = 2 * 8 * 64 * 64 * 9 * 56 * 56
+    return Primitives(2 * n**3 / mm, 3 * big * 4 / add, tiny, conv_flops / conv)
+
+
+def _memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def calibrate_device(
+    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+    *, name: str = "cpu", repeats: int = 3, optimizer: str = "adamw",
+    description: str = "",
+) -> tuple[Device, dict[str, Any]]:
+    """This machine's device entry, and how well it predicts the calibration model's own
+    stage times (for the report)."""
+    from remat.profiling.profiler import profile
+
+    prims = primitives()
+    measured = profile(model, batch, loss_fn, optimizer=optimizer, repeats=repeats,
+                       options=["keep"])
+    names = measured.stage_names
+    times: dict[str, tuple[float, Work]] = {}
+    # each op timed as it runs, a few steps: the median step's figures per op
+    runs = [dict(times)]
+    for _ in range(3):
+        found: dict[str, tuple[float, Work]] = {}
+        work = count_work(model, batch, loss_fn, names, optimizer, times=found)
+        runs.append(found)
+    for op in runs[-1]:
+        spent = statistics.median(r[op][0] for r in runs[1:] if op in r)
+        times[op] = (spent, runs[-1][op][1])
+    # what a call costs beyond its kernel (autograd's recording, Python, hooks): the
+    # measured stage times less their ops' kernel times, per op
+    # per phase: the measured stage times less their ops' kernel times, per call
+    call_s: dict[str, float] = {}
+    for phase, field in (("forward", "fwd_s"), ("backward", "bwd_s")):
+        total = sum(getattr(s, field) for s in measured.stages)
+        calls = sum(work.work(s.name, phase).ops for s in measured.stages)
+        kernels = sum(work.kernel_seconds(s.name, phase) for s in measured.stages)
+        call_s[phase] = max(prims.op_s, (total - kernels) / calls) if calls else prims.op_s
+    rates: dict[str, list[float]] = {}
+    for op, (spent, w) in times.items():
+        if w.total_flops:
+            rates[op] = [spent / w.total_flops, 0.0]
+        elif w.bytes:
+            rates[op] = [0.0, spent / w.bytes]
+    per_call = statistics.mean(call_s.values())
+    threads = torch.get_num_threads()
+    device = Device(
+        name=name, memory_bytes=_memory_bytes(),
+        peak_flops={"float32": prims.flops_per_s},
+        bandwidth_bytes_per_s=prims.bytes_per_s, fused_attention=False, fused_dropout=False,
+        flop_efficiency=1.0, bandwidth_efficiency=1.0, op_overhead_s=per_call,
+        source=(f"remat calibrate on {description or measured.model}, "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {threads} thread(s)"),
+        notes="this machine's CPU kernels, as a real profile runs them",
+        extra={"threads": threads, "op_rates": rates, "call_s": call_s,
+               "conv_flops_per_s": prims.conv_flops_per_s},
+    )
+    errors = []
+    for s in measured.stages:
+        for phase, t in (("forward", s.fwd_s), ("backward", s.bwd_s)):
+            if t > 0:
+                errors.append(work.time(s.name, phase, device) / t - 1)
+    report = {"stages": len(names), "rows": len(errors), "ops": len(rates),
+              "median_abs_error": statistics.median(abs(e) for e in errors) if errors else 0,
+              "max_abs_error": max((abs(e) for e in errors), default=0)}
+    return device, report

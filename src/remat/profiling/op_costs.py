@@ -1,0 +1,136 @@
+"""What one training step asks of the hardware, per stage: FLOPs, bytes moved, op count.
+
+One forward and backward (and the optimizer step) run under a dispatch mode that
+counts, for every aten op, its FLOPs (torch's ``torch.utils.flop_counter`` formulas:
+matmuls, convolutions, attention), the bytes of the tensors it reads and writes, and one
+op; each op is charged to the stage it ran in (``torch.utils.module_tracker``), forward
+or backward, and to its group (``matmul``, ``attention``, ``other``: what a selective
+option saves the output of). ``remat.core.roofline`` turns the counts into times for a
+device. Works on real and fake tensors alike; nothing is timed here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+from remat.core.roofline import OUTSIDE, Work, WorkTable
+from remat.measure.step import make_optimizer
+
+__all__ = ["count_work"]
+
+_aten = torch.ops.aten
+_MATMUL = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
+           _aten.convolution_backward, _aten._convolution}
+_CPU_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _attention_flops(packet: Any, args: Sequence[Any]) -> int:
+    """CPU's fused attention, which torch's table leaves out: its formulas for the CUDA
+    kernels of the same shapes."""
+    shapes = [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]
+    if packet is _CPU_FLASH:
+        return int(flop_counter.sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
+    # backward(grad_out, query, key, value, out, logsumexp, ...)
+    return int(flop_counter.sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2],
+                                                     shapes[3]))
+
+
+def _nbytes(values: Any) -> int:
+    leaves, _ = tree_flatten(values)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, stages: Sequence[str], modules: ModuleTracker, *,
+                 timed: bool = False) -> None:
+        super().__init__()
+        self.stages = tuple(stages)
+        self.modules = modules
+        self.phase = "forward"
+        self.table: dict[tuple[str, str, str, str], Work] = {}
+        self.timed = timed
+        # op name -> (seconds, work) over the step, and seconds by key, when timed
+        self.times: dict[str, tuple[float, Work]] = {}
+        self.spent: dict[tuple[str, str, str, str], float] = {}
+
+    def _stage(self) -> str:
+        # the tracker names a module by its path under the root's class name
+        parents = {p.split(".", 1)[1] if "." in p else p for p in self.modules.parents}
+        return next((s for s in self.stages if s in parents), OUTSIDE)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        packet = func._overloadpacket
+        if packet in flop_counter.flop_registry:
+            flops = int(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
+        elif packet in (_CPU_FLASH, _CPU_FLASH_BACKWARD):
+            flops = _attention_flops(packet, args)
+        else:
+            flops = 0
+        group = ("attention" if "attention" in packet.__name__
+                 else "matmul" if packet in _MATMUL else "other")
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in tree_flatten(args)[0]
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()), "float32")
+        phase = self.phase
+        if phase != "optimizer" and self.modules.is_bw:
+            phase = "backward"
+        op = packet.__name__
+        key = (self._stage() if phase != "optimizer" else OUTSIDE, phase, group, op)
+        # a view reads and writes nothing (detach, transpose, reshape of a contiguous
+        # tensor); it still costs its dispatch
+        moved = 0 if func.is_view else _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
+        work = Work(flops={dtype: flops} if flops else {}, bytes=moved, ops=1)
+        found = self.table.get(key)
+        self.table[key] = work if found is None else found + work
+        if self.timed:
+            spent, total = self.times.get(op, (0.0, Work()))
+            self.times[op] = (spent + elapsed, total + work)
+            self.spent[key] = self.spent.get(key, 0.0) + elapsed
+        return out
+
+
+def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+               stages: Sequence[str], optimizer: str | torch.optim.Optimizer = "adamw", *,
+               times: dict[str, tuple[float, Work]] | None = None) -> WorkTable:
+    """Per (stage or ``outside the chain``, phase, group, op): one training step's work.
+
+    ``times``: filled with each op's wall time and work over the step (``remat
+    calibrate``: on a real model, each op timed as it runs).
+
+    The parameters' gradients are freed afterwards; the optimizer runs on a copy of
+    nothing: its state is made and dropped, and the parameters it updates are put back.
+    """
+    modules = ModuleTracker()
+    counter = _Counter(stages, modules, timed=times is not None)
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt = make_optimizer(model, optimizer)
+    try:
+        with modules, counter:
+            loss = loss_fn(model, batch)
+            counter.phase = "backward"
+            loss.backward()
+            del loss
+            counter.phase = "optimizer"
+            opt.step()
+    finally:
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), saved, strict=True):
+                p.copy_(value)
+        opt.zero_grad(set_to_none=True)
+    if times is not None:
+        times.update(counter.times)
+    return WorkTable(counter.table, counter.spent)

@@ -1,0 +1,101 @@
+"""Times without the hardware: the op counter, the roofline, the device table, calibrate."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.cli import main
+from remat.core.devices import BUILT_IN, Device, get_device
+from remat.core.errors import UsageError
+from remat.core.roofline import OUTSIDE, Work, seconds
+from remat.models import load_model
+from remat.profiling.op_costs import count_work
+
+
+def _mlp(n: int = 64, d: int = 32) -> tuple[nn.Module, torch.Tensor, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+    return model, torch.randn(n, d), lambda m, x: m(x).square().mean()
+
+
+def test_a_stage_is_charged_its_matmul_flops_forward_and_backward() -> None:
+    n, d = 64, 32
+    model, batch, loss_fn = _mlp(n, d)
+    before = [p.detach().clone() for p in model.parameters()]
+    work = count_work(model, batch, loss_fn, ["0", "2"])
+    fwd = work.work("0", "forward", ["matmul"])
+    bwd = work.work("0", "backward", ["matmul"])
+    assert fwd.total_flops == 2 * n * d * 4 * d  # x @ W^T
+    # the input needs no gradient: only the weight's, one matmul of the same size
+    assert bwd.total_flops == 2 * n * d * 4 * d
+    assert work.work("2", "backward", ["matmul"]).total_flops == 2 * 2 * n * 4 * d * d
+    assert work.work("0", "forward", ["other"]).total_flops == 0
+    assert work.work(OUTSIDE, "optimizer").ops > 0  # AdamW's step is counted apart
+    # counting leaves the model as it was
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_roofline_adds_compute_memory_and_calls() -> None:
+    device = Device("x", 1 << 30, {"float32": 1e12}, 1e11, False, False,
+                    flop_efficiency=0.5, bandwidth_efficiency=0.25, op_overhead_s=1e-6)
+    work = Work({"float32": 10**12}, bytes=10**11, ops=3)
+    assert seconds(work, device) == pytest.approx(2.0 + 4.0 + 3e-6)
+    # a rate measured for the op replaces the generic one
+    measured = Device("y", 1 << 30, {"float32": 1e12}, 1e11, False, False,
+                      extra={"op_rates": {"mm": [1e-12, 0.0]}, "call_s": {"forward": 2e-6}})
+    assert seconds(work, measured, "mm", "forward") == pytest.approx(1.0 + 6e-6)
+
+
+def test_the_device_table_takes_entries_from_the_users_file(tmp_path: Any,
+                                                            monkeypatch: Any) -> None:
+    path = tmp_path / "devices.json"
+    monkeypatch.setenv("REMAT_DEVICES", str(path))
+    assert get_device("h100-sxm") == BUILT_IN["h100-sxm"]
+    path.write_text(json.dumps({"h100-sxm": {**BUILT_IN["a100-80gb"].to_dict()}}))
+    assert get_device("h100-sxm").memory_bytes == BUILT_IN["a100-80gb"].memory_bytes
+    path.write_text(json.dumps({"bad": {"memory_bytes": 1}}))
+    with pytest.raises(UsageError, match="device 'bad' is missing"):
+        get_device("bad")
+    path.write_text("{not json")
+    with pytest.raises(UsageError, match="cannot read the device table"):
+        get_device("cpu")
+
+
+def test_calibrate_writes_an_entry_that_prices_its_own_model(tmp_path: Any,
+                                                             capsys: Any) -> None:
+    out = tmp_path / "devices.json"
+    sets = ["--set=n_layer=2", "--set=n_embd=64", "--set=n_head=2", "--set=block_size=64"]
+    assert main(["calibrate", "--model", "gpt", *sets, "--repeats", "2", "--name", "here",
+                 "--out", str(out)]) == 0
+    assert "wrote here to" in capsys.readouterr().out
+    entry = Device.from_dict("here", json.loads(out.read_text())["here"])
+    assert entry.op_rates and entry.extra["conv_flops_per_s"] > 0
+    assert entry.call_seconds("forward") > 0
+    assert main(["calibrate", "--model", "gpt", *sets, "--repeats", "0"]) == 2
+
+
+def test_a_fake_profile_for_a_device_has_the_rooflines_times() -> None:
+    with remat.fake_mode():
+        model, batch, loss_fn = load_model("gpt", n_layer=2, n_embd=64, n_head=2,
+                                           block_size=64)
+    profile = remat.profile(model, batch, loss_fn, fake=True, device="h100-sxm")
+    assert profile.times_estimated and profile.device == "h100-sxm"
+    for s in profile.stages:
+        assert 0 < s.fwd_s < s.bwd_s  # backward does twice the matmul work
+        assert s.rebuild_s == s.fwd_s
+        # saving the matmuls' outputs leaves less to replay than saving nothing
+        assert s.extra_bwd_s["selective:save-matmuls"] < s.extra_bwd_s["selective:save-nothing"]
+    # identical stages, identical estimates; the step adds up its parts
+    assert len({s.fwd_s for s in profile.stages}) == 1
+    assert profile.step_s == pytest.approx(
+        profile.outside_chain_s + sum(s.fwd_s + s.bwd_s for s in profile.stages))
+    assert remat.Profile.from_dict(profile.to_dict()).times_estimated
+    plain = remat.profile(model, batch, loss_fn, fake=True)
+    assert not plain.times_estimated
