@@ -55,6 +55,8 @@ def main() -> None:
     device = "h100-sxm"
     lines = ["| model | where | no checkpointing | per-layer | remat | remat's plan | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
+    rates = ["| model | where | no checkpointing | per-layer | remat, largest | "
+             "remat, most samples/s |", "| --- | --- | --- | --- | --- | --- |"]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     commands = []
     for shape, fsdp in ROWS:
@@ -81,6 +83,17 @@ def main() -> None:
                f"{cell('optimal')} | {what} | {wall:.0f} |")
         lines.append(row)
         print(row, flush=True)
+
+        def rate(strategy: str, fits: dict = fits, size: bool = False) -> str:
+            f = fits.get(strategy) or fits["optimal"]
+            step = f.get("predicted_step_time_s")
+            if f["batch_size"] is None or not step:
+                return "-"
+            where = f"micro-batch {f['batch_size']}: " if size else ""
+            return f"{where}{step:.2f} s, {f['batch_size'] / step:.2f} samples/s"
+
+        rates.append(f"| {shape} | {where} | {rate('none')} | {rate('per-stage')} | "
+                     f"{rate('optimal')} | {rate('remat-fastest', size=True)} |")
     text = "\n".join([
         "# Sizing Llama-2 runs on 80 GiB devices from a laptop",
         "",
@@ -92,9 +105,16 @@ def main() -> None:
         "and AdamW state in bf16), attention as the device's fused kernel. Cells: the largest "
         "micro-batch whose whole training step is predicted within the device's memory, and "
         "that step's predicted peak. Fake profiles at micro-batches 1 and 2, fitted "
-        "linearly; times are not modelled yet.",
+        "linearly.",
         "",
         *lines,
+        "",
+        "The same micro-batches' step times and samples per second per device (per rank),"
+        " as the roofline estimates them for the device (assumed efficiencies: 0.6 of the"
+        " FLOP peak, 0.7 of the bandwidth, 5 us a call; an estimate, never checked on an"
+        " H100):",
+        "",
+        *rates,
         "",
         "Each row's command:",
         "",

@@ -115,7 +115,7 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     """``--largest-batch``: each strategy's largest micro-batch under the budget."""
     from rich.table import Table
 
-    from remat.core.sizing import STRATEGIES, largest_batch
+    from remat.core.sizing import STRATEGIES, Fit, fastest_batch, largest_batch
 
     budget = _bytes_budget(args.budget)
     scaled = _scaled(args, source)
@@ -128,8 +128,15 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     for column in columns:
         table.add_column(column)
     rows = []
-    for strategy in STRATEGIES:
-        fit = largest_batch(scaled, budget, strategy, transform=transform)
+    fits = [largest_batch(scaled, budget, strategy, transform=transform)
+            for strategy in STRATEGIES]
+    remat_fit = fits[-1]
+    if timed and remat_fit.batch_size is not None:  # where remat trains fastest
+        fastest = fastest_batch(scaled, budget, remat_fit.batch_size, transform=transform)
+        if fastest.batch_size != remat_fit.batch_size:
+            fits.append(Fit("remat-fastest", fastest.batch_size, fastest.plan))
+    for fit in fits:
+        strategy = fit.strategy
         peak = None if fit.plan is None else fit.plan.predicted_peak_bytes
         step = None if fit.plan is None else fit.plan.predicted_step_time_s
         rate = fit.batch_size / step if step and fit.batch_size else None
@@ -165,7 +172,7 @@ def _summary(plan: Any) -> str:
 
 
 _STRATEGY_NAMES = {"none": "no checkpointing", "per-stage": "per-layer checkpointing",
-                   "optimal": "remat (optimal)"}
+                   "optimal": "remat (optimal)", "remat-fastest": "remat, most samples/s"}
 
 
 def _problem_source(args: argparse.Namespace) -> Any:

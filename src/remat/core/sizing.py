@@ -20,7 +20,7 @@ from remat.core.profile_format import Profile
 from remat.core.solve import SOLVERS, solve
 from remat.core.solve.problem import Problem
 
-__all__ = ["STRATEGIES", "Fit", "largest_batch"]
+__all__ = ["STRATEGIES", "Fit", "fastest_batch", "largest_batch"]
 
 #: The strategies compared: no checkpointing, per-layer checkpointing, remat's plan.
 STRATEGIES = ("none", "per-stage", "optimal")
@@ -37,6 +37,47 @@ class Fit:
     plan: Plan | None
 
 
+def _plan_at(profile: Profile, strategy: str, n: int, budget_bytes: int,
+             transform: Callable[[Problem], Problem] | None) -> Plan | None:
+    from remat.core.planner import to_problem
+    from remat.core.transforms import at_batch_size
+
+    problem = to_problem(at_batch_size(profile, n))
+    if transform is not None:
+        problem = transform(problem)
+    try:
+        found = solve(strategy, problem, budget_bytes)
+    except CheckFailed:
+        return None
+    peak = found.predicted_peak_bytes
+    return found if peak is not None and peak <= budget_bytes else None
+
+
+def fastest_batch(
+    profile: Profile,
+    budget_bytes: int,
+    largest: int,
+    *,
+    transform: Callable[[Problem], Problem] | None = None,
+) -> Fit:
+    """Among the micro-batches up to ``largest`` (every one up to 64, then 1.25x apart,
+    and ``largest``), the one where remat's plan gives the most samples per second; the
+    largest micro-batch often needs so much rebuilding that a smaller one trains faster."""
+    sizes = set(range(1, min(largest, 64) + 1)) | {largest}
+    n = 64.0
+    while n < largest:
+        sizes.add(int(n))
+        n *= 1.25
+    best = Fit("optimal", None, None)
+    best_rate = 0.0
+    for size in sorted(sizes):
+        plan = _plan_at(profile, "optimal", size, budget_bytes, transform)
+        step = None if plan is None else plan.predicted_step_time_s
+        if step and size / step > best_rate:
+            best, best_rate = Fit("optimal", size, plan), size / step
+    return best
+
+
 def largest_batch(
     profile: Profile,
     budget_bytes: int,
@@ -47,9 +88,6 @@ def largest_batch(
 ) -> Fit:
     """The largest micro-batch at which ``strategy``'s plan is predicted within
     ``budget_bytes`` (``transform``: applied to each problem, e.g. one rank's under FSDP)."""
-    from remat.core.planner import to_problem
-    from remat.core.transforms import at_batch_size
-
     if strategy not in SOLVERS:
         raise UsageError(f"strategy {strategy!r} is not known; choose one of "
                          f"{', '.join(STRATEGIES)}")
@@ -58,15 +96,7 @@ def largest_batch(
                          "(remat.profiling.profiler.profile_scaling)")
 
     def plan_at(n: int) -> Plan | None:
-        problem = to_problem(at_batch_size(profile, n))
-        if transform is not None:
-            problem = transform(problem)
-        try:
-            found = solve(strategy, problem, budget_bytes)
-        except CheckFailed:
-            return None
-        peak = found.predicted_peak_bytes
-        return found if peak is not None and peak <= budget_bytes else None
+        return _plan_at(profile, strategy, n, budget_bytes, transform)
 
     best = plan_at(1)
     if best is None:
