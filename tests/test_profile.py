@@ -507,3 +507,14 @@ def test_cli_bad_stage_path_is_one_line_and_exit_2(capsys: pytest.CaptureFixture
     assert err.startswith("remat profile: error:") and "blocks.9" in err
     assert "\n" not in err and "Traceback" not in err
     assert captured.out == ""
+
+
+def test_a_selective_option_profiles_without_save_nothing_asked_for() -> None:
+    """The replay save-nothing's step measures (for stages an option does not touch) is
+    not priced when save-nothing itself was not asked for."""
+    model, batch, loss_fn = load_model("gpt", n_layer=2, n_embd=32, n_head=2, block_size=16,
+                                       vocab_size=64, batch_size=2)
+    found = profile(model, batch, loss_fn, repeats=1,
+                    options=["keep", "selective:save-attention"])
+    assert all(set(s.saved_bytes) == {"keep", "selective:save-attention"}
+               for s in found.stages)

@@ -59,6 +59,9 @@ def calibrated(profile: Profile, m: Measurements) -> Profile:
     short = {
         option: _shortfall(profile, Plan(names, options=(option,) * len(names)), spans)
         for option, spans in m.selective_backward.items()
+        # save-nothing's replay is measured for stages an option does not touch, also
+        # where save-nothing itself was not asked for (no stage prices it then)
+        if all(option in s.saved_bytes for s in profile.stages)
     }
     stages = []
     for i, s in enumerate(profile.stages):
