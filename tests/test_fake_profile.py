@@ -173,6 +173,20 @@ def test_a_chain_of_stages_that_differ_is_profiled_whole() -> None:
 # Against Korthikanti et al. 2022: activation bytes per layer of a Megatron GPT layer
 
 
+def _two_fp16_layers(make: Any, shape: tuple[int, ...]) -> tuple[torch.nn.Module, Any]:
+    """Two layers from ``make()`` and an input of ``shape``, fake, in float16."""
+    torch.set_default_dtype(torch.float16)
+    try:
+        with remat.fake_mode():
+            return torch.nn.Sequential(make(), make()), torch.randn(*shape)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _square_mean(m: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+    return m(t).float().square().mean()
+
+
 class _MegatronLayer(torch.nn.Module):
     """Their layer: LayerNorm, QKV, softmax attention with dropout (the math kernel),
     projection and dropout, residual; LayerNorm, 4h GELU MLP, dropout, residual. (s, b, h)."""
@@ -200,15 +214,8 @@ class _MegatronLayer(torch.nn.Module):
 def test_a_megatron_layer_saves_what_korthikanti_counts_plus_what_torch_adds(
     s: int, b: int, h: int, a: int
 ) -> None:
-    torch.set_default_dtype(torch.float16)
-    try:
-        with remat.fake_mode():
-            model = torch.nn.Sequential(_MegatronLayer(h, a), _MegatronLayer(h, a))
-            x = torch.randn(s, b, h)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    profile = remat.profile(model, x, lambda m, t: m(t).float().square().mean(), fake=True,
-                            options=["keep"])
+    model, x = _two_fp16_layers(lambda: _MegatronLayer(h, a), (s, b, h))
+    profile = remat.profile(model, x, _square_mean, fake=True, options=["keep"])
     layer = profile.stages[1]
     counted = layer.saved_bytes["keep"] + layer.boundary_bytes  # the input is saved too
     paper = s * b * h * (34 + 5 * a * s / h)  # 16-bit, dropout masks of 1 byte
@@ -222,16 +229,9 @@ def test_a_megatron_layer_saves_what_korthikanti_counts_plus_what_torch_adds(
     assert counted == paper + mask_extra + stats
 
 
-class _FusedMegatronLayer(torch.nn.Module):
+class _FusedMegatronLayer(_MegatronLayer):
     """Their layer with attention as one fused call (dropout inside it), batch first as
     transformers lays it out: (b, s, h)."""
-
-    def __init__(self, h: int, a: int, p: float = 0.1) -> None:
-        super().__init__()
-        self.a, self.p = a, p
-        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
-        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
@@ -247,15 +247,9 @@ class _FusedMegatronLayer(torch.nn.Module):
 def test_on_an_accelerator_a_fused_attention_layer_keeps_korthikantis_34_sbh(
     s: int, b: int, h: int, a: int
 ) -> None:
-    torch.set_default_dtype(torch.float16)
-    try:
-        with remat.fake_mode():
-            model = torch.nn.Sequential(_FusedMegatronLayer(h, a), _FusedMegatronLayer(h, a))
-            x = torch.randn(b, s, h)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    profile = remat.profile(model, x, lambda m, t: m(t).float().square().mean(), fake=True,
-                            options=["keep"], device="h100-sxm")
+    model, x = _two_fp16_layers(lambda: _FusedMegatronLayer(h, a), (b, s, h))
+    profile = remat.profile(model, x, _square_mean, fake=True, options=["keep"],
+                            device="h100-sxm")
     assert profile.device == "h100-sxm"
     assert profile.kernels == {"0": {"flash": 1}, "1": {"flash": 1}}
     layer = profile.stages[1]
@@ -269,8 +263,7 @@ def test_on_an_accelerator_a_fused_attention_layer_keeps_korthikantis_34_sbh(
     assert abs(counted / paper - 1) < 0.05
     # on this machine's kernels the same layer keeps the probabilities (math kernel, as
     # CPU runs attention with dropout): far above
-    cpu = remat.profile(model, x, lambda m, t: m(t).float().square().mean(), fake=True,
-                        options=["keep"])
+    cpu = remat.profile(model, x, _square_mean, fake=True, options=["keep"])
     assert cpu.stages[1].saved_bytes["keep"] > layer.saved_bytes["keep"] + a * s * s * b
 
 
