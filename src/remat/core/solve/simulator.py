@@ -148,6 +148,10 @@ class Simulation:
     peak_event: str
     time: StepTime
     forward_runs: tuple[int, ...]  # how many times each stage's forward ran in full
+    # what the step holds from its forward to its backward beyond parameters, optimizer
+    # state and the input: the saved tensors and boundaries its plan keeps, the chain's
+    # output (a pipeline rank holds this much more per micro-batch in flight)
+    kept_bytes: int = 0
 
     @cached_property
     def events(self) -> tuple[Event, ...]:
@@ -703,6 +707,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.event("forward pre-chain", w.forward_flat if p.collective_copies else 0)
     top = plan_tree(plan)
     w.forward_level(top)
+    kept = w.live - p.params_bytes - p.optimizer_bytes - p.input_bytes
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
     w.end_forward()
@@ -759,7 +764,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         outside_chain_s=p.outside_chain_s,
     )
     return Simulation(tuple(w.labels), tuple(w.lives), peak_bytes, w.labels[peak], time,
-                      tuple(w.runs))
+                      tuple(w.runs), kept)
 
 
 def baseline_time(problem: Problem) -> StepTime:

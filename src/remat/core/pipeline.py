@@ -1,0 +1,149 @@
+"""Pipeline parallelism on paper: each rank's peak and the pipeline's step time.
+
+Under pipeline parallelism each rank runs its own chain of stages, one micro-batch at a
+time, and holds several micro-batches' activations at once: how many depends on the
+schedule and the rank. With ``p`` ranks and ``m`` micro-batches, GPipe runs every
+forward before any backward, so every rank holds all ``m``; 1F1B (torch's
+``Schedule1F1B``) runs ``min(p - r, m)`` forwards on rank ``r`` before its first
+backward and then alternates, so rank ``r`` holds at most that many. A rank's peak is
+then its one-micro-batch step peak (the simulator's, under its own plan) plus what each
+other micro-batch in flight keeps from its forward to its backward
+(``Simulation.kept_bytes``): exact where the one-micro-batch peak falls in backward, an
+upper bound otherwise.
+
+The step time comes from the schedule itself: every rank runs its ops in the schedule's
+order, a forward after the previous rank's forward of the same micro-batch (and a send),
+a backward after the next rank's backward of it; a rebuild is part of the backward it
+serves, so checkpointing on a rank that waits in the bubble costs the pipeline little
+and on the slowest rank it stretches the whole step. With equal ranks and no sends the
+step is ``(m + p - 1) * (F + B)`` for both schedules (tests check it). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
+from remat.core.solve.problem import Problem
+from remat.core.solve.simulator import simulate
+
+__all__ = ["SCHEDULES", "PipelineStep", "RankCost", "in_flight", "pipeline_step",
+           "rank_cost", "schedule_order", "step_time"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _check(schedule: str, ranks: int, microbatches: int) -> None:
+    if schedule not in SCHEDULES:
+        raise UsageError(f"schedule {schedule!r} is not known; choose one of "
+                         f"{', '.join(SCHEDULES)}")
+    for name, value in (("ranks", ranks), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name}={value!r} must be a whole number >= 1")
+
+
+def in_flight(schedule: str, rank: int, ranks: int, microbatches: int) -> int:
+    """How many micro-batches rank ``rank`` holds at once at most (module docstring)."""
+    _check(schedule, ranks, microbatches)
+    if not 0 <= rank < ranks:
+        raise UsageError(f"rank {rank} is outside 0..{ranks - 1}")
+    return microbatches if schedule == "gpipe" else min(ranks - rank, microbatches)
+
+
+def schedule_order(schedule: str, rank: int, ranks: int, microbatches: int
+                   ) -> list[tuple[str, int]]:
+    """Rank ``rank``'s ops in order: ``("F", i)`` and ``("B", i)`` for micro-batch ``i``."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = in_flight(schedule, rank, ranks, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m):  # then one backward, one forward while forwards remain
+        order.append(("B", i))
+        if warmup + i < m:
+            order.append(("F", warmup + i))
+    return order
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One micro-batch on one rank under its plan."""
+
+    forward_s: float  # its forward
+    backward_s: float  # its backward with the rebuilds and options it runs
+    outside_s: float  # once per step: the optimizer step and what is outside the chain
+    peak_bytes: int  # the one-micro-batch step's peak
+    kept_bytes: int  # what it holds from its forward to its backward
+
+
+def rank_cost(plan: Plan, problem: Problem) -> RankCost:
+    """A rank's cost from the simulator (the problem is the rank's, for one micro-batch)."""
+    sim = simulate(plan, problem)
+    t = sim.time
+    return RankCost(
+        forward_s=t.forward_s,
+        backward_s=t.backward_s + t.rebuild_s + t.option_s + t.overhead_s,
+        outside_s=t.outside_chain_s,
+        peak_bytes=sim.peak_bytes,
+        kept_bytes=sim.kept_bytes,
+    )
+
+
+def step_time(costs: Sequence[RankCost], schedule: str, microbatches: int,
+              send_s: float = 0.0) -> float:
+    """The pipeline's step: when the last rank finishes its last op and its once-a-step
+    work, every op run in its rank's order as soon as what it needs is done."""
+    p = len(costs)
+    _check(schedule, p, microbatches)
+    orders = [schedule_order(schedule, r, p, microbatches) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, rank, micro-batch) -> finish
+    free = [0.0] * p
+    nxt = [0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            if nxt[r] >= len(orders[r]):
+                continue
+            kind, i = orders[r][nxt[r]]
+            if kind == "F":
+                needs = [("F", r - 1, i)] if r > 0 else []
+                took = costs[r].forward_s
+            else:
+                needs = [("F", r, i)] + ([("B", r + 1, i)] if r < p - 1 else [])
+                took = costs[r].backward_s
+            if any(n not in done for n in needs):
+                continue
+            ready = max([free[r], *(done[n] + (send_s if n[1] != r else 0.0)
+                                    for n in needs)])
+            free[r] = done[(kind, r, i)] = ready + took
+            nxt[r] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:  # the orders are built deadlock-free; this guards a bad one
+            raise AssertionError("the pipeline schedule deadlocked")
+    return max(free[r] + costs[r].outside_s for r in range(p))
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """Each rank's peak and in-flight count, and the pipeline's step time."""
+
+    peaks: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    step_s: float
+
+
+def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: str,
+                  microbatches: int, send_s: float = 0.0) -> PipelineStep:
+    """Per rank ``r``, ``plans[r]`` on ``problems[r]`` (one micro-batch of its chain)."""
+    if len(plans) != len(problems) or not plans:
+        raise UsageError("give one plan per rank's problem, for at least one rank")
+    p = len(plans)
+    costs = [rank_cost(plan, problem) for plan, problem in zip(plans, problems, strict=True)]
+    counts = tuple(in_flight(schedule, r, p, microbatches) for r in range(p))
+    peaks = tuple(c.peak_bytes + (k - 1) * c.kept_bytes
+                  for c, k in zip(costs, counts, strict=True))
+    return PipelineStep(peaks, counts, step_time(costs, schedule, microbatches, send_s))

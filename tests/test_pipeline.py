@@ -1,0 +1,87 @@
+"""Pipeline parallelism on paper (remat.core.pipeline): in-flight micro-batches per rank,
+the schedule's step time against its closed form, per-rank peaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from remat.core.errors import UsageError
+from remat.core.pipeline import (
+    RankCost,
+    in_flight,
+    pipeline_step,
+    rank_cost,
+    schedule_order,
+    step_time,
+)
+from remat.core.plan_format import Plan, Region
+from remat.core.solve.problem import Problem
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _equal_ranks(p: int, forward_s: float, backward_s: float) -> list[RankCost]:
+    return [RankCost(forward_s, backward_s, 0.0, 0, 0)] * p
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 4), (4, 8), (4, 2), (3, 7)])
+@pytest.mark.parametrize(("f", "b"), [(1.0, 2.0), (1.0, 1.0), (3.0, 1.0)])
+def test_equal_ranks_take_m_plus_p_minus_one_forward_and_backward(
+    schedule: str, p: int, m: int, f: float, b: float
+) -> None:
+    assert step_time(_equal_ranks(p, f, b), schedule, m) == pytest.approx((m + p - 1) * (f + b))
+
+
+def test_in_flight_micro_batches_per_rank_as_measured_with_torch_pipelining() -> None:
+    # issue 19: 2 ranks, 4 micro-batches: GPipe keeps 4 on both, 1F1B 2 on the first and
+    # 1 on the last
+    assert [in_flight("gpipe", r, 2, 4) for r in range(2)] == [4, 4]
+    assert [in_flight("1f1b", r, 2, 4) for r in range(2)] == [2, 1]
+    assert [in_flight("1f1b", r, 4, 2) for r in range(4)] == [2, 2, 2, 1]
+    # each rank runs every micro-batch's forward and backward once, a forward first
+    for schedule in ("gpipe", "1f1b"):
+        for r in range(4):
+            order = schedule_order(schedule, r, 4, 8)
+            assert sorted(order) == sorted([(k, i) for k in "FB" for i in range(8)])
+            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(8))
+    with pytest.raises(UsageError, match="schedule 'zb'"):
+        in_flight("zb", 0, 2, 4)
+    with pytest.raises(UsageError, match="rank 2 is outside"):
+        in_flight("1f1b", 2, 2, 4)
+
+
+def test_a_rebuild_on_the_slowest_rank_stretches_the_step_more_than_one_in_the_bubble(
+) -> None:
+    slow, fast = RankCost(2.0, 4.0, 0.0, 0, 0), RankCost(1.0, 2.0, 0.0, 0, 0)
+    base = step_time([fast, slow], "1f1b", 8)
+
+    def with_rebuild(c: RankCost) -> RankCost:
+        return RankCost(c.forward_s, c.backward_s + 1.0, 0.0, 0, 0)
+
+    on_fast = step_time([with_rebuild(fast), slow], "1f1b", 8) - base
+    on_slow = step_time([fast, with_rebuild(slow)], "1f1b", 8) - base
+    assert 0 <= on_fast < on_slow
+    assert on_slow == pytest.approx(8.0)  # every micro-batch's backward on the critical rank
+
+
+def test_a_rank_peaks_at_its_one_micro_batch_peak_plus_what_the_others_in_flight_keep(
+) -> None:
+    problem = Problem.load(FIXTURES / "chain_uniform_8.json")
+    names = problem.stage_names
+    keep = Plan(names)
+    per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
+    kept = {name: rank_cost(plan, problem).kept_bytes
+            for name, plan in (("keep", keep), ("per-stage", per_stage))}
+    assert 0 < kept["per-stage"] < kept["keep"]
+    for plan in (keep, per_stage):
+        one = rank_cost(plan, problem)
+        gpipe = pipeline_step([plan, plan], [problem, problem], "gpipe", 4)
+        ofob = pipeline_step([plan, plan], [problem, problem], "1f1b", 4)
+        assert gpipe.peaks == (one.peak_bytes + 3 * one.kept_bytes,) * 2
+        assert ofob.peaks == (one.peak_bytes + one.kept_bytes, one.peak_bytes)
+        assert gpipe.step_s == pytest.approx(ofob.step_s)  # equal ranks: the same bubble
+    with pytest.raises(UsageError, match="one plan per rank"):
+        pipeline_step([keep], [problem, problem], "gpipe", 4)
