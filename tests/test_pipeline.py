@@ -85,3 +85,27 @@ def test_a_rank_peaks_at_its_one_micro_batch_peak_plus_what_the_others_in_flight
         assert gpipe.step_s == pytest.approx(ofob.step_s)  # equal ranks: the same bubble
     with pytest.raises(UsageError, match="one plan per rank"):
         pipeline_step([keep], [problem, problem], "gpipe", 4)
+
+
+def test_per_rank_plans_fit_every_rank_and_are_no_slower_than_uniform_per_layer() -> None:
+    """1F1B over 2 ranks with 4 micro-batches: the first rank holds 2, the last 1, so at
+    a budget the last fits without checkpointing the first must checkpoint; the plans fit
+    and the pipeline is no slower than per-layer checkpointing everywhere (what
+    frameworks apply uniformly)."""
+    from remat.core.pipeline import plan_pipeline
+    from remat.core.solve import simulate
+
+    problem = Problem.load(FIXTURES / "chain_uniform_8.json")
+    names = problem.stage_names
+    per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
+    uniform = pipeline_step([per_stage] * 2, [problem] * 2, "1f1b", 4)
+    budget = simulate(Plan(names), problem).peak_bytes  # one micro-batch, no checkpointing
+    assert max(uniform.peaks) <= budget
+    plans, step = plan_pipeline([problem] * 2, budget, "1f1b", 4)
+    assert all(peak <= budget for peak in step.peaks)
+    assert step.step_s <= uniform.step_s + 1e-12
+    kept = [rank_cost(plan, problem).kept_bytes for plan in plans]
+    assert kept[0] < kept[1]  # the rank with more in flight keeps less per micro-batch
+    assert not plans[1].regions  # the last rank holds one: it needs no checkpointing
+    with pytest.raises(Exception, match="no plan of pipeline rank 0 fits"):
+        plan_pipeline([problem] * 2, budget // 4, "gpipe", 4)

@@ -30,7 +30,7 @@ from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
 
 __all__ = ["SCHEDULES", "PipelineStep", "RankCost", "in_flight", "pipeline_step",
-           "rank_cost", "schedule_order", "step_time"]
+           "plan_pipeline", "rank_cost", "schedule_order", "step_time"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -147,3 +147,75 @@ def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: 
     peaks = tuple(c.peak_bytes + (k - 1) * c.kept_bytes
                   for c, k in zip(costs, counts, strict=True))
     return PipelineStep(peaks, counts, step_time(costs, schedule, microbatches, send_s))
+
+
+# -- choosing every rank's plan ---------------------------------------------------------
+
+#: Single-micro-batch budgets tried per rank, between its smallest peak and no limit.
+BUDGET_STEPS = 12
+
+
+def _candidates(problem: Problem, budget: int, count: int) -> list[tuple[Plan, RankCost]]:
+    """The rank's optimal plans at a ladder of one-micro-batch budgets that still fit
+    ``budget`` with ``count`` micro-batches in flight, fastest first."""
+    from remat.core.errors import CheckFailed
+    from remat.core.solve import solvers
+
+    least = solvers.minimum_budget(problem)
+    most = simulate(Plan(problem.stage_names), problem).peak_bytes
+    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], tuple[Plan, RankCost]] = {}
+    for k in range(BUDGET_STEPS + 1):
+        single = least + (most - least) * k // BUDGET_STEPS
+        try:
+            plan = solvers.optimal(problem, single)
+        except CheckFailed:
+            continue
+        cost = rank_cost(plan, problem)
+        if cost.peak_bytes + (count - 1) * cost.kept_bytes <= budget:
+            found[(tuple((r.start, r.stop) for r in plan.regions), tuple(plan.options))] = (
+                plan, cost)
+    ranked = sorted(found.values(), key=lambda pc: pc[1].forward_s + pc[1].backward_s)
+    return ranked
+
+
+def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
+                  microbatches: int, send_s: float = 0.0) -> tuple[list[Plan], PipelineStep]:
+    """Every rank's plan for the pipeline's step time under ``budget`` bytes per rank.
+
+    Per rank, candidates are its optimal plans at a ladder of one-micro-batch budgets
+    whose peak with the rank's micro-batches in flight fits ``budget`` (early ranks hold
+    more under 1F1B, so they get tighter plans); then, starting from every rank's fastest
+    candidate, each rank in turn takes the candidate that shortens the pipeline's step
+    most, until none does: a rank off the critical path may keep a slower plan. Raises
+    CheckFailed when a rank has no plan that fits.
+    """
+    from remat.core.errors import CheckFailed
+
+    p = len(problems)
+    counts = [in_flight(schedule, r, p, microbatches) for r in range(p)]
+    options = [_candidates(problem, budget, k) for problem, k in zip(problems, counts,
+                                                                      strict=True)]
+    for r, found in enumerate(options):
+        if not found:
+            raise CheckFailed(f"no plan of pipeline rank {r} fits {budget} bytes with its "
+                              f"{counts[r]} micro-batches in flight; raise the budget or "
+                              "use fewer micro-batches in flight")
+    chosen = [0] * p
+
+    def time_of(choice: Sequence[int]) -> float:
+        return step_time([options[r][c][1] for r, c in enumerate(choice)], schedule,
+                         microbatches, send_s)
+
+    best = time_of(chosen)
+    improved = True
+    while improved:
+        improved = False
+        for r in range(p):
+            for c in range(len(options[r])):
+                trial = list(chosen)
+                trial[r] = c
+                t = time_of(trial)
+                if t < best - 1e-12:
+                    best, chosen, improved = t, trial, True
+    plans = [options[r][c][0] for r, c in enumerate(chosen)]
+    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s)
