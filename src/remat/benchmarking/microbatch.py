@@ -21,11 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from remat.core.errors import CheckFailed
 from remat.core.plan_format import Plan
-from remat.core.planner import plan as make_plan
 from remat.core.planner import to_problem
 from remat.core.profile_format import Profile
+from remat.core.sizing import plan_at
 from remat.core.transforms import accumulating, at_batch_size
 from remat.core.units import format_bytes
 from remat.measure import measure_step
@@ -57,14 +56,12 @@ def _plan_at(profile: Profile, strategy: str, size: int, budget: int,
     :func:`remat.core.transforms.accumulating`), whose events hold at least as much as the
     first one's.
     """
-    problem = to_problem(at_batch_size(profile, size))
-    if len(split(global_batch, size)) > 1:
-        problem = accumulating(problem)
+    transform = accumulating if len(split(global_batch, size)) > 1 else None
     if strategy in REMAT:
-        try:
-            return make_plan(problem, budget, "optimal")
-        except CheckFailed:
-            return None
+        return plan_at(profile, "optimal", size, budget, transform)
+    problem = to_problem(at_batch_size(profile, size))
+    if transform is not None:
+        problem = transform(problem)
     plan = baseline_plan(problem, strategy)
     assert plan.predicted_peak_bytes is not None
     return plan if plan.predicted_peak_bytes <= budget else None

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
 from remat.core.units import format_bytes
 
 from .plots import PLOT_HINT, plot_all
 from .results import BenchReport, Finding, Row
 
-__all__ = ["ReportFiles", "markdown", "options_summary", "write_report"]
+__all__ = ["ReportFiles", "markdown", "options_summary", "plan_summary", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ def options_summary(options: Sequence[str]) -> str:
     """``keep x5, selective:save-attention x3`` (in first-seen order)."""
     counts = Counter(options)
     return ", ".join(f"{o} x{n}" for o, n in counts.items()) or "-"
+
+
+def plan_summary(plan: Plan) -> str:
+    """``regions [0, 2) [2, 5); options keep x8``."""
+    regions = " ".join(str(r) for r in plan.regions) or "none"
+    return f"regions {regions}; options {options_summary(plan.options)}"
 
 
 def _size(n: int | None) -> str:

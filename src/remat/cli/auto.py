@@ -126,7 +126,7 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
 
 
 def render(report: AutoReport, console: Console, *, one_thread: bool = False) -> None:
-    from remat.benchmarking.report import options_summary
+    from remat.benchmarking.report import plan_summary
     from remat.core.coverage import coverage_lines
     from remat.core.units import format_bytes
 
@@ -136,8 +136,7 @@ def render(report: AutoReport, console: Console, *, one_thread: bool = False) ->
     if report.profile is not None:
         for line in coverage_lines(report.profile):
             console.print(line)
-    regions = " ".join(str(r) for r in plan.regions) or "none"
-    console.print(f"plan: regions {regions}; options {options_summary(plan.options)}")
+    console.print(f"plan: {plan_summary(plan)}")
     verdict = "within the budget" if report.within_budget else "[bold red]OVER the budget[/]"
     console.print(
         f"peak: predicted {format_bytes(report.predicted_peak_bytes)}, measured "

@@ -16,10 +16,11 @@ def add_parser(sub: Any, name: str) -> None:
         name,
         help="measure this machine's FLOP/s, bandwidth and op cost into the device table",
         description=(
-            "Time a matmul, an elementwise add and a tiny op, profile one model and fit the "
-            "roofline's efficiency factors to its stages' measured times; write the entry "
-            "(default name cpu) into the device table ($REMAT_DEVICES or "
-            "~/.config/remat/devices.json) for fake profiles' times (docs/fake.md)."
+            "Time a matmul, an elementwise add, a tiny op and a convolution, profile one "
+            "model and time each of its ops as it runs (each op's rate, and what a call "
+            "costs beyond its kernel); write the entry (default name cpu) into the device "
+            "table ($REMAT_DEVICES or ~/.config/remat/devices.json) for fake profiles' "
+            "times (docs/fake.md)."
         ),
     )
     add_model_options(p)
@@ -54,10 +55,11 @@ def run(args: argparse.Namespace) -> int:
     console = console_for(args.json)
     console.print(
         f"{device.name}: matmul {device.peak_flops['float32'] / 1e9:.1f} GFLOP/s, add "
-        f"{device.bandwidth_bytes_per_s / 1e9:.1f} GB/s, one op {device.op_overhead_s * 1e6:.1f}"
-        f" us; fitted on {description} ({report['rows']} stage times): flop efficiency "
-        f"{device.flop_efficiency:.2f}, bandwidth efficiency {device.bandwidth_efficiency:.2f};"
-        f" stage times predicted within {report['median_abs_error']:.0%} (median), "
+        f"{device.bandwidth_bytes_per_s / 1e9:.1f} GB/s, a call beyond its kernel "
+        f"{device.call_seconds('forward') * 1e6:.1f} us in forward and "
+        f"{device.call_seconds('backward') * 1e6:.1f} us in backward; {report['ops']} ops' "
+        f"rates from {description}, whose {report['rows']} stage times it prices within "
+        f"{report['median_abs_error']:.0%} (median), "
         f"{report['max_abs_error']:.0%} (largest); memory {format_bytes(device.memory_bytes)}")
     console.print(f"wrote {device.name} to {path}")
     write_json({"device": device.name, **device.to_dict(), "fit": report}, args.json)

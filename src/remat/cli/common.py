@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remat.core.errors import UsageError
+from remat.core.units import first_names
 
 if TYPE_CHECKING:
     from remat.core.profile_format import Profile
@@ -211,13 +212,9 @@ def kernel_lines(result: Profile) -> list[str]:
             by_kernel.setdefault(kernel, []).append(f"{stage} x{n}" if n > 1 else stage)
     if not by_kernel:
         return [f"device {result.device}: no attention calls; dropout keeps a 1-byte mask"]
-    parts = [f"{kernel} in {shown(stages)}" for kernel, stages in by_kernel.items()]
+    parts = [f"{kernel} in {first_names(stages)}" for kernel, stages in by_kernel.items()]
     return [f"device {result.device}: attention assumed to run {'; '.join(parts)} "
             "(keeps its output and log-sum-exp, no S x S matrix; docs/fake.md)"]
-
-
-def shown(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def load_for_profile(

@@ -115,6 +115,7 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     """``--largest-batch``: each strategy's largest micro-batch under the budget."""
     from rich.table import Table
 
+    from remat.benchmarking.report import plan_summary
     from remat.core.sizing import STRATEGIES, Fit, fastest_batch, largest_batch
 
     budget = _bytes_budget(args.budget)
@@ -146,7 +147,7 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
             "-" if peak is None else format_bytes(peak),
             *([("-" if step is None else f"{step:.3g} s"), ("-" if rate is None
                else f"{rate:.3g}")] if timed else []),
-            "-" if fit.plan is None else _summary(fit.plan))
+            "-" if fit.plan is None else plan_summary(fit.plan))
         rows.append({"strategy": strategy, "batch_size": fit.batch_size,
                      "predicted_peak_bytes": peak,
                      "predicted_step_time_s": step if timed else None,
@@ -159,16 +160,6 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     write_json({"budget_bytes": budget, "world": None if world is None else list(world),
                 "fits": rows}, args.json)
     return 0
-
-
-def _summary(plan: Any) -> str:
-    """``regions [0,2) [2,5); keep x8``."""
-    from collections import Counter
-
-    regions = " ".join(f"[{r.start},{r.stop})" for r in plan.regions) or "none"
-    options = ", ".join(f"{o.removeprefix('selective:')} x{n}"
-                        for o, n in Counter(plan.options).items())
-    return f"regions {regions}; {options}"
 
 
 _STRATEGY_NAMES = {"none": "no checkpointing", "per-stage": "per-layer checkpointing",
@@ -343,13 +334,14 @@ def run(args: argparse.Namespace) -> int:
     elif fake:
         console.print("fake profile: the plan is chosen by memory exactly; its times are the "
                       "fake run's dispatch, not this machine's kernels (docs/fake.md)")
-        for text in kernel_lines(source):
-            console.print(text)
     elif t and t0:
         console.print(
             f"predicted step {t * 1e3:.2f} ms against {t0 * 1e3:.2f} ms without "
             f"checkpointing ({t / t0 - 1:+.1%}); solved in {result.solve_time_s:.3f} s"
         )
+    if fake:
+        for text in kernel_lines(source):
+            console.print(text)
     if result.made_for is not None and result.made_for.stages is None:
         console.print(
             "note: the profile records no stage identities (an older remat wrote it), so "

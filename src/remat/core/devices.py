@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -62,7 +63,7 @@ class Device:
     bandwidth_efficiency: float = 0.7
     op_overhead_s: float = 5e-6
 
-    @property
+    @cached_property  # the roofline asks once per op of every stage
     def op_rates(self) -> Mapping[str, tuple[float, float]]:
         """Per aten op name, measured by ``remat calibrate``: seconds per FLOP and per byte
         moved (``extra["op_rates"]``); empty for the built-in entries."""

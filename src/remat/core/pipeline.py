@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.core.errors import UsageError
+from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
@@ -158,7 +158,6 @@ BUDGET_STEPS = 12
 def _candidates(problem: Problem, budget: int, count: int) -> list[tuple[Plan, RankCost]]:
     """The rank's optimal plans at a ladder of one-micro-batch budgets that still fit
     ``budget`` with ``count`` micro-batches in flight, fastest first."""
-    from remat.core.errors import CheckFailed
     from remat.core.solve import solvers
 
     least = solvers.minimum_budget(problem)
@@ -189,8 +188,6 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
     most, until none does: a rank off the critical path may keep a slower plan. Raises
     CheckFailed when a rank has no plan that fits.
     """
-    from remat.core.errors import CheckFailed
-
     p = len(problems)
     counts = [in_flight(schedule, r, p, microbatches) for r in range(p)]
     options = [_candidates(problem, budget, k) for problem, k in zip(problems, counts,

@@ -85,8 +85,8 @@ def _sum(works: Iterable[Work]) -> Work:
 
 
 class WorkTable:
-    """Work by (stage or :data:`OUTSIDE`, phase, group); phases ``forward``, ``backward``,
-    ``optimizer``."""
+    """Work by (stage or :data:`OUTSIDE`, phase, group, op name); phases ``forward``,
+    ``backward``, ``optimizer``."""
 
     def __init__(self, table: Mapping[tuple[str, str, str, str], Work],
                  spent: Mapping[tuple[str, str, str, str], float] | None = None) -> None:
@@ -118,9 +118,8 @@ class WorkTable:
 
     def replay(self, stage: str, option: str, device: Device) -> float:
         """What ``option`` replays of the stage's forward in its backward."""
-        saved = _SAVED_GROUPS.get(option)
-        if saved is None:  # a policy of named ops: priced as replaying the whole forward
-            saved = ()
+        # a policy of named ops: priced as replaying the whole forward
+        saved = _SAVED_GROUPS.get(option, ())
         return self.time(stage, "forward", device, [g for g in GROUPS if g not in saved])
 
     def outside(self, device: Device) -> float:

@@ -20,7 +20,7 @@ from remat.core.profile_format import Profile
 from remat.core.solve import SOLVERS, solve
 from remat.core.solve.problem import Problem
 
-__all__ = ["STRATEGIES", "Fit", "fastest_batch", "largest_batch"]
+__all__ = ["STRATEGIES", "Fit", "fastest_batch", "largest_batch", "plan_at"]
 
 #: The strategies compared: no checkpointing, per-layer checkpointing, remat's plan.
 STRATEGIES = ("none", "per-stage", "optimal")
@@ -37,8 +37,10 @@ class Fit:
     plan: Plan | None
 
 
-def _plan_at(profile: Profile, strategy: str, n: int, budget_bytes: int,
-             transform: Callable[[Problem], Problem] | None) -> Plan | None:
+def plan_at(profile: Profile, strategy: str, n: int, budget_bytes: int,
+            transform: Callable[[Problem], Problem] | None = None) -> Plan | None:
+    """Solver ``strategy``'s plan at micro-batch ``n`` (``transform`` applied to the
+    problem), or None when it is predicted not to fit ``budget_bytes``."""
     from remat.core.planner import to_problem
     from remat.core.transforms import at_batch_size
 
@@ -71,7 +73,7 @@ def fastest_batch(
     best = Fit("optimal", None, None)
     best_rate = 0.0
     for size in sorted(sizes):
-        plan = _plan_at(profile, "optimal", size, budget_bytes, transform)
+        plan = plan_at(profile, "optimal", size, budget_bytes, transform)
         step = None if plan is None else plan.predicted_step_time_s
         if step and size / step > best_rate:
             best, best_rate = Fit("optimal", size, plan), size / step
@@ -95,16 +97,16 @@ def largest_batch(
         raise UsageError("the largest micro-batch needs a profile at two batch sizes "
                          "(remat.profiling.profiler.profile_scaling)")
 
-    def plan_at(n: int) -> Plan | None:
-        return _plan_at(profile, strategy, n, budget_bytes, transform)
+    def at(n: int) -> Plan | None:
+        return plan_at(profile, strategy, n, budget_bytes, transform)
 
-    best = plan_at(1)
+    best = at(1)
     if best is None:
         return Fit(strategy, None, None)
     low, high = 1, None  # low fits; high (once found) does not
     while high is None and low < limit:
         n = min(2 * low, limit)
-        found = plan_at(n)
+        found = at(n)
         if found is None:
             high = n
         else:
@@ -112,7 +114,7 @@ def largest_batch(
     if high is not None:
         while high - low > 1:
             mid = (low + high) // 2
-            found = plan_at(mid)
+            found = at(mid)
             if found is None:
                 high = mid
             else:

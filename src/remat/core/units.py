@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from remat.core.errors import UsageError
 
@@ -63,3 +64,8 @@ def format_bytes(n: float) -> str:
             text = f"{value:.2f}".rstrip("0").rstrip(".")
             return f"{sign}{text} {unit}"
     return f"{sign}{n:.0f} B"
+
+
+def first_names(names: Sequence[str]) -> str:
+    """``a, b, c and 5 more``: the first three of ``names`` and how many others."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -1,12 +1,13 @@
 """``remat calibrate``: this machine's entry of the device table, measured.
 
-Three primitives, timed (medians): a float32 matmul's FLOP/s, an elementwise add's bytes
-per second (two operands read, one written) and one tiny op's launch cost. Then one
-model's profile (per stage, the measured forward and backward times) against the work
-counted in the same step (``remat.profiling.op_costs``): the two efficiency factors of
-the roofline (``remat.core.roofline``) are fitted to those times (least squares on the
-relative errors, each factor at most 1), so what the primitives miss on real kernels
-(small matrices, strided copies, the allocator) is in them. The entry keeps this
+Four primitives, timed (medians): a float32 matmul's FLOP/s, an elementwise add's bytes
+per second (two operands read, one written), one tiny op's launch cost and a 3x3
+convolution's FLOP/s. Then one model: its profile (per stage, the measured forward and
+backward times) and its step's ops, each timed as it runs (``remat.profiling.op_costs``,
+the median of three steps): each op's rate (seconds per FLOP, or per byte where it does
+none), and per phase what a call costs beyond its kernel (the stages' measured times
+less their ops' kernel times, per call). The roofline (``remat.core.roofline``) prices an
+op the model ran at its own rate and any other by the primitives. The entry keeps this
 machine's kernels (no stand-ins) and its memory.
 """
 
@@ -16,6 +17,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +30,12 @@ from remat.profiling.op_costs import count_work
 __all__ = ["Primitives", "calibrate_device", "primitives"]
 
 
+@dataclass(frozen=True)
 class Primitives:
-    def __init__(self, flops_per_s: float, bytes_per_s: float, op_s: float,
-                 conv_flops_per_s: float) -> None:
-        self.flops_per_s, self.bytes_per_s, self.op_s = flops_per_s, bytes_per_s, op_s
-        self.conv_flops_per_s = conv_flops_per_s
+    flops_per_s: float
+    bytes_per_s: float
+    op_s: float
+    conv_flops_per_s: float
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
@@ -46,7 +49,7 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def primitives(repeats: int = 7) -> Primitives:
-    """The three primitives (module docstring), on this machine's current threads."""
+    """The four primitives (module docstring), on this machine's current threads."""
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     mm = _median_s(lambda: torch.mm(a, b), repeats)
@@ -84,19 +87,16 @@ def calibrate_device(
     measured = profile(model, batch, loss_fn, optimizer=optimizer, repeats=repeats,
                        options=["keep"])
     names = measured.stage_names
-    times: dict[str, tuple[float, Work]] = {}
-    # each op timed as it runs, a few steps: the median step's figures per op
-    runs = [dict(times)]
+    # each op timed as it runs, three steps: the median step's figures per op
+    runs: list[dict[str, tuple[float, Work]]] = []
     for _ in range(3):
         found: dict[str, tuple[float, Work]] = {}
         work = count_work(model, batch, loss_fn, names, optimizer, times=found)
         runs.append(found)
-    for op in runs[-1]:
-        spent = statistics.median(r[op][0] for r in runs[1:] if op in r)
-        times[op] = (spent, runs[-1][op][1])
-    # what a call costs beyond its kernel (autograd's recording, Python, hooks): the
-    # measured stage times less their ops' kernel times, per op
-    # per phase: the measured stage times less their ops' kernel times, per call
+    times = {op: (statistics.median(r[op][0] for r in runs if op in r), w)
+             for op, (_, w) in runs[-1].items()}
+    # what a call costs beyond its kernel (autograd's recording, Python, hooks), per
+    # phase: the measured stage times less their ops' kernel times, per call
     call_s: dict[str, float] = {}
     for phase, field in (("forward", "fwd_s"), ("backward", "bwd_s")):
         total = sum(getattr(s, field) for s in measured.stages)

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.module_tracker import ModuleTracker
 
 from remat.core.devices import Device
+from remat.profiling.op_costs import stage_of
 from remat.runtime._torch_checkpoint import rebuilds_inside
 
 __all__ = ["DeviceKernels"]
@@ -98,10 +99,7 @@ class DeviceKernels(TorchFunctionMode):
     def _note(self, kernel: str) -> None:
         if self.modules is None:
             return
-        # the tracker names a module by its path under the root's class name
-        parents = {p.split(".", 1)[1] if "." in p else p for p in self.modules.parents}
-        stage = next((s for s in self.stages if s in parents), "outside the chain")
-        self.calls.setdefault(stage, Counter())[kernel] += 1
+        self.calls.setdefault(stage_of(self.modules, self.stages), Counter())[kernel] += 1
 
     def __torch_function__(self, func: Callable[..., Any], types: Any,
                            args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None

@@ -154,11 +154,18 @@ def expanded(small: Profile, large: Profile, n: int, prefix: str) -> Profile | N
     except _NotLinear:
         return None
     stages = []
+    # the attention kernels noted per stage (a profile for a device) follow the stages
+    kernels = None if large.kernels is None else {
+        name: calls for name, calls in large.kernels.items()
+        if not name.startswith(f"{prefix}.")}
     for i in range(n):
         role = 0 if i == 0 else 2 if i == n - 1 else 1
         template = roles[role][1]
         stages.append(dataclasses.replace(
             template, name=f"{prefix}.{i}", **index[role]))
+        calls = None if large.kernels is None else large.kernels.get(template.name)
+        if kernels is not None and calls is not None:
+            kernels[f"{prefix}.{i}"] = calls
 
     def line(a: int | None, b: int | None) -> int | None:
         return None if a is None or b is None else b + (n - _CUTS[1]) * (b - a)
@@ -167,15 +174,6 @@ def expanded(small: Profile, large: Profile, n: int, prefix: str) -> Profile | N
         f.name: line(getattr(small.fixed, f.name), getattr(large.fixed, f.name))
         for f in dataclasses.fields(large.fixed)}
     fixed = dataclasses.replace(large.fixed, **grown)
-    kernels = None
-    if large.kernels is not None:  # the attention kernels noted per stage, likewise
-        ours = {name for name in large.kernels if name.startswith(f"{prefix}.")}
-        kernels = {name: calls for name, calls in large.kernels.items() if name not in ours}
-        for i in range(n):
-            role = 0 if i == 0 else _CUTS[1] - 1 if i == n - 1 else 1
-            calls = large.kernels.get(f"{prefix}.{role}")
-            if calls is not None:
-                kernels[f"{prefix}.{i}"] = calls
     result = dataclasses.replace(
         large, stages=tuple(stages), fixed=fixed, kernels=kernels,
         step_s=max(0.0, large.step_s + (n - _CUTS[1]) * (large.step_s - small.step_s)),

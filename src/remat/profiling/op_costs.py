@@ -6,7 +6,8 @@ matmuls, convolutions, attention), the bytes of the tensors it reads and writes,
 op; each op is charged to the stage it ran in (``torch.utils.module_tracker``), forward
 or backward, and to its group (``matmul``, ``attention``, ``other``: what a selective
 option saves the output of). ``remat.core.roofline`` turns the counts into times for a
-device. Works on real and fake tensors alike; nothing is timed here.
+device. Works on real and fake tensors alike; each op is also timed as it runs when
+asked (``remat calibrate``, on a real model).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.utils.module_tracker import ModuleTracker
 from remat.core.roofline import OUTSIDE, Work, WorkTable
 from remat.measure.step import make_optimizer
 
-__all__ = ["count_work"]
+__all__ = ["count_work", "stage_of"]
 
 _aten = torch.ops.aten
 _MATMUL = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
@@ -45,9 +46,15 @@ def _attention_flops(packet: Any, args: Sequence[Any]) -> int:
                                                      shapes[3]))
 
 
-def _nbytes(values: Any) -> int:
-    leaves, _ = tree_flatten(values)
+def _nbytes(leaves: Sequence[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def stage_of(modules: ModuleTracker, stages: Sequence[str]) -> str:
+    """The stage of ``stages`` running now, as ``modules`` tracks it, else :data:`OUTSIDE`."""
+    # the tracker names a module by its path under the root's class name
+    parents = {p.split(".", 1)[1] if "." in p else p for p in modules.parents}
+    return next((s for s in stages if s in parents), OUTSIDE)
 
 
 class _Counter(TorchDispatchMode):
@@ -63,17 +70,12 @@ class _Counter(TorchDispatchMode):
         self.times: dict[str, tuple[float, Work]] = {}
         self.spent: dict[tuple[str, str, str, str], float] = {}
 
-    def _stage(self) -> str:
-        # the tracker names a module by its path under the root's class name
-        parents = {p.split(".", 1)[1] if "." in p else p for p in self.modules.parents}
-        return next((s for s in self.stages if s in parents), OUTSIDE)
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self.timed else 0.0
         out = func(*args, **kwargs)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0 if self.timed else 0.0
         packet = func._overloadpacket
         if packet in flop_counter.flop_registry:
             flops = int(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
@@ -83,16 +85,15 @@ class _Counter(TorchDispatchMode):
             flops = 0
         group = ("attention" if "attention" in packet.__name__
                  else "matmul" if packet in _MATMUL else "other")
-        dtype = next((str(t.dtype).removeprefix("torch.") for t in tree_flatten(args)[0]
+        inputs = tree_flatten((args, kwargs))[0]
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs
                       if isinstance(t, torch.Tensor) and t.is_floating_point()), "float32")
-        phase = self.phase
-        if phase != "optimizer" and self.modules.is_bw:
-            phase = "backward"
-        op = packet.__name__
-        key = (self._stage() if phase != "optimizer" else OUTSIDE, phase, group, op)
+        phase, op = self.phase, packet.__name__
+        stage = OUTSIDE if phase == "optimizer" else stage_of(self.modules, self.stages)
+        key = (stage, phase, group, op)
         # a view reads and writes nothing (detach, transpose, reshape of a contiguous
         # tensor); it still costs its dispatch
-        moved = 0 if func.is_view else _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
+        moved = 0 if func.is_view else _nbytes(inputs) + _nbytes(tree_flatten(out)[0])
         work = Work(flops={dtype: flops} if flops else {}, bytes=moved, ops=1)
         found = self.table.get(key)
         self.table[key] = work if found is None else found + work

@@ -35,6 +35,7 @@ from remat.core.profile_format import (
     numeric_paths,
 )
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
+from remat.core.units import first_names
 from remat.measure.step import checked_loss, make_optimizer
 from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
@@ -304,26 +305,29 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     kernels (:mod:`remat.profiling.device_kernels`) where it has its own."""
     from remat.profiling import fake as fake_profiles
 
-    def kernels(names: Sequence[str], counting: bool) -> Any:
+    loss = loss_fn or _default_loss
+
+    def stand_ins(names: Sequence[str]) -> Any:
         if device is None or not device.is_accelerator:
-            return contextlib.nullcontext(None)
-        return DeviceKernels(device, names, counting=counting)
+            return contextlib.nullcontext()
+        return DeviceKernels(device, names)
 
     def run(names: Sequence[str]) -> Profile:
-        with kernels(names, counting=False):
-            found = profile(model, batch, loss_fn, names, optimizer, repeats=1,
-                            _timed=False, **kwargs)
-        with kernels(names, counting=True) as counter, torch.no_grad():
-            (loss_fn or _default_loss)(model, batch)  # one forward, to note the kernels
-        found = replace(found, fake=True, timing_noise=None, timed_rounds=None,
-                        device=found.device if device is None else device.name,
-                        kernels=None if counter is None else counter.per_stage())
-        if device is None:
-            return found
-        # times: the roofline's for the device, from the step's counted work
-        with kernels(names, counting=False):
-            work = count_work(model, batch, loss_fn or _default_loss, names, optimizer)
-        return replace(with_estimated_times(found, work, device), times_estimated=True)
+        with stand_ins(names):
+            found = replace(profile(model, batch, loss_fn, names, optimizer, repeats=1,
+                                    _timed=False, **kwargs),
+                            fake=True, timing_noise=None, timed_rounds=None)
+            if device is None:
+                return found
+            # times: the roofline's for the device, from the step's counted work
+            work = count_work(model, batch, loss, names, optimizer)
+        kernels = None
+        if device.is_accelerator:
+            with DeviceKernels(device, names, counting=True) as counter, torch.no_grad():
+                loss(model, batch)  # one forward, to note each attention call's kernel
+            kernels = counter.per_stage()
+        return replace(with_estimated_times(found, work, device), times_estimated=True,
+                       device=device.name, kernels=kernels)
 
     names = (resolve_stages(model, stages) if stages is not None
              else discover_stages(model, batch, loss_fn or _default_loss))
@@ -349,9 +353,6 @@ def notes(result: Profile, *, transformers_model: bool = False) -> tuple[str, ..
     the model returns.
     """
 
-    def shown(names: list[str]) -> str:
-        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
     n = len(result.stages)
     returned = [s.name for s in result.stages if s.output_held_through == n]
     during = [
@@ -373,13 +374,13 @@ def notes(result: Profile, *, transformers_model: bool = False) -> tuple[str, ..
             else "return only what the loss needs"
         )
         found.append(
-            f"the outputs of stages {shown(returned)} are still referenced after the model's "
+            f"the outputs of stages {first_names(returned)} are still referenced after the model's "
             f"forward returns (in what it returns), so checkpointing them frees less than "
             f"planned ({cause})"
         )
     if during:
         found.append(
-            f"the outputs of stages {shown(during)} stay referenced by the model's own code "
+            f"the outputs of stages {first_names(during)} stay referenced by the model's own code "
             "while later stages run (a caller holding the input of a container it called, "
             "as nested nn.Sequential calls do, or a skip connection kept for a later block), "
             "so a region frees them only after that; the predicted peak counts it "
@@ -387,7 +388,7 @@ def notes(result: Profile, *, transformers_model: bool = False) -> tuple[str, ..
         )
     if other:
         found.append(
-            f"the outputs of stages {shown(other)} stay referenced outside the chain, so "
+            f"the outputs of stages {first_names(other)} stay referenced outside the chain, so "
             "checkpointing them frees less than planned"
         )
     return tuple(found)

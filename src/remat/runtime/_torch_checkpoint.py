@@ -57,19 +57,17 @@ def rebuilds_inside(factory: Callable[[], AbstractContextManager[Any]]) -> Itera
 def _with_rebuild_contexts(context_fn: Callable[[], Any],
                            factories: tuple[Callable[[], AbstractContextManager[Any]], ...]
                            ) -> Callable[[], Any]:
+    @contextlib.contextmanager
+    def rebuilding(rebuild: AbstractContextManager[Any]) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(rebuild)
+            for factory in factories:
+                stack.enter_context(factory())
+            yield
+
     def both() -> tuple[Any, Any]:
         forward, rebuild = context_fn()
-        stack = contextlib.ExitStack()
-
-        @contextlib.contextmanager
-        def rebuilding() -> Iterator[None]:
-            with stack:
-                stack.enter_context(rebuild)
-                for factory in factories:
-                    stack.enter_context(factory())
-                yield
-
-        return forward, rebuilding()
+        return forward, rebuilding(rebuild)
 
     return both
 

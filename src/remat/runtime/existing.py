@@ -59,6 +59,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.core.units import first_names
 from remat.measure.modes import without_compiled_insides
 
 __all__ = [
@@ -101,8 +102,7 @@ class OwnCheckpointing:
 
 
 def _shown(paths: Sequence[str]) -> str:
-    names = [p or "the model" for p in paths]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return first_names([p or "the model" for p in paths])
 
 
 def _wrapper_class() -> type[nn.Module] | None:
