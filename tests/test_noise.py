@@ -323,6 +323,72 @@ def test_near_neighbours_of_the_chosen_plan_compete_in_the_tie() -> None:
     assert choices == {("selective:save-matmuls", "keep")}
 
 
+def _region_or_nothing(region_s: float, nothing_s: float, spread: float) -> Profile:
+    """Three stages of which one must be rebuilt: by a region over it alone (its rebuild,
+    ``region_s``) or by selective save-nothing (``nothing_s`` more backward), each known
+    to +-``spread``; stages 1 and 2 cost far more to rebuild either way."""
+    stages = tuple(
+        StageProfile(
+            name=f"s{i}", boundary_bytes=100, output_bytes=100,
+            saved_bytes={"keep": 1000, "selective:save-nothing": 0},
+            fwd_s=1.0, bwd_s=1.0, rebuild_s=region_s if i == 0 else 5.0,
+            extra_bwd_s={"selective:save-nothing": nothing_s if i == 0 else 5.0},
+            time_spread={"rebuild_s": (region_s - spread, region_s + spread),
+                         "extra_bwd_s.selective:save-nothing": (nothing_s - spread,
+                                                                nothing_s + spread)}
+            if i == 0 else {},
+        )
+        for i in range(3)
+    )
+    fixed = FixedBytes(0, 0, 0, 0, 0, 0, 0)
+    return Profile(model="region-or-nothing", batch_size=1, stages=stages, fixed=fixed,
+                   timing_noise=TimingNoise(rounds=5, stage_spread=spread))
+
+
+@pytest.mark.parametrize("region_s, nothing_s, spread", [
+    (1.0, 1.02, 0.005),  # within the tie on the medians; no draw re-solves to the option
+    (1.02, 1.0, 0.15),
+    (1.0, 1.08, 0.15),  # beyond the tie on the medians; some draws favour the option
+])
+def test_a_region_over_one_stage_and_a_selective_option_on_it_tie_within_the_noise(
+    region_s: float, nothing_s: float, spread: float,
+) -> None:
+    # Both rebuild stage 0 in its backward; 0.02 to 0.08 s apart on a 6 s plain step: one
+    # plan as far as the timings can tell. Whichever the medians favour, the choice is the
+    # same: the one without a region.
+    from remat.core.solve import simulate
+    from remat.core.solve.from_profile import problem_from_profile
+
+    profile = _region_or_nothing(region_s, nothing_s, spread=spread)
+    problem = problem_from_profile(profile)
+    none = simulate(Plan(profile.stage_names), problem).peak_bytes
+    by_region = simulate(Plan(profile.stage_names, (Region(0, 1),)), problem).peak_bytes
+    by_option = simulate(Plan(profile.stage_names, (), ("selective:save-nothing", "keep", "keep")),
+                         problem).peak_bytes
+    budget = max(by_region, by_option)
+    assert budget < none
+    chosen = make_plan(profile, budget)
+    assert (chosen.regions == (Region(0, 1),)) == (region_s < nothing_s)
+    steady = steadiest(profile, chosen)
+    assert steady.regions == ()
+    assert steady.options == ("selective:save-nothing", "keep", "keep")
+
+
+def test_a_region_clearly_cheaper_than_the_option_is_kept() -> None:
+    # 0.6 s cheaper (10% of the plain step), beyond anything the +-0.15 s noise can do
+    from remat.core.solve import simulate
+    from remat.core.solve.from_profile import problem_from_profile
+
+    profile = _region_or_nothing(1.0, 1.6, spread=0.15)
+    problem = problem_from_profile(profile)
+    budget = max(simulate(Plan(profile.stage_names, (Region(0, 1),)), problem).peak_bytes,
+                 simulate(Plan(profile.stage_names, (), ("selective:save-nothing", "keep",
+                                                         "keep")), problem).peak_bytes)
+    chosen = make_plan(profile, budget)
+    assert chosen.regions == (Region(0, 1),)
+    assert steadiest(profile, chosen).regions == (Region(0, 1),)
+
+
 def simulate_peak(profile: Profile, options: tuple[str, ...]) -> int:
     from remat.core.solve import simulate
     from remat.core.solve.from_profile import problem_from_profile

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from remat.core.errors import CheckFailed
-from remat.core.plan_format import Plan
+from remat.core.plan_format import Plan, Region, parse_option
 from remat.core.profile_format import Profile, StageProfile
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.problem import Problem
@@ -39,6 +39,10 @@ NOISY = 0.2
 DRAWS = 8
 #: Another plan faster by at most this share of the plain step is a tie, not a change.
 TIE = 0.01
+
+#: Further apart than this on the medians (a share of the plain step), plans are never
+#: tied, whatever the draws say.
+WIDE_TIE = 0.03
 
 # what a checkpoint adds to a step, against what a plain step costs
 _RECOMPUTE = ("rebuild_s", "extra_bwd_s.")
@@ -185,6 +189,35 @@ def _swaps(options: tuple[str, ...], problem: Problem) -> list[tuple[str, ...]]:
     return out
 
 
+def _region_or_option(plan: Plan, problem: Problem) -> list[Plan]:
+    """The plan with one stage rebuilt the other way: a region over that stage alone (the
+    stage kept inside) against a selective option on it outside any region. Both run the
+    stage's forward again in its backward and differ only in their fixed costs, which the
+    noise hides (mlp-hetero at 75%: regions [0,1) [3,4) [4,5) against save-nothing on
+    those three blocks, chosen 3 and 2 times in five runs)."""
+    inside = {i for r in plan.regions for i in range(r.start, r.stop)}
+    alone = {r.start for r in plan.regions
+             if r.stop == r.start + 1 and plan.parsed_options[r.start].is_keep
+             and sum(q.start <= r.start < q.stop for q in plan.regions) == 1}
+    out = []
+    for i in range(problem.n):
+        selective = [o for o in problem.options(i) if o.startswith("selective:")]
+        if i in alone:
+            regions = tuple(r for r in plan.regions if (r.start, r.stop) != (i, i + 1))
+            for o in selective:
+                out.append(replace(plan, regions=regions,
+                                   options=(*plan.options[:i], o, *plan.options[i + 1:])))
+        elif i not in inside and plan.options[i] in selective:
+            keep = next((o for o in problem.options(i) if parse_option(o).is_keep), None)
+            if keep is None:
+                continue
+            regions = tuple(sorted((*plan.regions, Region(i, i + 1)),
+                                   key=lambda r: (r.start, -r.stop)))
+            out.append(replace(plan, regions=regions,
+                               options=(*plan.options[:i], keep, *plan.options[i + 1:])))
+    return out
+
+
 def _drawn(profile: Profile, draws: int, seed: int) -> list[Profile]:
     """``profile`` under the two corners and ``draws`` seeded random draws."""
     rng = random.Random(seed)
@@ -229,7 +262,10 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     medians.
 
     Each of those plans' near neighbours (one stage's option changed, or all of one
-    option's stages moved to another) competes too, where it fits the budget. Plans that
+    option's stages moved to another, or a region over one stage traded for a selective
+    option on it and back) competes too, where it fits the budget; a plan further than
+    :data:`TIE` from the fastest still ties where it is no slower than it under one of the
+    draws (up to :data:`WIDE_TIE`: :func:`_tied`). Plans that
     close are one plan as far as the timings can tell; which of them the
     medians favour changes from one profile to the next (three blocks of mlp-hetero under
     save-nothing, save-attention or save-matmuls, 0.3 points apart), so the choice among
@@ -247,6 +283,9 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
             found.setdefault((other.regions, other.options), other)
     problem = problem_from_profile(profile, slots=slots)
     for p in list(found.values()):
+        for other in _region_or_option(p, problem):
+            found.setdefault((other.regions, other.options), other)
+    for p in list(found.values()):
         for options in _swaps(p.options, problem):
             found.setdefault((p.regions, options), replace(p, options=options))
     if len(found) == 1:
@@ -254,15 +293,32 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     base = baseline_time(problem).total_s
     timed = [(simulate(p, problem), p) for p in found.values()]
     timed = [(sim, p) for sim, p in timed if sim.peak_bytes <= plan.budget_bytes]
-    fastest = min(sim.step_time_s for sim, _ in timed)
+    fastest_sim, fastest = min(timed, key=lambda sp: sp[0].step_time_s)
+    drawn = [problem_from_profile(d, slots=slots) for d, _ in resolved]
     near = [(sim, p) for sim, p in timed
-            if base <= 0 or (sim.step_time_s - fastest) / base <= TIE]
+            if base <= 0 or _tied(p, sim.step_time_s - fastest_sim.step_time_s, base,
+                                  fastest, drawn)]
     sim, choice = min(near, key=lambda sp: _simplest(sp[1], problem))
     if choice is plan:
         return plan
     return replace(plan, regions=choice.regions, options=choice.options,
                    predicted_peak_bytes=sim.peak_bytes,
                    predicted_step_time_s=sim.step_time_s)
+
+
+def _tied(plan: Plan, slower_s: float, base_s: float, fastest: Plan,
+          drawn: list[Problem]) -> bool:
+    """Whether the timings cannot tell ``plan`` from ``fastest``: within :data:`TIE` of
+    it on the medians (``slower_s`` more), or, within :data:`WIDE_TIE`, at least as fast
+    as it under one of the ``drawn`` profiles (times drawn from their measured ranges)."""
+    if slower_s <= TIE * base_s:
+        return True
+    if slower_s > WIDE_TIE * base_s:
+        return False
+    for problem in drawn:
+        if simulate(plan, problem).step_time_s <= simulate(fastest, problem).step_time_s:
+            return True
+    return False
 
 
 def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
