@@ -24,6 +24,7 @@ LAYERS: tuple[str, ...] = (
     "remat.profiling",
     "remat.verification",
     "remat.distributed",
+    "remat.pipelining",
     "remat.benchmarking",
     "remat.demo",
     "remat.cli",

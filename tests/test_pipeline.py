@@ -87,6 +87,50 @@ def test_a_rank_peaks_at_its_one_micro_batch_peak_plus_what_the_others_in_flight
         pipeline_step([keep], [problem, problem], "gpipe", 4)
 
 
+def test_a_1f1b_forward_after_the_first_backward_runs_with_every_gradient() -> None:
+    # Measured with torch.distributed.pipelining (gloo, gpt halves, 1F1B over 2 ranks):
+    # the first rank peaked in its third forward, after its first backward had made
+    # every parameter gradient, 8% above its one-micro-batch peak plus one kept.
+    import dataclasses
+
+    from remat.core.solve import simulate
+
+    base = Problem.load(FIXTURES / "chain_uniform_8.json")
+    # each stage's backward makes gradients as large as what it saved: the step's own
+    # backward frees about as much as it makes, a forward after it holds them all
+    more = [s.saved_bytes["keep"] for s in base.stages]
+    problem = dataclasses.replace(
+        base, grads_bytes=base.grads_bytes + sum(more),
+        stages=tuple(dataclasses.replace(s, grad_bytes=s.grad_bytes + m)
+                     for s, m in zip(base.stages, more, strict=True)))
+    plan = Plan(problem.stage_names)
+    sim = simulate(plan, problem)
+    first_backward = next(i for i, e in enumerate(sim.labels) if e.startswith("backward"))
+    forward = max(sim.live[:first_backward])
+    one = rank_cost(plan, problem)
+    peaks = pipeline_step([plan, plan], [problem, problem], "1f1b", 4).peaks
+    assert peaks[0] == forward + one.kept_bytes + problem.grads_bytes
+    assert peaks[0] > one.peak_bytes + one.kept_bytes  # the old count missed it
+    # one in flight on the last rank: its second forward holds every gradient too
+    assert peaks[1] == max(one.peak_bytes, forward + problem.grads_bytes)
+
+
+def test_the_schedule_buffers_add_to_the_ranks_that_keep_them() -> None:
+    # GPipe's last rank peaks in its first backward holding every micro-batch's output
+    # and the three other received inputs; the first rank keeps neither
+    from remat.core.pipeline import ScheduleBuffers
+
+    problem = Problem.load(FIXTURES / "chain_uniform_8.json")
+    plan = Plan(problem.stage_names)
+    plain = pipeline_step([plan, plan], [problem, problem], "gpipe", 4).peaks
+    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=7, input_bytes=5)]
+    kept = pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers).peaks
+    assert kept[0] == plain[0]
+    assert kept[1] == plain[1] + 4 * 7 + 3 * 5
+    with pytest.raises(UsageError, match="one ScheduleBuffers per rank"):
+        pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers[:1])
+
+
 def test_per_rank_plans_fit_every_rank_and_are_no_slower_than_uniform_per_layer() -> None:
     """1F1B over 2 ranks with 4 micro-batches: the first rank holds 2, the last 1, so at
     a budget the last fits without checkpointing the first must checkpoint; the plans fit

@@ -22,15 +22,16 @@ step is ``(m + p - 1) * (F + B)`` for both schedules (tests check it). Torch-fre
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
 
-__all__ = ["SCHEDULES", "PipelineStep", "RankCost", "in_flight", "pipeline_step",
-           "plan_pipeline", "rank_cost", "schedule_order", "step_time"]
+__all__ = ["SCHEDULES", "PipelineStep", "RankCost", "ScheduleBuffers", "in_flight",
+           "pipeline_step", "plan_pipeline", "rank_cost", "rank_peak", "schedule_order",
+           "step_time"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -136,16 +137,78 @@ class PipelineStep:
     step_s: float
 
 
+@dataclass(frozen=True)
+class ScheduleBuffers:
+    """What torch's pipeline stage keeps per micro-batch beyond the model's own step
+    (``torch.distributed.pipelining``, torch 2.13, measured): the last rank keeps every
+    micro-batch's output (``output_chunks``, for the merged output) to the step's end;
+    a rank after the first keeps every micro-batch's input gradient (the ``.grad`` of
+    its receive buffer, cleared at the next step). Receive buffers themselves are
+    allocated once, before the first step, and are not part of a step."""
+
+    output_bytes: int = 0  # per micro-batch, from its forward to the step's end
+    input_grad_bytes: int = 0  # per micro-batch, from its backward to the step's end
+    input_bytes: int = 0  # per other micro-batch in flight: its received input
+
+
+def _without_grads(problem: Problem) -> Problem:
+    stages = tuple(replace(s, grad_bytes=0, pending_grad_bytes=0) for s in problem.stages)
+    return replace(problem, stages=stages, grads_bytes=0, pre_chain_grads_bytes=0,
+                   post_chain_grads_bytes=0)
+
+
+def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int,
+              microbatches: int, buffers: ScheduleBuffers = ScheduleBuffers()) -> int:
+    """Rank ``rank``'s peak over its ops in schedule order (Note [Pipeline rank peak])."""
+    # Note [Pipeline rank peak]: a rank's live bytes at any moment are those of the
+    # micro-batch it runs (the one-micro-batch step's forward or backward) plus what
+    # each other micro-batch in flight keeps from its forward to its backward, plus the
+    # schedule's buffers of the micro-batches already run. Parameter gradients exist
+    # from the end of the rank's first backward on, so a forward after it (1F1B) runs
+    # with all of them, and a later backward adds none: its peak is the backward's
+    # without gradients, plus all of them.
+    sim = simulate(plan, problem)
+    bare = simulate(plan, _without_grads(problem))
+    labels = sim.labels
+    first_b = next(i for i, label in enumerate(labels) if label.startswith("backward"))
+    last = labels.index("optimizer step") if "optimizer step" in labels else len(labels)
+    forward = max(sim.live[:first_b])
+    first_backward = max(sim.live[first_b:last])
+    later_backward = max(bare.live[first_b:last]) + problem.grads_bytes
+    kept = sim.kept_bytes + buffers.input_bytes
+    held = done_f = done_b = 0
+    peak = 0
+    for kind, _ in schedule_order(schedule, rank, ranks, microbatches):
+        extras = buffers.output_bytes * done_f + buffers.input_grad_bytes * done_b
+        if kind == "F":
+            grads = problem.grads_bytes if done_b else 0
+            peak = max(peak, forward + held * kept + grads + extras)
+            held, done_f = held + 1, done_f + 1
+        else:
+            held -= 1
+            peak = max(peak, (later_backward if done_b else first_backward) + held * kept
+                       + extras)
+            done_b += 1
+    extras = buffers.output_bytes * done_f + buffers.input_grad_bytes * done_b
+    return max(peak, max(sim.live[last:], default=0) + extras)
+
+
 def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: str,
-                  microbatches: int, send_s: float = 0.0) -> PipelineStep:
-    """Per rank ``r``, ``plans[r]`` on ``problems[r]`` (one micro-batch of its chain)."""
+                  microbatches: int, send_s: float = 0.0,
+                  buffers: Sequence[ScheduleBuffers] | None = None) -> PipelineStep:
+    """Per rank ``r``, ``plans[r]`` on ``problems[r]`` (one micro-batch of its chain);
+    ``buffers[r]``: what the schedule keeps on it (none when not given)."""
     if len(plans) != len(problems) or not plans:
         raise UsageError("give one plan per rank's problem, for at least one rank")
     p = len(plans)
+    if buffers is None:
+        buffers = [ScheduleBuffers()] * p
+    if len(buffers) != p:
+        raise UsageError("give one ScheduleBuffers per rank")
     costs = [rank_cost(plan, problem) for plan, problem in zip(plans, problems, strict=True)]
     counts = tuple(in_flight(schedule, r, p, microbatches) for r in range(p))
-    peaks = tuple(c.peak_bytes + (k - 1) * c.kept_bytes
-                  for c, k in zip(costs, counts, strict=True))
+    peaks = tuple(rank_peak(plan, problem, schedule, r, p, microbatches, buffers[r])
+                  for r, (plan, problem) in enumerate(zip(plans, problems, strict=True)))
     return PipelineStep(peaks, counts, step_time(costs, schedule, microbatches, send_s))
 
 
