@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from remat.models.gpt import GPTPart, logits_loss
 
 WORLD = 2
 MICRO = 4
@@ -26,30 +26,8 @@ OPTS = {"n_layer": 4, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_
         "dropout": 0.0}
 
 
-class _Half(nn.Module):
-    """A manual split of remat's gpt: the first rank embeds, the last normalises and
-    projects (the torchtitan way: each rank keeps its own modules)."""
-
-    def __init__(self, model: nn.Module, rank: int) -> None:
-        super().__init__()
-        per = len(model.blocks) // WORLD
-        self.first, self.last = rank == 0, rank == WORLD - 1
-        if self.first:
-            self.wte, self.wpe = model.wte, model.wpe
-        self.blocks = nn.ModuleList(model.blocks[rank * per:(rank + 1) * per])
-        if self.last:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.last else x
-
-
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+    return logits_loss(out, target)
 
 
 def _rank(rank: int, store: str, out: str) -> None:
@@ -74,7 +52,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     for schedule_name, schedule_class in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         for planned in (False, True):
             model, (idx, target), _ = gpt(**OPTS)
-            part = _Half(model, rank)
+            part = GPTPart(model, rank, WORLD)
             first, last = part.first, part.last
             mb = OPTS["batch_size"] // MICRO
             torch.manual_seed(1)
@@ -95,7 +73,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             predicted = pipeline_step([plan] * WORLD, problems, schedule_name, MICRO,
                                       buffers=every).peaks[rank]
             # a fresh copy runs: profiling took optimizer steps on the first
-            part = _Half(gpt(**OPTS)[0], rank)
+            part = GPTPart(gpt(**OPTS)[0], rank, WORLD)
             stage = PipelineStage(part, rank, WORLD, torch.device("cpu"))
             handle = apply_to_stage(stage, plan) if planned else None
             schedule = schedule_class(stage, n_microbatches=MICRO, loss_fn=_loss)
@@ -111,6 +89,8 @@ def _rank(rank: int, store: str, out: str) -> None:
                 return losses
 
             first_losses = step()
+            torch.save({n: q.grad for n, q in part.named_parameters()},
+                       Path(out, f"grads_{rank}_{schedule_name}_{int(planned)}.pt"))
             opt.step()
             part.zero_grad(set_to_none=True)
             gc.collect()
@@ -132,13 +112,18 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("pipelining")
     with tempfile.TemporaryDirectory() as rendezvous:
         mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), str(out)), nprocs=WORLD)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(launched: Path) -> list[list[dict[str, Any]]]:
+    return [json.loads((launched / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 def test_every_ranks_peak_is_predicted_within_5_percent(
@@ -170,3 +155,34 @@ def test_the_pipeline_trains_the_loss_of_the_whole_model(
     for row in ranks[-1]:
         assert row["losses"] == pytest.approx(expected, rel=1e-5), row["schedule"]
         assert row["measured_losses"] == MICRO
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("planned", [0, 1])
+def test_the_ranks_gradients_are_the_whole_models(launched: Path, schedule: str,
+                                                  planned: int) -> None:
+    from remat.models.gpt import gpt
+
+    model, (idx, target), _ = gpt(**OPTS)
+    mb = OPTS["batch_size"] // MICRO
+    # torch's schedules scale the gradients by 1 / micro-batches: the mean of their losses
+    loss = sum(_loss(model(idx[i * mb:(i + 1) * mb]), target[i * mb:(i + 1) * mb])
+               for i in range(MICRO)) / MICRO
+    loss.backward()
+    whole = {n: q.grad for n, q in model.named_parameters()}
+    ranks = [torch.load(launched / f"grads_{r}_{schedule}_{planned}.pt") for r in range(WORLD)]
+    per = OPTS["n_layer"] // WORLD
+    seen = set()
+    for r, grads in enumerate(ranks):
+        for name, grad in grads.items():
+            if name.startswith("blocks."):
+                _, i, rest = name.split(".", 2)
+                name = f"blocks.{r * per + int(i)}.{rest}"
+            if name in ("wte.weight", "lm_head.weight"):
+                continue  # one tied weight in the whole model, a copy on each end rank
+            torch.testing.assert_close(grad, whole[name], rtol=1e-4, atol=1e-6, msg=name)
+            seen.add(name)
+    # the tied weight's gradient is the sum of its two copies'
+    torch.testing.assert_close(ranks[0]["wte.weight"] + ranks[-1]["lm_head.weight"],
+                               whole["wte.weight"], rtol=1e-4, atol=1e-6)
+    assert seen | {"wte.weight"} == set(whole)

@@ -107,6 +107,43 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class GPTPart(nn.Module):
+    """Pipeline rank ``rank`` of ``ranks``' share of ``model`` (a manual split, the
+    torchtitan way: each rank keeps its own modules). The first embeds token ids, the
+    last normalises and projects to logits; ``blocks`` are split evenly, the first ranks
+    taking one more where they do not divide. The modules are ``model``'s own (its tied
+    ``wte``/``lm_head`` weight is one parameter on a rank that holds both, two copies
+    on two ranks, as in any pipeline)."""
+
+    def __init__(self, model: GPT, rank: int, ranks: int) -> None:
+        super().__init__()
+        n = len(model.blocks)
+        if not 0 <= rank < ranks <= n:
+            raise ValueError(f"rank {rank} of {ranks} does not split {n} blocks")
+        lo = rank * (n // ranks) + min(rank, n % ranks)
+        hi = lo + n // ranks + (rank < n % ranks)
+        self.first, self.last = rank == 0, rank == ranks - 1
+        if self.first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleList(model.blocks[lo:hi])
+        if self.last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) on the first rank, hidden states (B, T, C) after it; logits
+        (B, T, vocab_size) from the last, hidden states from the others."""
+        if self.first:
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of next-token logits against ``targets`` (a pipeline's loss_fn)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Cross entropy of next-token logits; ``batch`` is ``(idx, targets)`` or a dict of them."""
     if isinstance(batch, dict):
