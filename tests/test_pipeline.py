@@ -153,3 +153,25 @@ def test_per_rank_plans_fit_every_rank_and_are_no_slower_than_uniform_per_layer(
     assert not plans[1].regions  # the last rank holds one: it needs no checkpointing
     with pytest.raises(Exception, match="no plan of pipeline rank 0 fits"):
         plan_pipeline([problem] * 2, budget // 4, "gpipe", 4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_where_the_uniform_plan_fits_with_the_stages_buffers_the_per_rank_plans_fit(
+        schedule: str) -> None:
+    # The pipeline bench found plans chosen without the stage's buffers over budget by
+    # what the last rank keeps; the candidates are now counted under the schedule with
+    # them, and per-stage regions are always among them.
+    from remat.core.pipeline import ScheduleBuffers, plan_pipeline, rank_peak
+
+    problem = Problem.load(FIXTURES / "chain_uniform_8.json")
+    per_stage = Plan(problem.stage_names,
+                     tuple(Region(i, i + 1) for i in range(problem.n)))
+    big = problem.stages[0].boundary_bytes
+    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=big, input_bytes=big)]
+    uniform = pipeline_step([per_stage] * 2, [problem] * 2, schedule, 4, buffers=buffers)
+    budget = max(uniform.peaks)
+    plans, step = plan_pipeline([problem] * 2, budget, schedule, 4, buffers=buffers)
+    for r, plan in enumerate(plans):
+        assert rank_peak(plan, problem, schedule, r, 2, 4, buffers[r]) == step.peaks[r]
+        assert step.peaks[r] <= budget
+    assert step.step_s <= uniform.step_s

@@ -76,18 +76,26 @@ def profile_part(part: nn.Module, microbatch: Any, *, last: bool,
     return profile(part, microbatch, lf, stages=stages, optimizer=optimizer, repeats=repeats)
 
 
-def schedule_buffers(part: nn.Module, microbatch: Any, *, first: bool,
+def schedule_buffers(part: nn.Module, microbatch: Any, *, schedule: str, first: bool,
                      last: bool) -> ScheduleBuffers:
     """What torch's ``PipelineStage`` keeps per micro-batch on this rank
     (:class:`remat.core.pipeline.ScheduleBuffers`): on the last rank each micro-batch's
-    output to the end of the step, on a rank after the first each other micro-batch's
-    received input while it is in flight."""
+    output to the end of the step; on a rank after the first each other micro-batch's
+    received input while it is in flight, and under GPipe each input gradient to the
+    step's end (its send is waited for after the last backward; 1F1B waits for each
+    send before the next one)."""
+    from remat.core.pipeline import SCHEDULES
+
+    if schedule not in SCHEDULES:
+        raise UsageError(f"schedule {schedule!r} is not known; choose one of "
+                         f"{', '.join(SCHEDULES)}")
     output = 0
     if last:
         with torch.no_grad():
             output = _bytes(part(microbatch))
-    return ScheduleBuffers(output_bytes=output,
-                           input_bytes=0 if first else _bytes(microbatch))
+    received = 0 if first else _bytes(microbatch)
+    return ScheduleBuffers(output_bytes=output, input_bytes=received,
+                           input_grad_bytes=received if schedule == "gpipe" else 0)
 
 
 def apply_to_stage(stage: Any, plan: Plan, **options: Any) -> Any:

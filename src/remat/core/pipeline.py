@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from remat.core.errors import CheckFailed, UsageError
-from remat.core.plan_format import Plan
+from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
 
@@ -218,43 +218,56 @@ def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: 
 BUDGET_STEPS = 12
 
 
-def _candidates(problem: Problem, budget: int, count: int) -> list[tuple[Plan, RankCost]]:
-    """The rank's optimal plans at a ladder of one-micro-batch budgets that still fit
-    ``budget`` with ``count`` micro-batches in flight, fastest first."""
+def _candidates(problem: Problem, budget: int, schedule: str, rank: int, ranks: int,
+                microbatches: int, buffers: ScheduleBuffers) -> list[tuple[Plan, RankCost]]:
+    """The rank's optimal plans at a ladder of one-micro-batch budgets, its
+    smallest-peak plan and per-stage regions, those that fit ``budget`` on the rank
+    under the schedule (:func:`rank_peak`), fastest first."""
     from remat.core.solve import solvers
 
     least = solvers.minimum_budget(problem)
     most = simulate(Plan(problem.stage_names), problem).peak_bytes
-    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], tuple[Plan, RankCost]] = {}
+    # per-stage regions too: the least a micro-batch in flight keeps, often the only
+    # fit where many are in flight
+    per_stage = Plan(problem.stage_names, tuple(Region(i, i + 1) for i in range(problem.n)))
+    plans = [per_stage, solvers.min_peak(problem)]
     for k in range(BUDGET_STEPS + 1):
-        single = least + (most - least) * k // BUDGET_STEPS
         try:
-            plan = solvers.optimal(problem, single)
+            plans.append(solvers.optimal(problem, least + (most - least) * k // BUDGET_STEPS))
         except CheckFailed:
             continue
-        cost = rank_cost(plan, problem)
-        if cost.peak_bytes + (count - 1) * cost.kept_bytes <= budget:
-            found[(tuple((r.start, r.stop) for r in plan.regions), tuple(plan.options))] = (
-                plan, cost)
-    ranked = sorted(found.values(), key=lambda pc: pc[1].forward_s + pc[1].backward_s)
-    return ranked
+    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], tuple[Plan, RankCost]] = {}
+    for plan in plans:
+        key = (tuple((r.start, r.stop) for r in plan.regions), tuple(plan.options))
+        if key in found:
+            continue
+        if rank_peak(plan, problem, schedule, rank, ranks, microbatches, buffers) <= budget:
+            found[key] = (plan, rank_cost(plan, problem))
+    return sorted(found.values(), key=lambda pc: pc[1].forward_s + pc[1].backward_s)
 
 
 def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
-                  microbatches: int, send_s: float = 0.0) -> tuple[list[Plan], PipelineStep]:
+                  microbatches: int, send_s: float = 0.0,
+                  buffers: Sequence[ScheduleBuffers] | None = None
+                  ) -> tuple[list[Plan], PipelineStep]:
     """Every rank's plan for the pipeline's step time under ``budget`` bytes per rank.
 
-    Per rank, candidates are its optimal plans at a ladder of one-micro-batch budgets
-    whose peak with the rank's micro-batches in flight fits ``budget`` (early ranks hold
+    Per rank, candidates are its optimal plans at a ladder of one-micro-batch budgets,
+    its smallest-peak plan and per-stage regions, those whose peak under the schedule
+    (:func:`rank_peak`, with ``buffers``) fits ``budget`` (early ranks hold
     more under 1F1B, so they get tighter plans); then, starting from every rank's fastest
     candidate, each rank in turn takes the candidate that shortens the pipeline's step
     most, until none does: a rank off the critical path may keep a slower plan. Raises
     CheckFailed when a rank has no plan that fits.
     """
     p = len(problems)
+    if buffers is None:
+        buffers = [ScheduleBuffers()] * p
+    if len(buffers) != p:
+        raise UsageError("give one ScheduleBuffers per rank")
     counts = [in_flight(schedule, r, p, microbatches) for r in range(p)]
-    options = [_candidates(problem, budget, k) for problem, k in zip(problems, counts,
-                                                                      strict=True)]
+    options = [_candidates(problem, budget, schedule, r, p, microbatches, buffers[r])
+               for r, problem in enumerate(problems)]
     for r, found in enumerate(options):
         if not found:
             raise CheckFailed(f"no plan of pipeline rank {r} fits {budget} bytes with its "
@@ -278,4 +291,4 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
                 if t < best - 1e-12:
                     best, chosen, improved = t, trial, True
     plans = [options[r][c][0] for r, c in enumerate(chosen)]
-    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s)
+    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s, buffers)

@@ -1,0 +1,206 @@
+"""Pipeline ranks on gloo: each rank's peak against its prediction, per-rank plans
+against one uniform plan.
+
+Run under torchrun, one process per pipeline rank (repository root)::
+
+    PYTHONPATH=src .venv/bin/torchrun --nproc-per-node 2 benchmarks/pipeline_ranks.py \\
+        [--microbatches 4 8] [--schedules gpipe 1f1b] [--rounds 6] [--out FILE]
+
+The model is remat's gpt (8 blocks, hidden 64, sequence 32, batch 32), split evenly
+over the ranks (``remat.models.gpt.GPTPart``); AdamW. Per schedule and micro-batch count:
+every rank profiles its part on one micro-batch (``remat.pipelining.profile_part``), the
+ranks share their problems, and three plans run: no checkpointing, every rank per-block
+(the uniform setting users run today), and remat's per-rank plans
+(``remat.core.pipeline.plan_pipeline``) at the per-rank budget the uniform plan needs
+(its largest predicted rank peak, so the uniform plan fits). Each rank's peak is measured
+by the live-storage tracker over ``schedule.step`` and the optimizer step. Then
+``--rounds`` interleaved rounds time a step of the uniform plan and one of remat's (a
+barrier before each; rank 0's wall time, which waits for the whole pipeline); the
+figure is the median of the per-round ratios. Rank 0 prints every rank's figures and
+writes them to ``--out`` (markdown) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from remat.core.pipeline import pipeline_step, plan_pipeline
+from remat.core.plan_format import Plan, Region
+from remat.core.planner import to_problem
+from remat.core.solve.problem import Problem
+from remat.measure.tracker import LiveMemoryTracker
+from remat.models.gpt import GPTPart, gpt, logits_loss
+from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
+
+OPTS = {"n_layer": 8, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32,
+        "dropout": 0.0}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MIB = 2**20
+#: The uniform plan's budget is its largest predicted rank peak and this share more
+#: (the peaks are measured within 3% of their prediction).
+MARGIN = 0.05
+
+
+class Runner:
+    """One rank's part under one plan, in its own stage and schedule."""
+
+    def __init__(self, rank: int, world: int, schedule: str, micro: int, plan: Plan | None,
+                 idx: torch.Tensor, target: torch.Tensor) -> None:
+        self.part = GPTPart(gpt(**OPTS)[0], rank, world)
+        if plan is not None:
+            apply_to_stage(self.part, plan)
+        stage = PipelineStage(self.part, rank, world, torch.device("cpu"))
+        self.schedule = SCHEDULES[schedule](stage, n_microbatches=micro, loss_fn=logits_loss)
+        self.opt = torch.optim.AdamW(self.part.parameters(), lr=1e-3)
+        self.idx, self.target = idx, target
+
+    def step(self) -> None:
+        self.part.zero_grad(set_to_none=True)
+        if self.part.first:
+            self.schedule.step(self.idx)
+        else:
+            self.schedule.step(target=self.target, losses=[])
+        self.opt.step()
+
+    def peak(self) -> int:
+        self.step()
+        self.part.zero_grad(set_to_none=True)
+        gc.collect()
+        tracker = LiveMemoryTracker()
+        tracker.register_existing(self.part)
+        tracker.register_existing(self.opt)
+        tracker.register_existing([self.idx] if self.part.first else [self.target])
+        with tracker:
+            if self.part.first:
+                self.schedule.step(self.idx)
+            else:
+                self.schedule.step(target=self.target, losses=[])
+            self.opt.step()
+        return tracker.peak_bytes
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _timed(runner: Runner) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    runner.step()
+    return time.perf_counter() - start
+
+
+def _label(plan: Plan) -> str:
+    regions = " ".join(f"[{r.start},{r.stop})" for r in plan.regions) or "none"
+    options = sorted({o for o in plan.options if o != "keep"})
+    return regions + (f" + {', '.join(options)}" if options else "")
+
+
+def run(schedule: str, micro: int, rounds: int) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, (idx, target), _ = gpt(**OPTS)
+    part = GPTPart(model, rank, world)
+    mb = OPTS["batch_size"] // micro
+    torch.manual_seed(1)
+    microbatch = (idx[:mb] if part.first else
+                  torch.randn(mb, OPTS["block_size"], OPTS["n_embd"], requires_grad=True))
+    names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+    prof = profile_part(part, microbatch, last=part.last, loss_fn=logits_loss,
+                        target=target[:mb], stages=names, repeats=2)
+    problems = [Problem.from_dict(d) for d in _gather(to_problem(prof).to_dict())]
+    buffers = _gather(schedule_buffers(part, microbatch, schedule=schedule, first=part.first,
+                                        last=part.last))
+    del model, part
+
+    per_block = [Plan(p.stage_names, tuple(Region(i, i + 1) for i in range(p.n)))
+                 for p in problems]
+    none = [Plan(p.stage_names) for p in problems]
+    uniform = pipeline_step(per_block, problems, schedule, micro, buffers=buffers)
+    plain = pipeline_step(none, problems, schedule, micro, buffers=buffers)
+    # budgets where the uniform plan fits: with the margin its largest rank's peak is
+    # measured within, and half-way to the least no-checkpointing rank peak
+    tight = int(max(uniform.peaks) * (1 + MARGIN))
+    budgets = [tight, (tight + min(plain.peaks)) // 2]
+
+    rows: list[str] = []
+
+    def measured(name: str, plans: list[Plan], step: Any, budget: int | None) -> Runner:
+        runner = Runner(rank, world, schedule, micro, plans[rank], idx, target)
+        peaks = _gather(runner.peak())
+        if rank == 0:
+            for r in range(world):
+                error = peaks[r] / step.peaks[r] - 1
+                fits = ("-" if budget is None else
+                        f"{budget / MIB:.3f} " + ("yes" if peaks[r] <= budget else "**no**"))
+                rows.append(f"| {schedule} | {micro} | {name} | {r} | {_label(plans[r])} | "
+                            f"{step.in_flight[r]} | {step.peaks[r] / MIB:.3f} | "
+                            f"{peaks[r] / MIB:.3f} | {error:+.1%} | {fits} |")
+        return runner
+
+    measured("none", none, plain, None)
+    base = measured("per-block", per_block, uniform, tight)
+    for budget in budgets:
+        ours, predicted = plan_pipeline(problems, budget, schedule, micro, buffers=buffers)
+        runner = measured(f"remat @ {budget / MIB:.2f} MiB", ours, predicted, budget)
+        ratios = []
+        for k in range(rounds):
+            pair = (("per-block", base), ("remat", runner))
+            took = {name: _timed(r) for name, r in (pair if k % 2 == 0 else pair[::-1])}
+            ratios.append(took["remat"] / took["per-block"])
+        if rank == 0:
+            ratio = statistics.median(ratios)
+            expected = predicted.step_s / uniform.step_s
+            rows.append(f"| {schedule} | {micro} | time @ {budget / MIB:.2f} MiB | - | "
+                        f"remat / per-block step | - | {expected:.3f} | {ratio:.3f} | "
+                        f"{ratio / expected - 1:+.1%} | {rounds} rounds |")
+    return rows
+
+
+HEADER = ("| schedule | micro-batches | plan | rank | regions | in flight | predicted (MiB) "
+          "| measured (MiB) | error | budget (MiB), fits |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES),
+                        choices=list(SCHEDULES))
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        parser.error("run under torchrun, one process per pipeline rank (see --help)")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    for schedule in args.schedules:
+        for micro in args.microbatches:
+            rows += run(schedule, micro, args.rounds)
+            if dist.get_rank() == 0:
+                print(f"{schedule} x {micro}: done", flush=True)
+    if dist.get_rank() == 0:
+        text = (f"{dist.get_world_size()} ranks, gloo, one torch thread each, torch "
+                f"{torch.__version__}, started {began}; model gpt {OPTS}, AdamW.\n\n"
+                + HEADER + "\n" + "\n".join(rows) + "\n")
+        print("\n" + text)
+        if args.out:
+            Path(args.out).write_text(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
