@@ -40,7 +40,7 @@ from remat.core.planner import to_problem
 from remat.core.solve.problem import Problem
 from remat.measure.tracker import LiveMemoryTracker
 from remat.models.gpt import GPTPart, gpt, logits_loss
-from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
+from remat.pipelining import apply_to_stage, profile_part, receive_buffers, schedule_buffers
 
 OPTS = {"n_layer": 8, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32,
         "dropout": 0.0}
@@ -59,8 +59,8 @@ class Runner:
         self.part = GPTPart(gpt(**OPTS)[0], rank, world)
         if plan is not None:
             apply_to_stage(self.part, plan)
-        stage = PipelineStage(self.part, rank, world, torch.device("cpu"))
-        self.schedule = SCHEDULES[schedule](stage, n_microbatches=micro, loss_fn=logits_loss)
+        self.stage = PipelineStage(self.part, rank, world, torch.device("cpu"))
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=micro, loss_fn=logits_loss)
         self.opt = torch.optim.AdamW(self.part.parameters(), lr=1e-3)
         self.idx, self.target = idx, target
 
@@ -80,6 +80,7 @@ class Runner:
         tracker.register_existing(self.part)
         tracker.register_existing(self.opt)
         tracker.register_existing([self.idx] if self.part.first else [self.target])
+        tracker.register_existing(receive_buffers(self.stage))  # allocated at the first step
         with tracker:
             if self.part.first:
                 self.schedule.step(self.idx)
@@ -120,7 +121,8 @@ def run(schedule: str, micro: int, rounds: int) -> list[str]:
     prof = profile_part(part, microbatch, last=part.last, loss_fn=logits_loss,
                         target=target[:mb], stages=names, repeats=2)
     problems = [Problem.from_dict(d) for d in _gather(to_problem(prof).to_dict())]
-    buffers = _gather(schedule_buffers(part, microbatch, schedule=schedule, first=part.first,
+    buffers = _gather(schedule_buffers(part, microbatch, schedule=schedule, microbatches=micro,
+                                        first=part.first,
                                         last=part.last))
     del model, part
 

@@ -117,16 +117,16 @@ def test_a_1f1b_forward_after_the_first_backward_runs_with_every_gradient() -> N
 
 def test_the_schedule_buffers_add_to_the_ranks_that_keep_them() -> None:
     # GPipe's last rank peaks in its first backward holding every micro-batch's output
-    # and the three other received inputs; the first rank keeps neither
+    # and its receive buffers; the first rank keeps neither
     from remat.core.pipeline import ScheduleBuffers
 
     problem = Problem.load(FIXTURES / "chain_uniform_8.json")
     plan = Plan(problem.stage_names)
     plain = pipeline_step([plan, plan], [problem, problem], "gpipe", 4).peaks
-    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=7, input_bytes=5)]
+    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=7, persistent_bytes=5)]
     kept = pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers).peaks
     assert kept[0] == plain[0]
-    assert kept[1] == plain[1] + 4 * 7 + 3 * 5
+    assert kept[1] == plain[1] + 4 * 7 + 5
     with pytest.raises(UsageError, match="one ScheduleBuffers per rank"):
         pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers[:1])
 
@@ -167,7 +167,7 @@ def test_where_the_uniform_plan_fits_with_the_stages_buffers_the_per_rank_plans_
     per_stage = Plan(problem.stage_names,
                      tuple(Region(i, i + 1) for i in range(problem.n)))
     big = problem.stages[0].boundary_bytes
-    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=big, input_bytes=big)]
+    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=big, persistent_bytes=3 * big)]
     uniform = pipeline_step([per_stage] * 2, [problem] * 2, schedule, 4, buffers=buffers)
     budget = max(uniform.peaks)
     plans, step = plan_pipeline([problem] * 2, budget, schedule, 4, buffers=buffers)

@@ -42,7 +42,12 @@ def _rank(rank: int, store: str, out: str) -> None:
     from remat.core.solve.problem import Problem
     from remat.measure.tracker import LiveMemoryTracker
     from remat.models.gpt import gpt
-    from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
+    from remat.pipelining import (
+        apply_to_stage,
+        profile_part,
+        receive_buffers,
+        schedule_buffers,
+    )
     from remat.runtime.install import remove
 
     torch.set_num_threads(1)
@@ -63,7 +68,8 @@ def _rank(rank: int, store: str, out: str) -> None:
                                 stages=names, repeats=1)
             plan = (Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
                     if planned else Plan(names))
-            buffers = schedule_buffers(part, micro, schedule=schedule_name, first=first,
+            buffers = schedule_buffers(part, micro, schedule=schedule_name, microbatches=MICRO,
+                                       first=first,
                                        last=last)
             every = [None] * WORLD
             dist.all_gather_object(every, buffers)
@@ -99,6 +105,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             tracker.register_existing(part)
             tracker.register_existing(opt)
             tracker.register_existing([idx] if first else [target])
+            tracker.register_existing(receive_buffers(stage))
             with tracker:
                 losses = step()
                 opt.step()

@@ -139,16 +139,19 @@ class PipelineStep:
 
 @dataclass(frozen=True)
 class ScheduleBuffers:
-    """What torch's pipeline stage keeps per micro-batch beyond the model's own step
+    """What torch's pipeline stage keeps beyond the model's own step
     (``torch.distributed.pipelining``, torch 2.13, measured): the last rank keeps every
     micro-batch's output (``output_chunks``, for the merged output) to the step's end;
-    a rank after the first keeps every micro-batch's input gradient (the ``.grad`` of
-    its receive buffer, cleared at the next step). Receive buffers themselves are
-    allocated once, before the first step, and are not part of a step."""
+    under GPipe a rank after the first keeps every input gradient it sends to the
+    step's end (the sends are waited for after the last backward). Its receive buffers
+    (one input per micro-batch after the first rank, one output gradient per
+    micro-batch before the last) are allocated before the first step and stay:
+    ``persistent_bytes``, less the one input the rank's profile counts already."""
 
     output_bytes: int = 0  # per micro-batch, from its forward to the step's end
     input_grad_bytes: int = 0  # per micro-batch, from its backward to the step's end
-    input_bytes: int = 0  # per other micro-batch in flight: its received input
+    persistent_bytes: int = 0  # throughout
+    held_bytes: int = 0  # per other micro-batch in flight, beyond what its plan keeps
 
 
 def _without_grads(problem: Problem) -> Problem:
@@ -163,7 +166,8 @@ def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int
     # Note [Pipeline rank peak]: a rank's live bytes at any moment are those of the
     # micro-batch it runs (the one-micro-batch step's forward or backward) plus what
     # each other micro-batch in flight keeps from its forward to its backward, plus the
-    # schedule's buffers of the micro-batches already run. Parameter gradients exist
+    # schedule's buffers (its receive buffers, and what it keeps of the micro-batches
+    # already run). Parameter gradients exist
     # from the end of the rank's first backward on, so a forward after it (1F1B) runs
     # with all of them, and a later backward adds none: its peak is the backward's
     # without gradients, plus all of them.
@@ -175,11 +179,12 @@ def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int
     forward = max(sim.live[:first_b])
     first_backward = max(sim.live[first_b:last])
     later_backward = max(bare.live[first_b:last]) + problem.grads_bytes
-    kept = sim.kept_bytes + buffers.input_bytes
+    kept = sim.kept_bytes + buffers.held_bytes
     held = done_f = done_b = 0
     peak = 0
     for kind, _ in schedule_order(schedule, rank, ranks, microbatches):
-        extras = buffers.output_bytes * done_f + buffers.input_grad_bytes * done_b
+        extras = (buffers.persistent_bytes + buffers.output_bytes * done_f
+                  + buffers.input_grad_bytes * done_b)
         if kind == "F":
             grads = problem.grads_bytes if done_b else 0
             peak = max(peak, forward + held * kept + grads + extras)
@@ -189,7 +194,8 @@ def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int
             peak = max(peak, (later_backward if done_b else first_backward) + held * kept
                        + extras)
             done_b += 1
-    extras = buffers.output_bytes * done_f + buffers.input_grad_bytes * done_b
+    extras = (buffers.persistent_bytes + buffers.output_bytes * done_f
+              + buffers.input_grad_bytes * done_b)
     return max(peak, max(sim.live[last:], default=0) + extras)
 
 
