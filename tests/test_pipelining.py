@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from remat.models.gpt import GPTPart, logits_loss
 
@@ -194,3 +195,59 @@ def test_the_ranks_gradients_are_the_whole_models(launched: Path, schedule: str,
     torch.testing.assert_close(ranks[0]["wte.weight"] + ranks[-1]["lm_head.weight"],
                                whole["wte.weight"], rtol=1e-4, atol=1e-6)
     assert seen | {"wte.weight"} == set(whole)
+
+
+class _CheckpointedGPT(nn.Module):
+    """gpt whose forward checkpoints every block itself (torch.utils.checkpoint), or
+    calls them plainly (``own=False``)."""
+
+    def __init__(self, model: nn.Module, own: bool = True) -> None:
+        super().__init__()
+        self.m = model
+        self.own = own
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        m = self.m
+        x = m.wte(idx) + m.wpe(torch.arange(idx.shape[1]))
+        for block in m.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.own else block(x)
+        return m.lm_head(m.ln_f(x))
+
+
+def _scalar(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    out = model(batch)
+    return (out[0] if isinstance(out, tuple) else out).float().pow(2).mean()
+
+
+def test_checkpoint_calls_the_pipeline_export_dropped_are_named_and_a_plan_puts_them_back(
+) -> None:
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from remat.core.plan_format import Plan, Region
+    from remat.models.gpt import gpt
+    from remat.pipelining import apply_to_stage, dropped_checkpoints
+    from remat.runtime.existing import recomputed_stages
+    from remat.runtime.install import remove
+
+    model, (idx, _), _ = gpt(**{**OPTS, "batch_size": 2})
+    net = _CheckpointedGPT(model)
+    stages = [f"m.blocks.{i}" for i in range(OPTS["n_layer"])]
+    pipe = pipeline(net, mb_args=(idx,), split_spec={"m.blocks.2": SplitPoint.BEGINNING})
+    first = pipe.get_stage_module(0)
+    assert dropped_checkpoints(net, idx, _scalar, first, stages) == ["m.blocks.0", "m.blocks.1"]
+    assert recomputed_stages(first, idx, _scalar, ["m.blocks.0", "m.blocks.1"]) == []
+    # the same model without its own checkpoint calls loses nothing
+    plain = _CheckpointedGPT(gpt(**{**OPTS, "batch_size": 2})[0], own=False)
+    plain_first = pipeline(plain, mb_args=(idx,),
+                           split_spec={"m.blocks.2": SplitPoint.BEGINNING}).get_stage_module(0)
+    assert dropped_checkpoints(plain, idx, _scalar, plain_first, stages) == []
+    # remat's plan on the exported stage module rebuilds its blocks again
+    plan = Plan(("m.blocks.0", "m.blocks.1"), (Region(0, 1), Region(1, 2)))
+    apply_to_stage(first, plan)
+    try:
+        assert recomputed_stages(first, idx, _scalar, ["m.blocks.0", "m.blocks.1"]) == [
+            "m.blocks.0", "m.blocks.1"]
+    finally:
+        remove(first)

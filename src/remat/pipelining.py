@@ -14,8 +14,10 @@ the part's forward and runs its backward through autograd, where the checkpoints
 
 Measured on gloo (2 processes, gpt halves, 4 micro-batches, GPipe and 1F1B, no plan and
 per-block regions; ``tests/test_pipelining.py``): every rank's peak within 2% of
-the prediction. Not yet here: stages built by ``pipeline()`` (whose export trace drops
-checkpoint calls written in the model; not detected yet), interleaved schedules.
+the prediction. ``pipeline()``'s export traces through checkpoint calls written in the
+model and drops them; :func:`dropped_checkpoints` names the stages that lost theirs,
+and a remat plan applies to the exported stage module (same module paths) instead.
+Not yet here: interleaved and zero-bubble schedules.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.measure.tracker import iter_tensors
 
-__all__ = ["apply_to_stage", "part_loss", "profile_part", "receive_buffers",
-           "schedule_buffers"]
+__all__ = ["apply_to_stage", "dropped_checkpoints", "part_loss", "profile_part",
+           "receive_buffers", "schedule_buffers"]
 
 
 def _bytes(value: Any) -> int:
@@ -117,6 +119,50 @@ def receive_buffers(stage: Any) -> list[torch.Tensor]:
                 if isinstance(buffer, torch.Tensor):
                     found.append(buffer)
     return found
+
+
+def dropped_checkpoints(model: nn.Module, batch: Any,
+                        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                        stage_module: nn.Module, stages: Sequence[str]) -> list[str]:
+    """The ``stages`` (module paths) that ``model`` checkpoints itself and that
+    ``stage_module`` (``pipe.get_stage_module(i)`` or a built stage's ``submod``) holds
+    without a checkpoint: ``pipeline()``'s export traces through a
+    ``torch.utils.checkpoint`` call written in the model and keeps the plain ops, so the
+    stage keeps every activation the model meant to rebuild.
+
+    The model's own checkpointing is found by watching one eager training step of
+    ``loss_fn(model, batch)`` (:func:`remat.runtime.existing.recomputed_stages`: modules
+    that run again during backward); the stage module's graphs are searched for a
+    checkpoint. Empty when nothing was dropped. Apply a remat plan to the stage module
+    instead (:func:`apply_to_stage`): its stages are the same paths.
+    """
+    from remat.runtime.existing import recomputed_stages
+
+    present = [name for name in stages if _has_module(stage_module, name)]
+    if not present:
+        return []
+    own = recomputed_stages(model, batch, loss_fn, present)
+    if not own or _graphs_checkpoint(stage_module):
+        return []
+    return own
+
+
+def _has_module(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _graphs_checkpoint(root: nn.Module) -> bool:
+    """Whether a traced graph under ``root`` still calls a checkpoint."""
+    for module in root.modules():
+        graph = getattr(module, "graph", None)
+        nodes = getattr(graph, "nodes", ())
+        if any("checkpoint" in str(node.target).lower() for node in nodes):
+            return True
+    return False
 
 
 def apply_to_stage(stage: Any, plan: Plan, **options: Any) -> Any:
