@@ -22,6 +22,7 @@ Not yet here: interleaved and zero-bubble schedules.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,23 +33,34 @@ from remat.core.errors import UsageError
 from remat.core.pipeline import ScheduleBuffers
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
-from remat.measure.tracker import iter_tensors
+from remat.measure.tracker import iter_tensors, storage_key
 
 __all__ = ["apply_to_stage", "dropped_checkpoints", "part_loss", "profile_part",
            "receive_buffers", "schedule_buffers"]
 
 
 def _bytes(value: Any) -> int:
-    seen: dict[int, int] = {}
+    seen: dict[tuple[str, int], int] = {}
     for t in iter_tensors(value):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        key = storage_key(t)
+        if key is not None:
+            seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
+def _forward(part: nn.Module, microbatch: Any) -> Any:
+    """``part(microbatch)`` without grad, under the fake mode its parameters belong to
+    (a part built under ``remat.fake_mode()`` makes new tensors, positions say, there)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = next((p.fake_mode for p in part.parameters() if isinstance(p, FakeTensor)), None)
+    with torch.no_grad(), mode if mode is not None else contextlib.nullcontext():
+        return part(microbatch)
+
+
 def part_loss(part: nn.Module, microbatch: Any, *, last: bool,
-              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, target: Any = None,
-              seed: int = 0) -> Callable[[nn.Module, Any], torch.Tensor]:
+              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+              target: Any = None) -> Callable[[nn.Module, Any], torch.Tensor]:
     """The loss a rank's part is profiled with (module docstring): the last rank's
     ``loss_fn(output, target)``, an earlier rank's ``(output * g).sum()``."""
     if last:
@@ -56,27 +68,28 @@ def part_loss(part: nn.Module, microbatch: Any, *, last: bool,
             raise UsageError("the last pipeline rank is profiled with its real loss; give "
                              "loss_fn=(output, target) -> loss and the micro-batch's target")
         return lambda model, batch: loss_fn(model(batch), target)
-    with torch.no_grad():
-        out = part(microbatch)
+    out = _forward(part, microbatch)
     if not isinstance(out, torch.Tensor):
         raise UsageError(f"the part returned {type(out).__name__}; remat profiles pipeline "
                          "parts that return one tensor")
-    gen = torch.Generator(device=out.device).manual_seed(seed)
-    g = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=gen)
+    g = torch.ones_like(out)  # its values do not matter; fake where the part is fake
     return lambda model, batch: (model(batch) * g).sum()
 
 
 def profile_part(part: nn.Module, microbatch: Any, *, last: bool,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  target: Any = None, stages: Sequence[str] | None = None,
-                 optimizer: str = "adamw", repeats: int = 2) -> Profile:
+                 optimizer: str = "adamw", repeats: int = 2, **options: Any) -> Profile:
     """This rank's profile: ``part``'s one-micro-batch step (module docstring).
     ``microbatch``: what the stage receives (a non-first rank's should require grad,
-    as the stage's receive buffer does)."""
+    as the stage's receive buffer does). ``options`` go to ``remat.profile`` (``fake``,
+    ``device``: a part built under ``remat.fake_mode()`` is profiled without its
+    weights, for a device this machine does not have)."""
     from remat.profiling.profiler import profile
 
     lf = part_loss(part, microbatch, last=last, loss_fn=loss_fn, target=target)
-    return profile(part, microbatch, lf, stages=stages, optimizer=optimizer, repeats=repeats)
+    return profile(part, microbatch, lf, stages=stages, optimizer=optimizer, repeats=repeats,
+                   **options)
 
 
 def schedule_buffers(part: nn.Module, microbatch: Any, *, schedule: str, microbatches: int,
@@ -97,8 +110,7 @@ def schedule_buffers(part: nn.Module, microbatch: Any, *, schedule: str, microba
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r} is not known; choose one of "
                          f"{', '.join(SCHEDULES)}")
-    with torch.no_grad():
-        output = _bytes(part(microbatch))
+    output = _bytes(_forward(part, microbatch))
     received = 0 if first else _bytes(microbatch)
     persistent = (microbatches - 1) * received + (0 if last else microbatches * output)
     return ScheduleBuffers(output_bytes=output if last else 0,

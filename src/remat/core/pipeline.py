@@ -276,9 +276,14 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
                for r, problem in enumerate(problems)]
     for r, found in enumerate(options):
         if not found:
-            raise CheckFailed(f"no plan of pipeline rank {r} fits {budget} bytes with its "
-                              f"{counts[r]} micro-batches in flight; raise the budget or "
-                              "use fewer micro-batches in flight")
+            b = buffers[r]
+            kept = b.persistent_bytes + microbatches * b.output_bytes
+            raise CheckFailed(
+                f"no plan of pipeline rank {r} fits {budget} bytes with "
+                f"{counts[r]} micro-batch{'es' if counts[r] != 1 else ''} in flight"
+                + (f" and the {kept} bytes the stage keeps for {microbatches} micro-batches "
+                   "(receive buffers, outputs)" if kept else "")
+                + "; raise the budget, or use fewer or smaller micro-batches")
     chosen = [0] * p
 
     def time_of(choice: Sequence[int]) -> float:
