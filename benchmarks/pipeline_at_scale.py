@@ -56,7 +56,7 @@ def rank_problems(ranks: int, micro_batch: int, microbatches: int, device: str
             names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
             prof = profile_part(part, x, last=part.last, loss_fn=logits_loss, target=target,
                                 stages=names, fake=True, device=device)
-            buffers = schedule_buffers(part, x, schedule="1f1b", microbatches=microbatches,
+            buffers = schedule_buffers(prof, part, x, schedule="1f1b", microbatches=microbatches,
                                        first=part.first, last=part.last)
             found[kind] = (to_problem(prof), buffers)
         out_p.append(found[kind][0])

@@ -121,9 +121,8 @@ def run(schedule: str, micro: int, rounds: int) -> list[str]:
     prof = profile_part(part, microbatch, last=part.last, loss_fn=logits_loss,
                         target=target[:mb], stages=names, repeats=2)
     problems = [Problem.from_dict(d) for d in _gather(to_problem(prof).to_dict())]
-    buffers = _gather(schedule_buffers(part, microbatch, schedule=schedule, microbatches=micro,
-                                        first=part.first,
-                                        last=part.last))
+    buffers = _gather(schedule_buffers(prof, part, microbatch, schedule=schedule,
+                                       microbatches=micro, first=part.first, last=part.last))
     del model, part
 
     per_block = [Plan(p.stage_names, tuple(Region(i, i + 1) for i in range(p.n)))

@@ -116,17 +116,25 @@ def test_a_1f1b_forward_after_the_first_backward_runs_with_every_gradient() -> N
 
 
 def test_the_schedule_buffers_add_to_the_ranks_that_keep_them() -> None:
-    # GPipe's last rank peaks in its first backward holding every micro-batch's output
-    # and its receive buffers; the first rank keeps neither
-    from remat.core.pipeline import ScheduleBuffers
+    # GPipe's last rank peaks in its first backward, the three other micro-batches in
+    # flight holding what their head and loss keep, beside its receive buffers; the
+    # first rank keeps neither. Outputs kept for the merged output count from each
+    # micro-batch's backward to the step's end.
+    from remat.core.pipeline import ScheduleBuffers, rank_peak
 
     problem = Problem.load(FIXTURES / "chain_uniform_8.json")
     plan = Plan(problem.stage_names)
     plain = pipeline_step([plan, plan], [problem, problem], "gpipe", 4).peaks
-    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=7, persistent_bytes=5)]
+    buffers = [ScheduleBuffers(), ScheduleBuffers(held_bytes=7, persistent_bytes=5)]
     kept = pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers).peaks
     assert kept[0] == plain[0]
-    assert kept[1] == plain[1] + 4 * 7 + 5
+    assert kept[1] == plain[1] + 3 * 7 + 5
+    # outputs far larger than the rest: the peak holds all four, each added byte of
+    # output counts four times
+    huge = 10 * plain[1]
+    peaks = [rank_peak(plan, problem, "gpipe", 1, 2, 4, ScheduleBuffers(output_bytes=h))
+             for h in (huge, 2 * huge)]
+    assert peaks[1] - peaks[0] == 4 * huge
     with pytest.raises(UsageError, match="one ScheduleBuffers per rank"):
         pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers[:1])
 
@@ -167,7 +175,8 @@ def test_where_the_uniform_plan_fits_with_the_stages_buffers_the_per_rank_plans_
     per_stage = Plan(problem.stage_names,
                      tuple(Region(i, i + 1) for i in range(problem.n)))
     big = problem.stages[0].boundary_bytes
-    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=big, persistent_bytes=3 * big)]
+    buffers = [ScheduleBuffers(), ScheduleBuffers(output_bytes=big, held_bytes=big,
+                                                  persistent_bytes=3 * big)]
     uniform = pipeline_step([per_stage] * 2, [problem] * 2, schedule, 4, buffers=buffers)
     budget = max(uniform.peaks)
     plans, step = plan_pipeline([problem] * 2, budget, schedule, 4, buffers=buffers)

@@ -69,9 +69,8 @@ def _rank(rank: int, store: str, out: str) -> None:
                                 stages=names, repeats=1)
             plan = (Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
                     if planned else Plan(names))
-            buffers = schedule_buffers(part, micro, schedule=schedule_name, microbatches=MICRO,
-                                       first=first,
-                                       last=last)
+            buffers = schedule_buffers(prof, part, micro, schedule=schedule_name,
+                                       microbatches=MICRO, first=first, last=last)
             every = [None] * WORLD
             dist.all_gather_object(every, buffers)
             problem = to_problem(prof)

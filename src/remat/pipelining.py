@@ -92,19 +92,24 @@ def profile_part(part: nn.Module, microbatch: Any, *, last: bool,
                    **options)
 
 
-def schedule_buffers(part: nn.Module, microbatch: Any, *, schedule: str, microbatches: int,
-                     first: bool, last: bool) -> ScheduleBuffers:
-    """What torch's ``PipelineStage`` keeps on this rank
-    (:class:`remat.core.pipeline.ScheduleBuffers`): on the last rank each micro-batch's
-    output to the end of the step; under GPipe, after the first rank, each input
-    gradient to the step's end (its send is waited for after the last backward; 1F1B
-    waits for each send before the next); and the receive buffers, allocated before the
-    first step: an input per micro-batch after the first rank (the profile counts one),
-    an output gradient per micro-batch before the last. On the last rank after the
-    first, each other micro-batch in flight is taken to hold one tensor of the input's
-    size beyond its plan's kept bytes: an approximation measured on gpt (there, what its
-    head saves for the micro-batch's backward; 4 gloo ranks, GPipe: within 3.5% with it,
-    up to 9.5% under without), not yet derived from the profile's post-chain."""
+def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, schedule: str,
+                     microbatches: int, first: bool, last: bool) -> ScheduleBuffers:
+    """What torch's ``PipelineStage`` keeps on this rank beyond ``profile``'s
+    one-micro-batch step (:class:`remat.core.pipeline.ScheduleBuffers`, Note [What a
+    pipeline stage keeps]). ``profile``: this rank's :func:`profile_part`."""
+    # Note [What a pipeline stage keeps] (torch 2.13, measured on gloo with timelines):
+    # - receive buffers, allocated before the first step and kept: an input per
+    #   micro-batch after the first rank (the profile counts one as its batch), an output
+    #   gradient per micro-batch before the last;
+    # - a micro-batch in flight keeps what its plan keeps (``Simulation.kept_bytes``),
+    #   less its input on a rank after the first (that is a receive buffer), plus, on the
+    #   last rank, what the post-chain (head and loss) holds for its backward: the
+    #   profile's post-chain forward bytes (gpt: the head's saved input, the logits, the
+    #   loss's log-softmax);
+    # - on the last rank every micro-batch's output stays to the step's end
+    #   (``output_chunks``, for the merged output);
+    # - under GPipe, after the first rank, each input gradient stays to the step's end
+    #   (the backward sends are waited for after the last backward; 1F1B waits for each).
     from remat.core.pipeline import SCHEDULES
 
     if schedule not in SCHEDULES:
@@ -112,11 +117,13 @@ def schedule_buffers(part: nn.Module, microbatch: Any, *, schedule: str, microba
                          f"{', '.join(SCHEDULES)}")
     output = _bytes(_forward(part, microbatch))
     received = 0 if first else _bytes(microbatch)
-    persistent = (microbatches - 1) * received + (0 if last else microbatches * output)
-    return ScheduleBuffers(output_bytes=output if last else 0,
-                           input_grad_bytes=received if schedule == "gpipe" else 0,
-                           persistent_bytes=persistent,
-                           held_bytes=received if last else 0)
+    post = (profile.fixed.post_chain_forward_bytes or 0) if last else 0
+    return ScheduleBuffers(
+        output_bytes=output if last else 0,
+        input_grad_bytes=received if schedule == "gpipe" else 0,
+        persistent_bytes=(microbatches - 1) * received + (0 if last else microbatches * output),
+        held_bytes=post - received,
+    )
 
 
 def receive_buffers(stage: Any) -> list[torch.Tensor]:

@@ -139,19 +139,16 @@ class PipelineStep:
 
 @dataclass(frozen=True)
 class ScheduleBuffers:
-    """What torch's pipeline stage keeps beyond the model's own step
-    (``torch.distributed.pipelining``, torch 2.13, measured): the last rank keeps every
-    micro-batch's output (``output_chunks``, for the merged output) to the step's end;
-    under GPipe a rank after the first keeps every input gradient it sends to the
-    step's end (the sends are waited for after the last backward). Its receive buffers
-    (one input per micro-batch after the first rank, one output gradient per
-    micro-batch before the last) are allocated before the first step and stay:
-    ``persistent_bytes``, less the one input the rank's profile counts already."""
+    """What torch's pipeline stage keeps beyond the rank's one-micro-batch step
+    (``torch.distributed.pipelining``, torch 2.13, measured; ``remat.pipelining``'s
+    Note [What a pipeline stage keeps] says where each comes from)."""
 
-    output_bytes: int = 0  # per micro-batch, from its forward to the step's end
+    output_bytes: int = 0  # per micro-batch, from its backward to the step's end
     input_grad_bytes: int = 0  # per micro-batch, from its backward to the step's end
     persistent_bytes: int = 0  # throughout
-    held_bytes: int = 0  # per other micro-batch in flight, beyond what its plan keeps
+    # per other micro-batch in flight, beyond what its plan keeps (may be negative:
+    # what the plan keeps counts the rank's input, a receive buffer)
+    held_bytes: int = 0
 
 
 def _without_grads(problem: Problem) -> Problem:
@@ -167,35 +164,44 @@ def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int
     # micro-batch it runs (the one-micro-batch step's forward or backward) plus what
     # each other micro-batch in flight keeps from its forward to its backward, plus the
     # schedule's buffers (its receive buffers, and what it keeps of the micro-batches
-    # already run). Parameter gradients exist
-    # from the end of the rank's first backward on, so a forward after it (1F1B) runs
-    # with all of them, and a later backward adds none: its peak is the backward's
-    # without gradients, plus all of them.
+    # already run). A micro-batch's output kept for the merged output stays after the
+    # post-chain's backward, where the one-micro-batch step lets it go. Parameter
+    # gradients exist from the end of the rank's first backward on, so a forward after
+    # it (1F1B) runs with all of them, and a later backward adds none: its peak is the
+    # backward's without gradients, plus all of them.
     sim = simulate(plan, problem)
     bare = simulate(plan, _without_grads(problem))
     labels = sim.labels
     first_b = next(i for i, label in enumerate(labels) if label.startswith("backward"))
     last = labels.index("optimizer step") if "optimizer step" in labels else len(labels)
+    post = [i for i in range(first_b, last) if labels[i] == "backward post-chain"]
+    rest = [i for i in range(first_b, last) if labels[i] != "backward post-chain"]
+
+    def backward(live: Sequence[int], more: int, current_output: int) -> int:
+        return max(max((live[i] for i in post), default=0),
+                   max((live[i] for i in rest), default=0) + current_output) + more
+
     forward = max(sim.live[:first_b])
-    first_backward = max(sim.live[first_b:last])
-    later_backward = max(bare.live[first_b:last]) + problem.grads_bytes
     kept = sim.kept_bytes + buffers.held_bytes
-    held = done_f = done_b = 0
+    held = done_b = 0
     peak = 0
     for kind, _ in schedule_order(schedule, rank, ranks, microbatches):
-        extras = (buffers.persistent_bytes + buffers.output_bytes * done_f
-                  + buffers.input_grad_bytes * done_b)
+        extras = (buffers.persistent_bytes
+                  + (buffers.output_bytes + buffers.input_grad_bytes) * done_b)
         if kind == "F":
             grads = problem.grads_bytes if done_b else 0
             peak = max(peak, forward + held * kept + grads + extras)
-            held, done_f = held + 1, done_f + 1
+            held += 1
         else:
             held -= 1
-            peak = max(peak, (later_backward if done_b else first_backward) + held * kept
-                       + extras)
+            if done_b:
+                live = backward(bare.live, problem.grads_bytes, buffers.output_bytes)
+            else:
+                live = backward(sim.live, 0, buffers.output_bytes)
+            peak = max(peak, live + held * kept + extras)
             done_b += 1
-    extras = (buffers.persistent_bytes + buffers.output_bytes * done_f
-              + buffers.input_grad_bytes * done_b)
+    extras = (buffers.persistent_bytes
+              + (buffers.output_bytes + buffers.input_grad_bytes) * done_b)
     return max(peak, max(sim.live[last:], default=0) + extras)
 
 
