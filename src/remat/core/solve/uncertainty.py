@@ -265,7 +265,7 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     option's stages moved to another, or a region over one stage traded for a selective
     option on it and back) competes too, where it fits the budget; a plan further than
     :data:`TIE` from the fastest still ties where it is no slower than it under one of the
-    draws (up to :data:`WIDE_TIE`: :func:`_tied`). Plans that
+    draws (up to :data:`WIDE_TIE`). Plans that
     close are one plan as far as the timings can tell; which of them the
     medians favour changes from one profile to the next (three blocks of mlp-hetero under
     save-nothing, save-attention or save-matmuls, 0.3 points apart), so the choice among
@@ -294,31 +294,29 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     timed = [(simulate(p, problem), p) for p in found.values()]
     timed = [(sim, p) for sim, p in timed if sim.peak_bytes <= plan.budget_bytes]
     fastest_sim, fastest = min(timed, key=lambda sp: sp[0].step_time_s)
-    drawn = [problem_from_profile(d, slots=slots) for d, _ in resolved]
-    near = [(sim, p) for sim, p in timed
-            if base <= 0 or _tied(p, sim.step_time_s - fastest_sim.step_time_s, base,
-                                  fastest, drawn)]
+    drawn: list[tuple[Problem, float]] = []  # each drawn problem, fastest's time on it
+
+    def tied(other: Plan, step_s: float) -> bool:
+        """Within TIE of the fastest on the medians, or, within WIDE_TIE, at least as fast
+        as it under one of the draws (made once, when a plan first needs them)."""
+        slower_s = step_s - fastest_sim.step_time_s
+        if slower_s <= TIE * base:
+            return True
+        if slower_s > WIDE_TIE * base:
+            return False
+        if not drawn:
+            for d, _ in resolved:
+                q = problem_from_profile(d, slots=slots)
+                drawn.append((q, simulate(fastest, q).step_time_s))
+        return any(simulate(other, q).step_time_s <= t for q, t in drawn)
+
+    near = [(sim, p) for sim, p in timed if base <= 0 or tied(p, sim.step_time_s)]
     sim, choice = min(near, key=lambda sp: _simplest(sp[1], problem))
     if choice is plan:
         return plan
     return replace(plan, regions=choice.regions, options=choice.options,
                    predicted_peak_bytes=sim.peak_bytes,
                    predicted_step_time_s=sim.step_time_s)
-
-
-def _tied(plan: Plan, slower_s: float, base_s: float, fastest: Plan,
-          drawn: list[Problem]) -> bool:
-    """Whether the timings cannot tell ``plan`` from ``fastest``: within :data:`TIE` of
-    it on the medians (``slower_s`` more), or, within :data:`WIDE_TIE`, at least as fast
-    as it under one of the ``drawn`` profiles (times drawn from their measured ranges)."""
-    if slower_s <= TIE * base_s:
-        return True
-    if slower_s > WIDE_TIE * base_s:
-        return False
-    for problem in drawn:
-        if simulate(plan, problem).step_time_s <= simulate(fastest, problem).step_time_s:
-            return True
-    return False
 
 
 def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DRAWS,
