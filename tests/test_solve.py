@@ -117,7 +117,6 @@ def _scores(problem: Problem, part: int, parts: int) -> list[tuple[int, float]]:
     return out
 
 
-_ARRANGEMENTS = [1, 2, 8, 48, 352, 2880, 25216]  # region arrangements of n stages
 #: Above this many plans the brute force is split over the machine's cores (forked: the
 #: simulator is pure Python, and the six-stage chains are 25,216 to 100,864 plans each).
 _SPLIT_ABOVE = 1500
@@ -127,7 +126,7 @@ def brute_force(problem: Problem) -> list[tuple[int, float]]:
     """(peak, step time) of every plan (in no particular order)."""
     options = math.prod(len(problem.options(i)) for i in range(problem.n))
     parts = min(len(os.sched_getaffinity(0)), 4)
-    if parts < 2 or _ARRANGEMENTS[problem.n] * options <= _SPLIT_ABOVE:
+    if parts < 2 or _LEVELS[problem.n] * options <= _SPLIT_ABOVE:
         return _scores(problem, 0, 1)
     _FORKED[:] = [problem]
     try:
@@ -146,7 +145,7 @@ def test_brute_force_counts_every_laminar_family() -> None:
 
 # -- random chains ------------------------------------------------------------------------------
 
-_LEVELS = [1, 2, 8, 48, 352, 2880]  # region arrangements of n stages
+_LEVELS = [1, 2, 8, 48, 352, 2880, 25216]  # region arrangements of n stages
 _MAX_PLANS = 6000  # keeps one brute force under half a second
 
 

@@ -3,18 +3,18 @@ peak with the schedule's micro-batches in flight, apply its plan.
 
 Each pipeline rank runs its own part of the model (a ``PipelineStage``'s ``submod``
 from a manual split). Its profile is the part's one-micro-batch training step: the last
-rank's with the real loss, an earlier rank's with a stand-in loss ``(output * g).sum()``
-for a fixed ``g`` of the output's shape (its backward receives a gradient of that shape,
-as the stage does from the next rank). The per-rank problems then go to
+rank's with the real loss, an earlier rank's with a stand-in loss ``(output * g).sum()``,
+``g`` ones of the output's shape (its backward receives a gradient of that shape, as the
+stage does from the next rank). The per-rank problems then go to
 :func:`remat.core.pipeline.pipeline_step` (peaks per rank under the schedule, with
 :func:`schedule_buffers`: what torch's stage keeps per micro-batch) and
 :func:`remat.core.pipeline.plan_pipeline`. A plan is applied to the part with
 :func:`apply_to_stage` before or after the ``PipelineStage`` is built: the stage calls
 the part's forward and runs its backward through autograd, where the checkpoints rebuild.
 
-Measured on gloo (2 processes, gpt halves, 4 micro-batches, GPipe and 1F1B, no plan and
-per-block regions; ``tests/test_pipelining.py``): every rank's peak within 2% of
-the prediction. ``pipeline()``'s export traces through checkpoint calls written in the
+Measured on gloo (gpt split over 2 and 4 processes, 4 and 8 micro-batches, GPipe and
+1F1B; ``benchmarks/pipeline_ranks.md``): every rank's peak within 3.5% of the
+prediction. ``pipeline()``'s export traces through checkpoint calls written in the
 model and drops them; :func:`dropped_checkpoints` names the stages that lost theirs,
 and a remat plan applies to the exported stage module (same module paths) instead.
 Not yet here: interleaved and zero-bubble schedules.
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
-from remat.core.pipeline import ScheduleBuffers
+from remat.core.pipeline import ScheduleBuffers, check_schedule
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.measure.tracker import iter_tensors, storage_key
@@ -62,7 +62,7 @@ def part_loss(part: nn.Module, microbatch: Any, *, last: bool,
               loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
               target: Any = None) -> Callable[[nn.Module, Any], torch.Tensor]:
     """The loss a rank's part is profiled with (module docstring): the last rank's
-    ``loss_fn(output, target)``, an earlier rank's ``(output * g).sum()``."""
+    ``loss_fn(output, target)``, an earlier rank's ``(output * ones).sum()``."""
     if last:
         if loss_fn is None or target is None:
             raise UsageError("the last pipeline rank is profiled with its real loss; give "
@@ -110,11 +110,7 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
     #   (``output_chunks``, for the merged output);
     # - under GPipe, after the first rank, each input gradient stays to the step's end
     #   (the backward sends are waited for after the last backward; 1F1B waits for each).
-    from remat.core.pipeline import SCHEDULES
-
-    if schedule not in SCHEDULES:
-        raise UsageError(f"schedule {schedule!r} is not known; choose one of "
-                         f"{', '.join(SCHEDULES)}")
+    check_schedule(schedule, microbatches=microbatches)
     output = _bytes(_forward(part, microbatch))
     received = 0 if first else _bytes(microbatch)
     post = (profile.fixed.post_chain_forward_bytes or 0) if last else 0

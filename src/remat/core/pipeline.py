@@ -29,14 +29,16 @@ from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
 
-__all__ = ["SCHEDULES", "PipelineStep", "RankCost", "ScheduleBuffers", "in_flight",
+__all__ = ["SCHEDULES", "PipelineStep", "RankCost", "ScheduleBuffers", "check_schedule",
+           "in_flight",
            "pipeline_step", "plan_pipeline", "rank_cost", "rank_peak", "schedule_order",
            "step_time"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def _check(schedule: str, ranks: int, microbatches: int) -> None:
+def check_schedule(schedule: str, ranks: int = 1, microbatches: int = 1) -> None:
+    """UsageError for a schedule remat does not model or a count below 1."""
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r} is not known; choose one of "
                          f"{', '.join(SCHEDULES)}")
@@ -47,7 +49,7 @@ def _check(schedule: str, ranks: int, microbatches: int) -> None:
 
 def in_flight(schedule: str, rank: int, ranks: int, microbatches: int) -> int:
     """How many micro-batches rank ``rank`` holds at once at most (module docstring)."""
-    _check(schedule, ranks, microbatches)
+    check_schedule(schedule, ranks, microbatches)
     if not 0 <= rank < ranks:
         raise UsageError(f"rank {rank} is outside 0..{ranks - 1}")
     return microbatches if schedule == "gpipe" else min(ranks - rank, microbatches)
@@ -97,7 +99,7 @@ def step_time(costs: Sequence[RankCost], schedule: str, microbatches: int,
     """The pipeline's step: when the last rank finishes its last op and its once-a-step
     work, every op run in its rank's order as soon as what it needs is done."""
     p = len(costs)
-    _check(schedule, p, microbatches)
+    check_schedule(schedule, p, microbatches)
     orders = [schedule_order(schedule, r, p, microbatches) for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, rank, micro-batch) -> finish
     free = [0.0] * p
