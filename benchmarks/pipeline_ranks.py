@@ -64,13 +64,17 @@ class Runner:
         self.opt = torch.optim.AdamW(self.part.parameters(), lr=1e-3)
         self.idx, self.target = idx, target
 
-    def step(self) -> None:
-        self.part.zero_grad(set_to_none=True)
+    def _train(self) -> None:
+        """One training step: the schedule's step on this rank, then the optimizer's."""
         if self.part.first:
             self.schedule.step(self.idx)
         else:
             self.schedule.step(target=self.target, losses=[])
         self.opt.step()
+
+    def step(self) -> None:
+        self.part.zero_grad(set_to_none=True)
+        self._train()
 
     def peak(self) -> int:
         self.step()
@@ -82,11 +86,7 @@ class Runner:
         tracker.register_existing([self.idx] if self.part.first else [self.target])
         tracker.register_existing(receive_buffers(self.stage))  # allocated at the first step
         with tracker:
-            if self.part.first:
-                self.schedule.step(self.idx)
-            else:
-                self.schedule.step(target=self.target, losses=[])
-            self.opt.step()
+            self._train()
         return tracker.peak_bytes
 
 
