@@ -4,10 +4,13 @@ against one uniform plan.
 Run under torchrun, one process per pipeline rank (repository root)::
 
     PYTHONPATH=src .venv/bin/torchrun --nproc-per-node 2 benchmarks/pipeline_ranks.py \\
-        [--microbatches 4 8] [--schedules gpipe 1f1b] [--rounds 6] [--out FILE]
+        [--microbatches 4 8] [--schedules gpipe 1f1b interleaved-1f1b] [--chunks 2]
+        [--rounds 6] [--out FILE]
 
 The model is remat's gpt (8 blocks, hidden 64, sequence 32, batch 32), split evenly
-over the ranks (``remat.models.gpt.GPTPart``); AdamW. Per schedule and micro-batch count:
+over the ranks (``remat.models.gpt.GPTPart``), or under interleaved 1F1B over
+ranks x ``--chunks`` virtual stages, chunk ``c`` of rank ``r`` being stage
+``c * ranks + r``; AdamW over the rank's parts. Per schedule and micro-batch count:
 every rank profiles its part on one micro-batch (``remat.pipelining.profile_part``), the
 ranks share their problems, and three plans run: no checkpointing, every rank per-block
 (the uniform setting users run today), and remat's per-rank plans
@@ -32,9 +35,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
-from remat.core.pipeline import pipeline_step, plan_pipeline
+from remat.core.pipeline import SINGLE_STAGE, pipeline_step, plan_pipeline
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve.problem import Problem
@@ -44,7 +52,8 @@ from remat.pipelining import apply_to_stage, profile_part, receive_buffers, sche
 
 OPTS = {"n_layer": 8, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32,
         "dropout": 0.0}
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved-1f1b": ScheduleInterleaved1F1B}
 MIB = 2**20
 #: The uniform plan's budget is its largest predicted rank peak and this share more
 #: (the peaks are measured within 3% of their prediction).
@@ -52,39 +61,53 @@ MARGIN = 0.05
 
 
 class Runner:
-    """One rank's part under one plan, in its own stage and schedule."""
+    """One rank's parts (one per chunk) under their plans, in their stages and schedule."""
 
-    def __init__(self, rank: int, world: int, schedule: str, micro: int, plan: Plan | None,
-                 idx: torch.Tensor, target: torch.Tensor) -> None:
-        self.part = GPTPart(gpt(**OPTS)[0], rank, world)
-        if plan is not None:
-            apply_to_stage(self.part, plan)
-        self.stage = PipelineStage(self.part, rank, world, torch.device("cpu"))
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=micro, loss_fn=logits_loss)
-        self.opt = torch.optim.AdamW(self.part.parameters(), lr=1e-3)
+    def __init__(self, rank: int, world: int, schedule: str, micro: int, chunks: int,
+                 plans: list[Plan] | None, idx: torch.Tensor, target: torch.Tensor) -> None:
+        model = gpt(**OPTS)[0]
+        ids = [c * world + rank for c in range(chunks)]
+        self.parts = [GPTPart(model, s, world * chunks) for s in ids]
+        for part, plan in zip(self.parts, plans or [], strict=False):
+            apply_to_stage(part, plan)
+        self.stages = [PipelineStage(part, s, world * chunks, torch.device("cpu"))
+                       for s, part in zip(ids, self.parts, strict=True)]
+        self.schedule = SCHEDULES[schedule](self.stages if chunks > 1 else self.stages[0],
+                                            n_microbatches=micro, loss_fn=logits_loss)
+        self.opt = torch.optim.AdamW([q for part in self.parts for q in part.parameters()],
+                                     lr=1e-3)
+        self.first, self.last = self.parts[0].first, self.parts[-1].last
         self.idx, self.target = idx, target
 
     def _train(self) -> None:
         """One training step: the schedule's step on this rank, then the optimizer's."""
-        if self.part.first:
+        if self.first:
             self.schedule.step(self.idx)
-        else:
+        elif self.last:
             self.schedule.step(target=self.target, losses=[])
+        else:
+            self.schedule.step()
         self.opt.step()
 
+    def _zero(self) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=True)
+
     def step(self) -> None:
-        self.part.zero_grad(set_to_none=True)
+        self._zero()
         self._train()
 
     def peak(self) -> int:
         self.step()
-        self.part.zero_grad(set_to_none=True)
+        self._zero()
         gc.collect()
         tracker = LiveMemoryTracker()
-        tracker.register_existing(self.part)
+        for part in self.parts:
+            tracker.register_existing(part)
         tracker.register_existing(self.opt)
-        tracker.register_existing([self.idx] if self.part.first else [self.target])
-        tracker.register_existing(receive_buffers(self.stage))  # allocated at the first step
+        tracker.register_existing([self.idx] if self.first else [self.target])
+        for stage in self.stages:  # receive buffers, allocated at the first step
+            tracker.register_existing(receive_buffers(stage))
         with tracker:
             self._train()
         return tracker.peak_bytes
@@ -109,27 +132,35 @@ def _label(plan: Plan) -> str:
     return regions + (f" + {', '.join(options)}" if options else "")
 
 
-def run(schedule: str, micro: int, rounds: int) -> list[str]:
+def run(schedule: str, micro: int, rounds: int, chunks: int) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    n = world * chunks
     model, (idx, target), _ = gpt(**OPTS)
-    part = GPTPart(model, rank, world)
     mb = OPTS["batch_size"] // micro
-    torch.manual_seed(1)
-    microbatch = (idx[:mb] if part.first else
-                  torch.randn(mb, OPTS["block_size"], OPTS["n_embd"], requires_grad=True))
-    names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
-    prof = profile_part(part, microbatch, last=part.last, loss_fn=logits_loss,
-                        target=target[:mb], stages=names, repeats=2)
-    problems = [Problem.from_dict(d) for d in _gather(to_problem(prof).to_dict())]
-    buffers = _gather(schedule_buffers(prof, part, microbatch, schedule=schedule,
-                                       microbatches=micro, first=part.first, last=part.last))
+    mine = []  # this rank's chunks: (problem, buffers)
+    for c in range(chunks):
+        part = GPTPart(model, c * world + rank, n)
+        torch.manual_seed(1)
+        microbatch = (idx[:mb] if part.first else
+                      torch.randn(mb, OPTS["block_size"], OPTS["n_embd"], requires_grad=True))
+        names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+        prof = profile_part(part, microbatch, last=part.last, loss_fn=logits_loss,
+                            target=target[:mb], stages=names, repeats=2)
+        mine.append((to_problem(prof).to_dict(),
+                     schedule_buffers(prof, part, microbatch, schedule=schedule,
+                                      microbatches=micro, first=part.first, last=part.last)))
+    shared = _gather(mine)
+    # virtual stage s is chunk s // world of rank s % world
+    problems = [Problem.from_dict(shared[s % world][s // world][0]) for s in range(n)]
+    buffers = [shared[s % world][s // world][1] for s in range(n)]
     del model, part
 
     per_block = [Plan(p.stage_names, tuple(Region(i, i + 1) for i in range(p.n)))
                  for p in problems]
     none = [Plan(p.stage_names) for p in problems]
-    uniform = pipeline_step(per_block, problems, schedule, micro, buffers=buffers)
-    plain = pipeline_step(none, problems, schedule, micro, buffers=buffers)
+    uniform = pipeline_step(per_block, problems, schedule, micro, buffers=buffers,
+                            chunks=chunks)
+    plain = pipeline_step(none, problems, schedule, micro, buffers=buffers, chunks=chunks)
     # budgets where the uniform plan fits: with the margin its largest rank's peak is
     # measured within, and half-way to the least no-checkpointing rank peak
     tight = int(max(uniform.peaks) * (1 + MARGIN))
@@ -137,15 +168,19 @@ def run(schedule: str, micro: int, rounds: int) -> list[str]:
 
     rows: list[str] = []
 
+    def label(plans: list[Plan], r: int) -> str:
+        return " / ".join(_label(plans[c * world + r]) for c in range(chunks))
+
     def measured(name: str, plans: list[Plan], step: Any, budget: int | None) -> Runner:
-        runner = Runner(rank, world, schedule, micro, plans[rank], idx, target)
+        runner = Runner(rank, world, schedule, micro, chunks,
+                        [plans[c * world + rank] for c in range(chunks)], idx, target)
         peaks = _gather(runner.peak())
         if rank == 0:
             for r in range(world):
                 error = peaks[r] / step.peaks[r] - 1
                 fits = ("-" if budget is None else
                         f"{budget / MIB:.3f} " + ("yes" if peaks[r] <= budget else "**no**"))
-                rows.append(f"| {schedule} | {micro} | {name} | {r} | {_label(plans[r])} | "
+                rows.append(f"| {schedule} | {micro} | {name} | {r} | {label(plans, r)} | "
                             f"{step.in_flight[r]} | {step.peaks[r] / MIB:.3f} | "
                             f"{peaks[r] / MIB:.3f} | {error:+.1%} | {fits} |")
         return runner
@@ -153,7 +188,8 @@ def run(schedule: str, micro: int, rounds: int) -> list[str]:
     measured("none", none, plain, None)
     base = measured("per-block", per_block, uniform, tight)
     for budget in budgets:
-        ours, predicted = plan_pipeline(problems, budget, schedule, micro, buffers=buffers)
+        ours, predicted = plan_pipeline(problems, budget, schedule, micro, buffers=buffers,
+                                        chunks=chunks)
         runner = measured(f"remat @ {budget / MIB:.2f} MiB", ours, predicted, budget)
         ratios = []
         for k in range(rounds):
@@ -179,6 +215,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES),
                         choices=list(SCHEDULES))
+    parser.add_argument("--chunks", type=int, default=2,
+                        help="stages per rank under interleaved-1f1b (default 2)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -190,12 +228,14 @@ def main() -> None:
     rows = []
     for schedule in args.schedules:
         for micro in args.microbatches:
-            rows += run(schedule, micro, args.rounds)
+            chunks = 1 if schedule in SINGLE_STAGE else args.chunks
+            rows += run(schedule, micro, args.rounds, chunks)
             if dist.get_rank() == 0:
                 print(f"{schedule} x {micro}: done", flush=True)
     if dist.get_rank() == 0:
         text = (f"{dist.get_world_size()} ranks, gloo, one torch thread each, torch "
-                f"{torch.__version__}, started {began}; model gpt {OPTS}, AdamW.\n\n"
+                f"{torch.__version__}, started {began}; model gpt {OPTS}, AdamW; "
+                f"interleaved-1f1b: {args.chunks} chunks per rank (regions per chunk).\n\n"
                 + HEADER + "\n" + "\n".join(rows) + "\n")
         print("\n" + text)
         if args.out:

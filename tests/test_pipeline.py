@@ -45,12 +45,43 @@ def test_in_flight_micro_batches_per_rank_as_measured_with_torch_pipelining() ->
     for schedule in ("gpipe", "1f1b"):
         for r in range(4):
             order = schedule_order(schedule, r, 4, 8)
-            assert sorted(order) == sorted([(k, i) for k in "FB" for i in range(8)])
-            assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(8))
+            assert sorted(order) == sorted([(k, 0, i) for k in "FB" for i in range(8)])
+            assert all(order.index(("F", 0, i)) < order.index(("B", 0, i)) for i in range(8))
     with pytest.raises(UsageError, match="schedule 'zb'"):
         in_flight("zb", 0, 2, 4)
     with pytest.raises(UsageError, match="rank 2 is outside"):
         in_flight("1f1b", 2, 2, 4)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 8, 4), (2, 8, 3),
+                                           (3, 6, 2), (4, 12, 3), (2, 2, 2)])
+def test_interleaving_divides_the_bubble_by_the_chunks_per_rank(p: int, m: int, v: int
+                                                                ) -> None:
+    # Narayanan et al. 2021: with v chunks of F/v and B/v per rank, the bubble is
+    # (p - 1)(F + B)/v instead of (p - 1)(F + B), where m is at least p
+    f, b = 1.0, 2.0
+    costs = [RankCost(f / v, b / v, 0.0, 0, 0)] * (p * v)
+    assert step_time(costs, "interleaved-1f1b", m, chunks=v) == pytest.approx(
+        m * (f + b) + (p - 1) * (f + b) / v)
+    for r in range(p):  # every chunk runs every micro-batch once, its forward first
+        order = schedule_order("interleaved-1f1b", r, p, m, v)
+        assert sorted(order) == sorted((k, c, i) for k in "FB" for c in range(v)
+                                       for i in range(m))
+        assert all(order.index(("F", c, i)) < order.index(("B", c, i))
+                   for c in range(v) for i in range(m))
+    # the first rank holds more micro-batches than the last, and more than under 1F1B
+    counts = [in_flight("interleaved-1f1b", r, p, m, v) for r in range(p)]
+    assert counts == sorted(counts, reverse=True)
+    assert counts[0] > in_flight("1f1b", 0, p, m)
+
+
+def test_schedules_refuse_chunks_they_do_not_run_and_counts_they_cannot_split() -> None:
+    with pytest.raises(UsageError, match="runs one stage per rank"):
+        schedule_order("1f1b", 0, 2, 4, chunks=2)
+    with pytest.raises(UsageError, match="multiple of its rounds"):
+        schedule_order("interleaved-1f1b", 0, 2, 5, chunks=2)
+    with pytest.raises(UsageError, match="do not split into 2 chunks"):
+        step_time([RankCost(1.0, 1.0, 0.0, 0, 0)] * 3, "interleaved-1f1b", 4, chunks=2)
 
 
 def test_a_rebuild_on_the_slowest_rank_stretches_the_step_more_than_one_in_the_bubble(
@@ -83,7 +114,7 @@ def test_a_rank_peaks_at_its_one_micro_batch_peak_plus_what_the_others_in_flight
         assert gpipe.peaks == (one.peak_bytes + 3 * one.kept_bytes,) * 2
         assert ofob.peaks == (one.peak_bytes + one.kept_bytes, one.peak_bytes)
         assert gpipe.step_s == pytest.approx(ofob.step_s)  # equal ranks: the same bubble
-    with pytest.raises(UsageError, match="one plan per rank"):
+    with pytest.raises(UsageError, match="one plan per stage"):
         pipeline_step([keep], [problem, problem], "gpipe", 4)
 
 
@@ -135,7 +166,7 @@ def test_the_schedule_buffers_add_to_the_ranks_that_keep_them() -> None:
     peaks = [rank_peak(plan, problem, "gpipe", 1, 2, 4, ScheduleBuffers(output_bytes=h))
              for h in (huge, 2 * huge)]
     assert peaks[1] - peaks[0] == 4 * huge
-    with pytest.raises(UsageError, match="one ScheduleBuffers per rank"):
+    with pytest.raises(UsageError, match="one ScheduleBuffers per stage"):
         pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers[:1])
 
 
@@ -184,3 +215,30 @@ def test_where_the_uniform_plan_fits_with_the_stages_buffers_the_per_rank_plans_
         assert rank_peak(plan, problem, schedule, r, 2, 4, buffers[r]) == step.peaks[r]
         assert step.peaks[r] <= budget
     assert step.step_s <= uniform.step_s
+
+
+def test_interleaved_plans_fit_every_rank_with_all_its_chunks() -> None:
+    """Interleaved 1F1B, 2 ranks of 2 chunks, 4 micro-batches: a rank holds its chunks'
+    micro-batches together (the first rank 5 forwards at once), so a budget one chunk
+    fits alone makes both checkpoint; the plans fit and are no slower than per-layer
+    checkpointing everywhere; a chunk's figures add to the rank's peak."""
+    from remat.core.pipeline import chunked_rank_peak, plan_pipeline, rank_peak
+
+    problem = Problem.load(FIXTURES / "chain_uniform_8.json")
+    names = problem.stage_names
+    keep = Plan(names)
+    per_stage = Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
+    uniform = pipeline_step([per_stage] * 4, [problem] * 4, "interleaved-1f1b", 4, chunks=2)
+    plain = pipeline_step([keep] * 4, [problem] * 4, "interleaved-1f1b", 4, chunks=2)
+    assert uniform.in_flight == plain.in_flight == (5, 3)
+    assert all(u < q for u, q in zip(uniform.peaks, plain.peaks, strict=True))
+    # two chunks hold more than one does under the same order
+    alone = rank_peak(keep, problem, "1f1b", 0, 2, 4)
+    assert chunked_rank_peak([keep, keep], [problem] * 2, "interleaved-1f1b", 0, 2, 4) > alone
+    budget = (max(uniform.peaks) + min(plain.peaks)) // 2
+    plans, step = plan_pipeline([problem] * 4, budget, "interleaved-1f1b", 4, chunks=2)
+    assert all(peak <= budget for peak in step.peaks)
+    assert step.step_s <= uniform.step_s + 1e-12
+    assert any(plan.regions for plan in plans)
+    with pytest.raises(UsageError, match="one plan, problem and ScheduleBuffers per chunk"):
+        chunked_rank_peak([keep, keep], [problem], "interleaved-1f1b", 0, 2, 4)

@@ -31,11 +31,20 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return logits_loss(out, target)
 
 
+#: (schedule, chunks per rank) the launch runs
+CONFIGS = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+
+
 def _rank(rank: int, store: str, out: str) -> None:
     import gc
 
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     from remat.core.pipeline import pipeline_step
     from remat.core.plan_format import Plan, Region
@@ -54,58 +63,81 @@ def _rank(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD)
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+               "interleaved-1f1b": ScheduleInterleaved1F1B}
     results = []
-    for schedule_name, schedule_class in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+    for schedule_name, chunks in CONFIGS:
+        n = WORLD * chunks
+        ids = [c * WORLD + rank for c in range(chunks)]  # this rank's virtual stages
         for planned in (False, True):
             model, (idx, target), _ = gpt(**OPTS)
-            part = GPTPart(model, rank, WORLD)
-            first, last = part.first, part.last
             mb = OPTS["batch_size"] // MICRO
-            torch.manual_seed(1)
-            micro = idx[:mb] if first else torch.randn(mb, OPTS["block_size"], OPTS["n_embd"],
-                                                       requires_grad=True)
-            names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
-            prof = profile_part(part, micro, last=last, loss_fn=_loss, target=target[:mb],
-                                stages=names, repeats=1)
-            plan = (Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
-                    if planned else Plan(names))
-            buffers = schedule_buffers(prof, part, micro, schedule=schedule_name,
-                                       microbatches=MICRO, first=first, last=last)
-            every = [None] * WORLD
-            dist.all_gather_object(every, buffers)
-            problem = to_problem(prof)
+            plans, problems, buffers = [], [], []
+            for s in ids:
+                part = GPTPart(model, s, n)
+                torch.manual_seed(1)
+                micro = (idx[:mb] if part.first else
+                         torch.randn(mb, OPTS["block_size"], OPTS["n_embd"], requires_grad=True))
+                names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+                prof = profile_part(part, micro, last=part.last, loss_fn=_loss,
+                                    target=target[:mb], stages=names, repeats=1)
+                plans.append(Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
+                             if planned else Plan(names))
+                buffers.append(schedule_buffers(prof, part, micro, schedule=schedule_name,
+                                                microbatches=MICRO, first=part.first,
+                                                last=part.last))
+                problems.append(to_problem(prof).to_dict())
             shared: list[Any] = [None] * WORLD
-            dist.all_gather_object(shared, problem.to_dict())
-            problems = [Problem.from_dict(d) for d in shared]
-            predicted = pipeline_step([plan] * WORLD, problems, schedule_name, MICRO,
-                                      buffers=every).peaks[rank]
+            dist.all_gather_object(shared, (plans, problems, buffers))
+            # virtual stage s is chunk s // WORLD of rank s % WORLD
+            every = [shared[s % WORLD] for s in range(n)]
+            predicted = pipeline_step(
+                [e[0][s // WORLD] for s, e in enumerate(every)],
+                [Problem.from_dict(e[1][s // WORLD]) for s, e in enumerate(every)],
+                schedule_name, MICRO, buffers=[e[2][s // WORLD] for s, e in enumerate(every)],
+                chunks=chunks).peaks[rank]
             # a fresh copy runs: profiling took optimizer steps on the first
-            part = GPTPart(gpt(**OPTS)[0], rank, WORLD)
-            stage = PipelineStage(part, rank, WORLD, torch.device("cpu"))
-            handle = apply_to_stage(stage, plan) if planned else None
-            schedule = schedule_class(stage, n_microbatches=MICRO, loss_fn=_loss)
-            opt = torch.optim.AdamW(part.parameters(), lr=1e-3)
+            model = gpt(**OPTS)[0]
+            parts = [GPTPart(model, s, n) for s in ids]
+            stages = [PipelineStage(part, s, n, torch.device("cpu"))
+                      for s, part in zip(ids, parts, strict=True)]
+            if planned:
+                for stage, plan in zip(stages, plans, strict=True):
+                    apply_to_stage(stage, plan)
+            schedule = classes[schedule_name](stages if chunks > 1 else stages[0],
+                                              n_microbatches=MICRO, loss_fn=_loss)
+            opt = torch.optim.AdamW([q for part in parts for q in part.parameters()], lr=1e-3)
+            first, last = parts[0].first, parts[-1].last
 
-            def step(schedule: Any = schedule, first: bool = first, idx: Any = idx,
-                     target: Any = target) -> list[torch.Tensor]:
+            def step(schedule: Any = schedule, first: bool = first, last: bool = last,
+                     idx: Any = idx, target: Any = target) -> list[torch.Tensor]:
                 losses: list[torch.Tensor] = []
                 if first:
                     schedule.step(idx)
-                else:
+                elif last:
                     schedule.step(target=target, losses=losses)
+                else:
+                    schedule.step()
                 return losses
 
+            def zero(parts: list[nn.Module] = parts) -> None:
+                for part in parts:
+                    part.zero_grad(set_to_none=True)
+
             first_losses = step()
-            torch.save({n: q.grad for n, q in part.named_parameters()},
+            torch.save({f"{s}.{name}": q.grad for s, part in zip(ids, parts, strict=True)
+                        for name, q in part.named_parameters()},
                        Path(out, f"grads_{rank}_{schedule_name}_{int(planned)}.pt"))
             opt.step()
-            part.zero_grad(set_to_none=True)
+            zero()
             gc.collect()
             tracker = LiveMemoryTracker()
-            tracker.register_existing(part)
+            for part in parts:
+                tracker.register_existing(part)
             tracker.register_existing(opt)
             tracker.register_existing([idx] if first else [target])
-            tracker.register_existing(receive_buffers(stage))
+            for stage in stages:
+                tracker.register_existing(receive_buffers(stage))
             with tracker:
                 losses = step()
                 opt.step()
@@ -113,8 +145,9 @@ def _rank(rank: int, store: str, out: str) -> None:
                             "measured": tracker.peak_bytes, "predicted": predicted,
                             "losses": [float(x) for x in first_losses],
                             "measured_losses": len(losses)})
-            if handle is not None:
-                remove(part)
+            if planned:
+                for part in parts:
+                    remove(part)
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -144,7 +177,7 @@ def test_every_ranks_peak_is_predicted_within_5_percent(
 
 def test_per_block_regions_lower_every_ranks_peak(ranks: list[list[dict[str, Any]]]) -> None:
     for rows in ranks:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule, _ in CONFIGS:
             plain, planned = (next(x for x in rows if x["schedule"] == schedule
                                    and x["planned"] == p) for p in (False, True))
             assert planned["measured"] < 0.8 * plain["measured"]
@@ -165,7 +198,7 @@ def test_the_pipeline_trains_the_loss_of_the_whole_model(
         assert row["measured_losses"] == MICRO
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [name for name, _ in CONFIGS])
 @pytest.mark.parametrize("planned", [0, 1])
 def test_the_ranks_gradients_are_the_whole_models(launched: Path, schedule: str,
                                                   planned: int) -> None:
@@ -178,22 +211,48 @@ def test_the_ranks_gradients_are_the_whole_models(launched: Path, schedule: str,
                for i in range(MICRO)) / MICRO
     loss.backward()
     whole = {n: q.grad for n, q in model.named_parameters()}
-    ranks = [torch.load(launched / f"grads_{r}_{schedule}_{planned}.pt") for r in range(WORLD)]
-    per = OPTS["n_layer"] // WORLD
+    grads: dict[str, torch.Tensor] = {}  # "stage.name" over every rank's stages
+    for r in range(WORLD):
+        grads.update(torch.load(launched / f"grads_{r}_{schedule}_{planned}.pt"))
+    per = OPTS["n_layer"] // (1 + max(int(k.split(".")[0]) for k in grads))
     seen = set()
-    for r, grads in enumerate(ranks):
-        for name, grad in grads.items():
-            if name.startswith("blocks."):
-                _, i, rest = name.split(".", 2)
-                name = f"blocks.{r * per + int(i)}.{rest}"
-            if name in ("wte.weight", "lm_head.weight"):
-                continue  # one tied weight in the whole model, a copy on each end rank
-            torch.testing.assert_close(grad, whole[name], rtol=1e-4, atol=1e-6, msg=name)
-            seen.add(name)
+    for key, grad in grads.items():
+        stage, name = key.split(".", 1)
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            name = f"blocks.{int(stage) * per + int(i)}.{rest}"
+        if name in ("wte.weight", "lm_head.weight"):
+            continue  # one tied weight in the whole model, a copy on each end stage
+        torch.testing.assert_close(grad, whole[name], rtol=1e-4, atol=1e-6, msg=name)
+        seen.add(name)
     # the tied weight's gradient is the sum of its two copies'
-    torch.testing.assert_close(ranks[0]["wte.weight"] + ranks[-1]["lm_head.weight"],
+    last = max(k for k in grads if k.endswith("lm_head.weight"))
+    torch.testing.assert_close(grads["0.wte.weight"] + grads[last],
                                whole["wte.weight"], rtol=1e-4, atol=1e-6)
     assert seen | {"wte.weight"} == set(whole)
+
+
+@pytest.mark.parametrize(("ranks", "microbatches", "chunks"),
+                         [(2, 4, 2), (2, 8, 4), (4, 8, 2), (4, 4, 3), (3, 6, 2), (4, 2, 2)])
+def test_the_interleaved_order_is_torchs(ranks: int, microbatches: int, chunks: int) -> None:
+    # remat.core.pipeline writes torch's ScheduleInterleaved1F1B order itself (torch-free);
+    # torch's own, without its idle slots, for each rank (an instance without stages:
+    # the order needs only these four counts)
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    from remat.core.pipeline import schedule_order
+
+    torch_schedule = object.__new__(ScheduleInterleaved1F1B)
+    torch_schedule.pp_group_size = ranks
+    torch_schedule.n_local_stages = chunks
+    torch_schedule._n_microbatches = microbatches
+    torch_schedule.microbatches_per_round = microbatches // max(1, microbatches // ranks)
+    for rank in range(ranks):
+        theirs = [("F" if a.computation_type.name == "FORWARD" else "B",
+                   a.stage_index // ranks, a.microbatch_index)
+                  for a in torch_schedule._calculate_single_rank_operations(rank)
+                  if a is not None]
+        assert schedule_order("interleaved-1f1b", rank, ranks, microbatches, chunks) == theirs
 
 
 class _CheckpointedGPT(nn.Module):

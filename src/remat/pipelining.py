@@ -17,7 +17,9 @@ Measured on gloo (gpt split over 2 and 4 processes, 4 and 8 micro-batches, GPipe
 prediction. ``pipeline()``'s export traces through checkpoint calls written in the
 model and drops them; :func:`dropped_checkpoints` names the stages that lost theirs,
 and a remat plan applies to the exported stage module (same module paths) instead.
-Not yet here: interleaved and zero-bubble schedules.
+Under interleaved 1F1B a rank holds several stages (chunks): each is profiled, given its
+buffers and its plan as its own part, and the core walks a rank's chunks together
+(``chunks=`` in :mod:`remat.core.pipeline`). Not yet here: zero-bubble schedules.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
-from remat.core.pipeline import ScheduleBuffers, check_schedule
+from remat.core.pipeline import SINGLE_STAGE, ScheduleBuffers, check_schedule
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.measure.tracker import iter_tensors, storage_key
@@ -109,14 +111,18 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
     # - on the last rank every micro-batch's output stays to the step's end
     #   (``output_chunks``, for the merged output);
     # - under GPipe, after the first rank, each input gradient stays to the step's end
-    #   (the backward sends are waited for after the last backward; 1F1B waits for each).
-    check_schedule(schedule, microbatches=microbatches)
+    #   (the backward sends are waited for after the last backward; 1F1B waits for each);
+    # - under interleaved 1F1B (torch's _PipelineScheduleRuntime) every send is waited
+    #   for at the step's end: each sent output (before the last stage) and each sent
+    #   input gradient (after the first) stays to the step's end.
+    check_schedule(schedule, microbatches=microbatches,
+                   chunks=1 if schedule in SINGLE_STAGE else 2)
     output = _bytes(_forward(part, microbatch))
     received = 0 if first else _bytes(microbatch)
     post = (profile.fixed.post_chain_forward_bytes or 0) if last else 0
     return ScheduleBuffers(
-        output_bytes=output if last else 0,
-        input_grad_bytes=received if schedule == "gpipe" else 0,
+        output_bytes=output if last or schedule == "interleaved-1f1b" else 0,
+        input_grad_bytes=received if schedule in ("gpipe", "interleaved-1f1b") else 0,
         persistent_bytes=(microbatches - 1) * received + (0 if last else microbatches * output),
         held_bytes=post - received,
     )

@@ -16,11 +16,21 @@ order, a forward after the previous rank's forward of the same micro-batch (and 
 a backward after the next rank's backward of it; a rebuild is part of the backward it
 serves, so checkpointing on a rank that waits in the bubble costs the pipeline little
 and on the slowest rank it stretches the whole step. With equal ranks and no sends the
-step is ``(m + p - 1) * (F + B)`` for both schedules (tests check it). Torch-free.
+step is ``(m + p - 1) * (F + B)`` for both schedules (tests check it).
+
+Interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``, Narayanan et al. 2021) gives each
+rank ``v`` chunks of the model: virtual stage ``s`` runs on rank ``s % p`` as its chunk
+``s // p``, so problems, plans and costs are per virtual stage, in pipeline order. Its
+order is torch's (warm-up forwards over the chunks a round of micro-batches at a time,
+then one forward and one backward, then the remaining backwards; a test compares it with
+torch's own), and a rank's peak adds, to the op it runs, what each of its other chunks
+holds at that moment: parameters, optimizer state, its receive buffer, gradients after
+that chunk's first backward, and its micro-batches in flight. Torch-free.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -30,44 +40,87 @@ from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
 
 __all__ = ["SCHEDULES", "PipelineStep", "RankCost", "ScheduleBuffers", "check_schedule",
-           "in_flight",
+           "chunked_rank_peak", "in_flight",
            "pipeline_step", "plan_pipeline", "rank_cost", "rank_peak", "schedule_order",
            "step_time"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+#: Schedules that run one stage per rank (the others take ``chunks``).
+SINGLE_STAGE = ("gpipe", "1f1b")
 
 
-def check_schedule(schedule: str, ranks: int = 1, microbatches: int = 1) -> None:
-    """UsageError for a schedule remat does not model or a count below 1."""
+def check_schedule(schedule: str, ranks: int = 1, microbatches: int = 1,
+                   chunks: int = 1) -> None:
+    """UsageError for a schedule remat does not model, a count below 1, or chunks the
+    schedule does not take."""
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r} is not known; choose one of "
                          f"{', '.join(SCHEDULES)}")
-    for name, value in (("ranks", ranks), ("microbatches", microbatches)):
+    for name, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name}={value!r} must be a whole number >= 1")
+    if schedule in SINGLE_STAGE and chunks != 1:
+        raise UsageError(f"schedule {schedule!r} runs one stage per rank, not {chunks}; "
+                         "use interleaved-1f1b for several")
+    if schedule == "interleaved-1f1b":
+        rounds = max(1, microbatches // ranks)
+        if microbatches % rounds:
+            raise UsageError(f"interleaved-1f1b needs the micro-batch count to be a multiple "
+                             f"of its rounds ({rounds} for {ranks} ranks), not {microbatches}")
 
 
-def in_flight(schedule: str, rank: int, ranks: int, microbatches: int) -> int:
-    """How many micro-batches rank ``rank`` holds at once at most (module docstring)."""
-    check_schedule(schedule, ranks, microbatches)
+def _check_rank(rank: int, ranks: int) -> None:
     if not 0 <= rank < ranks:
         raise UsageError(f"rank {rank} is outside 0..{ranks - 1}")
-    return microbatches if schedule == "gpipe" else min(ranks - rank, microbatches)
 
 
-def schedule_order(schedule: str, rank: int, ranks: int, microbatches: int
-                   ) -> list[tuple[str, int]]:
-    """Rank ``rank``'s ops in order: ``("F", i)`` and ``("B", i)`` for micro-batch ``i``."""
+def schedule_order(schedule: str, rank: int, ranks: int, microbatches: int, chunks: int = 1
+                   ) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s ops in order: ``(kind, chunk, i)``, kind ``"F"`` or ``"B"``, for
+    micro-batch ``i`` on the rank's chunk ``chunk`` (virtual stage ``chunk * ranks + rank``;
+    always 0 under the one-stage schedules)."""
+    check_schedule(schedule, ranks, microbatches, chunks)
+    _check_rank(rank, ranks)
     m = microbatches
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = in_flight(schedule, rank, ranks, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m):  # then one backward, one forward while forwards remain
-        order.append(("B", i))
-        if warmup + i < m:
-            order.append(("F", warmup + i))
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(ranks - rank, m)
+        order = [("F", 0, i) for i in range(warmup)]
+        for i in range(m):  # then one backward, one forward while forwards remain
+            order.append(("B", 0, i))
+            if warmup + i < m:
+                order.append(("F", 0, warmup + i))
+        return order
+    # interleaved: forwards take the chunks in turn a round of micro-batches at a time;
+    # backwards the same from the last chunk down (torch's _get_1f1b_rank_ops)
+    v, per_round = chunks, m // max(1, m // ranks)
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (ranks - 1 - rank), total)
+    next_mb = {("F", c): 0 for c in range(v)} | {("B", c): 0 for c in range(v)}
+
+    def op(kind: str, step: int) -> tuple[str, int, int]:
+        c = ((step // per_round) % v if kind == "F"
+             else v - 1 - ((step - warmup) // per_round) % v)
+        i = next_mb[(kind, c)]
+        next_mb[(kind, c)] = i + 1
+        return (kind, c, i)
+
+    order = [op("F", step) for step in range(warmup)]
+    for step in range(warmup, total):
+        order += [op("F", step), op("B", step)]
+    order += [op("B", step) for step in range(total, total + warmup)]
     return order
+
+
+def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, chunks: int = 1) -> int:
+    """How many micro-batch forwards rank ``rank`` holds at once at most, over its chunks
+    (module docstring)."""
+    held = most = 0
+    for kind, _, _ in schedule_order(schedule, rank, ranks, microbatches, chunks):
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
 
 
 @dataclass(frozen=True)
@@ -94,40 +147,50 @@ def rank_cost(plan: Plan, problem: Problem) -> RankCost:
     )
 
 
+def _ranks_of(n_stages: int, chunks: int) -> int:
+    if chunks < 1 or n_stages % chunks:
+        raise UsageError(f"{n_stages} stages do not split into {chunks} chunks per rank; "
+                         "give one per virtual stage, ranks x chunks in all")
+    return n_stages // chunks
+
+
 def step_time(costs: Sequence[RankCost], schedule: str, microbatches: int,
-              send_s: float = 0.0) -> float:
+              send_s: float = 0.0, chunks: int = 1) -> float:
     """The pipeline's step: when the last rank finishes its last op and its once-a-step
-    work, every op run in its rank's order as soon as what it needs is done."""
-    p = len(costs)
-    check_schedule(schedule, p, microbatches)
-    orders = [schedule_order(schedule, r, p, microbatches) for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, rank, micro-batch) -> finish
+    work, every op run in its rank's order as soon as what it needs is done. ``costs``:
+    one per virtual stage, in pipeline order (one per rank where ``chunks`` is 1)."""
+    n = len(costs)
+    p = _ranks_of(n, chunks)
+    check_schedule(schedule, p, microbatches, chunks)
+    orders = [schedule_order(schedule, r, p, microbatches, chunks) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> finish
     free = [0.0] * p
     nxt = [0] * p
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(p):
-            if nxt[r] >= len(orders[r]):
-                continue
-            kind, i = orders[r][nxt[r]]
-            if kind == "F":
-                needs = [("F", r - 1, i)] if r > 0 else []
-                took = costs[r].forward_s
-            else:
-                needs = [("F", r, i)] + ([("B", r + 1, i)] if r < p - 1 else [])
-                took = costs[r].backward_s
-            if any(n not in done for n in needs):
-                continue
-            ready = max([free[r], *(done[n] + (send_s if n[1] != r else 0.0)
-                                    for n in needs)])
-            free[r] = done[(kind, r, i)] = ready + took
-            nxt[r] += 1
-            remaining -= 1
-            progressed = True
+            while nxt[r] < len(orders[r]):
+                kind, c, i = orders[r][nxt[r]]
+                s = c * p + r
+                if kind == "F":
+                    needs = [("F", s - 1, i)] if s > 0 else []
+                    took = costs[s].forward_s
+                else:
+                    needs = [("F", s, i)] + ([("B", s + 1, i)] if s < n - 1 else [])
+                    took = costs[s].backward_s
+                if any(x not in done for x in needs):
+                    break
+                ready = max([free[r], *(done[x] + (send_s if x[1] % p != r else 0.0)
+                                        for x in needs)])
+                free[r] = done[(kind, s, i)] = ready + took
+                nxt[r] += 1
+                remaining -= 1
+                progressed = True
         if not progressed:  # the orders are built deadlock-free; this guards a bad one
             raise AssertionError("the pipeline schedule deadlocked")
-    return max(free[r] + costs[r].outside_s for r in range(p))
+    return max(free[r] + sum(costs[c * p + r].outside_s for c in range(chunks))
+               for r in range(p))
 
 
 @dataclass(frozen=True)
@@ -159,9 +222,25 @@ def _without_grads(problem: Problem) -> Problem:
                    post_chain_grads_bytes=0)
 
 
-def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int,
-              microbatches: int, buffers: ScheduleBuffers = ScheduleBuffers()) -> int:
-    """Rank ``rank``'s peak over its ops in schedule order (Note [Pipeline rank peak])."""
+@dataclass(frozen=True)
+class _Chunk:
+    """One stage's figures on its rank for the schedule walk (Note [Pipeline rank peak])."""
+
+    forward: int  # its one-micro-batch forward's peak
+    first_backward: int  # its first backward's peak, before any gradient of its own
+    later_backward: int  # a later backward's, with all its gradients
+    tail: int  # from its optimizer step on
+    kept: int  # per micro-batch in flight
+    grads: int
+    idle: int  # while another chunk runs: parameters, optimizer state, its input
+    buffers: ScheduleBuffers
+
+    def extras(self, done_b: int) -> int:
+        b = self.buffers
+        return b.persistent_bytes + (b.output_bytes + b.input_grad_bytes) * done_b
+
+
+def _chunk(plan: Plan, problem: Problem, buffers: ScheduleBuffers) -> _Chunk:
     # Note [Pipeline rank peak]: a rank's live bytes at any moment are those of the
     # micro-batch it runs (the one-micro-batch step's forward or backward) plus what
     # each other micro-batch in flight keeps from its forward to its backward, plus the
@@ -170,7 +249,8 @@ def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int
     # post-chain's backward, where the one-micro-batch step lets it go. Parameter
     # gradients exist from the end of the rank's first backward on, so a forward after
     # it (1F1B) runs with all of them, and a later backward adds none: its peak is the
-    # backward's without gradients, plus all of them.
+    # backward's without gradients, plus all of them. With several chunks on a rank
+    # (interleaved), each is such a walk of its own, and the others add what they hold.
     sim = simulate(plan, problem)
     bare = simulate(plan, _without_grads(problem))
     labels = sim.labels
@@ -179,51 +259,90 @@ def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int
     post = [i for i in range(first_b, last) if labels[i] == "backward post-chain"]
     rest = [i for i in range(first_b, last) if labels[i] != "backward post-chain"]
 
-    def backward(live: Sequence[int], more: int, current_output: int) -> int:
+    def backward(live: Sequence[int], more: int) -> int:
         return max(max((live[i] for i in post), default=0),
-                   max((live[i] for i in rest), default=0) + current_output) + more
+                   max((live[i] for i in rest), default=0) + buffers.output_bytes) + more
 
-    forward = max(sim.live[:first_b])
-    kept = sim.kept_bytes + buffers.held_bytes
-    held = done_b = 0
+    return _Chunk(
+        forward=max(sim.live[:first_b]),
+        first_backward=backward(sim.live, 0),
+        later_backward=backward(bare.live, problem.grads_bytes),
+        tail=max(sim.live[last:], default=0),
+        kept=sim.kept_bytes + buffers.held_bytes,
+        grads=problem.grads_bytes,
+        idle=problem.params_bytes + problem.optimizer_bytes + problem.input_bytes,
+        buffers=buffers,
+    )
+
+
+def _walk(chunks: Sequence[_Chunk], order: Sequence[tuple[str, int, int]]) -> int:
+    v = len(chunks)
+    held, done = [0] * v, [0] * v
+
+    def others(c: int) -> int:
+        return sum(k.idle + (k.grads if done[j] else 0) + held[j] * k.kept + k.extras(done[j])
+                   for j, k in enumerate(chunks) if j != c)
+
     peak = 0
-    for kind, _ in schedule_order(schedule, rank, ranks, microbatches):
-        extras = (buffers.persistent_bytes
-                  + (buffers.output_bytes + buffers.input_grad_bytes) * done_b)
+    for kind, c, _ in order:
+        k = chunks[c]
         if kind == "F":
-            grads = problem.grads_bytes if done_b else 0
-            peak = max(peak, forward + held * kept + grads + extras)
-            held += 1
+            live = k.forward + (k.grads if done[c] else 0)
+            held[c] += 1
+            peak = max(peak, live + (held[c] - 1) * k.kept + k.extras(done[c]) + others(c))
         else:
-            held -= 1
-            if done_b:
-                live = backward(bare.live, problem.grads_bytes, buffers.output_bytes)
-            else:
-                live = backward(sim.live, 0, buffers.output_bytes)
-            peak = max(peak, live + held * kept + extras)
-            done_b += 1
-    extras = (buffers.persistent_bytes
-              + (buffers.output_bytes + buffers.input_grad_bytes) * done_b)
-    return max(peak, max(sim.live[last:], default=0) + extras)
+            held[c] -= 1
+            live = k.later_backward if done[c] else k.first_backward
+            peak = max(peak, live + held[c] * k.kept + k.extras(done[c]) + others(c))
+            done[c] += 1
+    return max([peak, *(k.tail + k.extras(done[c]) + others(c) for c, k in enumerate(chunks))])
+
+
+def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int,
+              microbatches: int, buffers: ScheduleBuffers = ScheduleBuffers()) -> int:
+    """Rank ``rank``'s peak over its ops in schedule order (Note [Pipeline rank peak]),
+    under a one-stage-per-rank schedule; :func:`chunked_rank_peak` for several."""
+    return chunked_rank_peak([plan], [problem], schedule, rank, ranks, microbatches,
+                             [buffers])
+
+
+def chunked_rank_peak(plans: Sequence[Plan], problems: Sequence[Problem], schedule: str,
+                      rank: int, ranks: int, microbatches: int,
+                      buffers: Sequence[ScheduleBuffers] | None = None) -> int:
+    """Rank ``rank``'s peak with its chunks' plans and problems (chunk ``c`` is virtual
+    stage ``c * ranks + rank``), over its ops in schedule order."""
+    v = len(plans)
+    if len(problems) != v or (buffers is not None and len(buffers) != v):
+        raise UsageError("give one plan, problem and ScheduleBuffers per chunk of the rank")
+    order = schedule_order(schedule, rank, ranks, microbatches, v)
+    figures = [_chunk(plan, problem, buffers[c] if buffers is not None else ScheduleBuffers())
+               for c, (plan, problem) in enumerate(zip(plans, problems, strict=True))]
+    return _walk(figures, order)
 
 
 def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: str,
                   microbatches: int, send_s: float = 0.0,
-                  buffers: Sequence[ScheduleBuffers] | None = None) -> PipelineStep:
-    """Per rank ``r``, ``plans[r]`` on ``problems[r]`` (one micro-batch of its chain);
-    ``buffers[r]``: what the schedule keeps on it (none when not given)."""
+                  buffers: Sequence[ScheduleBuffers] | None = None,
+                  chunks: int = 1) -> PipelineStep:
+    """Per virtual stage ``s``, ``plans[s]`` on ``problems[s]`` (one micro-batch of its
+    chain); ``buffers[s]``: what the schedule keeps for it (none when not given). With
+    ``chunks`` per rank, stage ``s`` runs on rank ``s % ranks``; peaks are per rank."""
     if len(plans) != len(problems) or not plans:
-        raise UsageError("give one plan per rank's problem, for at least one rank")
-    p = len(plans)
+        raise UsageError("give one plan per stage's problem, for at least one stage")
+    n = len(plans)
+    p = _ranks_of(n, chunks)
     if buffers is None:
-        buffers = [ScheduleBuffers()] * p
-    if len(buffers) != p:
-        raise UsageError("give one ScheduleBuffers per rank")
+        buffers = [ScheduleBuffers()] * n
+    if len(buffers) != n:
+        raise UsageError("give one ScheduleBuffers per stage")
     costs = [rank_cost(plan, problem) for plan, problem in zip(plans, problems, strict=True)]
-    counts = tuple(in_flight(schedule, r, p, microbatches) for r in range(p))
-    peaks = tuple(rank_peak(plan, problem, schedule, r, p, microbatches, buffers[r])
-                  for r, (plan, problem) in enumerate(zip(plans, problems, strict=True)))
-    return PipelineStep(peaks, counts, step_time(costs, schedule, microbatches, send_s))
+    counts = tuple(in_flight(schedule, r, p, microbatches, chunks) for r in range(p))
+    peaks = tuple(
+        chunked_rank_peak([plans[c * p + r] for c in range(chunks)],
+                          [problems[c * p + r] for c in range(chunks)], schedule, r, p,
+                          microbatches, [buffers[c * p + r] for c in range(chunks)])
+        for r in range(p))
+    return PipelineStep(peaks, counts, step_time(costs, schedule, microbatches, send_s, chunks))
 
 
 # -- choosing every rank's plan ---------------------------------------------------------
@@ -232,17 +351,18 @@ def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: 
 BUDGET_STEPS = 12
 
 
-def _candidates(problem: Problem, budget: int, schedule: str, rank: int, ranks: int,
-                microbatches: int, buffers: ScheduleBuffers) -> list[tuple[Plan, RankCost]]:
-    """The rank's optimal plans at a ladder of one-micro-batch budgets, its
-    smallest-peak plan and per-stage regions, those that fit ``budget`` on the rank
-    under the schedule (:func:`rank_peak`), fastest first."""
+#: At most this many chunk-plan combinations are checked per rank (interleaved).
+COMBINATIONS = 4096
+
+
+def _ladder(problem: Problem) -> list[Plan]:
+    """The stage's optimal plans at a ladder of one-micro-batch budgets, its
+    smallest-peak plan and per-stage regions (the least a micro-batch in flight keeps,
+    often the only fit where many are in flight), without repeats."""
     from remat.core.solve import solvers
 
     least = solvers.minimum_budget(problem)
     most = simulate(Plan(problem.stage_names), problem).peak_bytes
-    # per-stage regions too: the least a micro-batch in flight keeps, often the only
-    # fit where many are in flight
     per_stage = Plan(problem.stage_names, tuple(Region(i, i + 1) for i in range(problem.n)))
     plans = [per_stage, solvers.min_peak(problem)]
     for k in range(BUDGET_STEPS + 1):
@@ -250,64 +370,106 @@ def _candidates(problem: Problem, budget: int, schedule: str, rank: int, ranks: 
             plans.append(solvers.optimal(problem, least + (most - least) * k // BUDGET_STEPS))
         except CheckFailed:
             continue
-    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], tuple[Plan, RankCost]] = {}
+    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], Plan] = {}
     for plan in plans:
-        key = (tuple((r.start, r.stop) for r in plan.regions), tuple(plan.options))
-        if key in found:
-            continue
-        if rank_peak(plan, problem, schedule, rank, ranks, microbatches, buffers) <= budget:
-            found[key] = (plan, rank_cost(plan, problem))
-    return sorted(found.values(), key=lambda pc: pc[1].forward_s + pc[1].backward_s)
+        found.setdefault((tuple((r.start, r.stop) for r in plan.regions), tuple(plan.options)),
+                         plan)
+    return list(found.values())
+
+
+def _thin(items: list[int], keep: int) -> list[int]:
+    if len(items) <= keep:
+        return items
+    return sorted({items[round(k * (len(items) - 1) / (keep - 1))] for k in range(keep)})
+
+
+def _rank_choices(ladders: Sequence[Sequence[tuple[Plan, RankCost, _Chunk]]], budget: int,
+                  order: Sequence[tuple[str, int, int]]) -> list[tuple[int, ...]]:
+    """The rank's combinations of its chunks' candidates that fit ``budget`` under the
+    schedule and that no other fitting one beats in every chunk's time, fastest first."""
+    v = len(ladders)
+    per = max(2, int(COMBINATIONS ** (1 / v)))
+    ids = [_thin(list(range(len(ladder))), per) for ladder in ladders]
+    fitting = [combo for combo in itertools.product(*ids)
+               if _walk([ladders[c][i][2] for c, i in enumerate(combo)], order) <= budget]
+
+    def times(combo: tuple[int, ...]) -> tuple[float, ...]:
+        return tuple(t for c, i in enumerate(combo)
+                     for t in (ladders[c][i][1].forward_s, ladders[c][i][1].backward_s))
+
+    timed = {combo: times(combo) for combo in fitting}
+    front = [a for a in fitting
+             if not any(b != a and all(x <= y for x, y in zip(timed[b], timed[a], strict=True))
+                        and timed[b] != timed[a] for b in fitting)]
+    return sorted(front, key=lambda combo: sum(timed[combo]))
 
 
 def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
                   microbatches: int, send_s: float = 0.0,
-                  buffers: Sequence[ScheduleBuffers] | None = None
-                  ) -> tuple[list[Plan], PipelineStep]:
-    """Every rank's plan for the pipeline's step time under ``budget`` bytes per rank.
+                  buffers: Sequence[ScheduleBuffers] | None = None,
+                  chunks: int = 1) -> tuple[list[Plan], PipelineStep]:
+    """Every stage's plan for the pipeline's step time under ``budget`` bytes per rank
+    (``problems``: one per virtual stage, ``chunks`` per rank, as in
+    :func:`pipeline_step`).
 
-    Per rank, candidates are its optimal plans at a ladder of one-micro-batch budgets,
-    its smallest-peak plan and per-stage regions, those whose peak under the schedule
-    (:func:`rank_peak`, with ``buffers``) fits ``budget`` (early ranks hold
-    more under 1F1B, so they get tighter plans); then, starting from every rank's fastest
-    candidate, each rank in turn takes the candidate that shortens the pipeline's step
-    most, until none does: a rank off the critical path may keep a slower plan. Raises
-    CheckFailed when a rank has no plan that fits.
+    Per stage, candidates are its optimal plans at a ladder of one-micro-batch budgets,
+    its smallest-peak plan and per-stage regions; per rank, the combinations of its
+    chunks' candidates whose peak under the schedule (:func:`chunked_rank_peak`, with
+    ``buffers``) fits ``budget`` (early ranks hold more under 1F1B, so they get tighter
+    plans), less those another fitting one beats in every chunk's time. Then, starting
+    from every rank's fastest, each rank in turn takes the combination that shortens the
+    pipeline's step most, until none does: a rank off the critical path may keep a
+    slower plan. Raises CheckFailed when a rank has no plan that fits.
     """
-    p = len(problems)
+    n = len(problems)
+    p = _ranks_of(n, chunks)
+    check_schedule(schedule, p, microbatches, chunks)
     if buffers is None:
-        buffers = [ScheduleBuffers()] * p
-    if len(buffers) != p:
-        raise UsageError("give one ScheduleBuffers per rank")
-    counts = [in_flight(schedule, r, p, microbatches) for r in range(p)]
-    options = [_candidates(problem, budget, schedule, r, p, microbatches, buffers[r])
-               for r, problem in enumerate(problems)]
-    for r, found in enumerate(options):
+        buffers = [ScheduleBuffers()] * n
+    if len(buffers) != n:
+        raise UsageError("give one ScheduleBuffers per stage")
+    ladders = [[(plan, rank_cost(plan, problem), _chunk(plan, problem, buffers[s]))
+                for plan in _ladder(problem)] for s, problem in enumerate(problems)]
+    choices = []
+    for r in range(p):
+        stages = [c * p + r for c in range(chunks)]
+        found = _rank_choices([ladders[s] for s in stages], budget,
+                              schedule_order(schedule, r, p, microbatches, chunks))
         if not found:
-            b = buffers[r]
-            kept = b.persistent_bytes + microbatches * b.output_bytes
+            count = in_flight(schedule, r, p, microbatches, chunks)
+            kept = sum(buffers[s].persistent_bytes + microbatches * buffers[s].output_bytes
+                       for s in stages)
             raise CheckFailed(
                 f"no plan of pipeline rank {r} fits {budget} bytes with "
-                f"{counts[r]} micro-batch{'es' if counts[r] != 1 else ''} in flight"
+                f"{count} micro-batch{'es' if count != 1 else ''} in flight"
                 + (f" and the {kept} bytes the stage keeps for {microbatches} micro-batches "
                    "(receive buffers, outputs)" if kept else "")
                 + "; raise the budget, or use fewer or smaller micro-batches")
-    chosen = [0] * p
+        choices.append(found)
+
+    def picked(choice: Sequence[int]) -> list[tuple[Plan, RankCost, _Chunk]]:
+        out: list[tuple[Plan, RankCost, _Chunk]] = [ladders[0][0]] * n
+        for r, k in enumerate(choice):
+            for c, i in enumerate(choices[r][k]):
+                out[c * p + r] = ladders[c * p + r][i]
+        return out
 
     def time_of(choice: Sequence[int]) -> float:
-        return step_time([options[r][c][1] for r, c in enumerate(choice)], schedule,
-                         microbatches, send_s)
+        return step_time([cost for _, cost, _ in picked(choice)], schedule, microbatches,
+                         send_s, chunks)
 
+    chosen = [0] * p
     best = time_of(chosen)
     improved = True
     while improved:
         improved = False
         for r in range(p):
-            for c in range(len(options[r])):
+            for k in range(len(choices[r])):
                 trial = list(chosen)
-                trial[r] = c
+                trial[r] = k
                 t = time_of(trial)
                 if t < best - 1e-12:
                     best, chosen, improved = t, trial, True
-    plans = [options[r][c][0] for r, c in enumerate(chosen)]
-    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s, buffers)
+    plans = [plan for plan, _, _ in picked(chosen)]
+    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s, buffers,
+                                chunks)
