@@ -25,6 +25,7 @@ LAYERS: tuple[str, ...] = (
     "remat.verification",
     "remat.distributed",
     "remat.pipelining",
+    "remat.tensor_parallel",
     "remat.benchmarking",
     "remat.demo",
     "remat.cli",

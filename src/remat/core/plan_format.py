@@ -41,8 +41,10 @@ __all__ = ["KEEP", "OFFLOAD", "POLICIES", "SCHEMA_VERSION", "Option", "Plan", "R
 
 SCHEMA_VERSION = 1
 
-#: Named selective policies; the runtime maps each to a set of aten ops to save.
-POLICIES = ("save-matmuls", "save-attention", "save-nothing")
+#: Named selective policies; the runtime maps each to a set of ops to save
+#: (``save-collectives``: the outputs of functional collectives, so a rebuild under tensor
+#: or sequence parallelism repeats no communication).
+POLICIES = ("save-matmuls", "save-attention", "save-nothing", "save-collectives")
 
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?\Z")
 _OPTION_HINT = "use keep, offload, or selective:<policy> with a policy from " + ", ".join(

@@ -69,7 +69,8 @@ from remat.measure.report import (
     PhasePeaks,
 )
 
-__all__ = ["LiveMemoryTracker", "active_tracker", "counting_fake_storages", "storage_key"]
+__all__ = ["LiveMemoryTracker", "active_tracker", "counting_fake_storages", "local_shard",
+           "storage_key"]
 
 _CUDA_BLOCK_BYTES = 512
 _MODULE_KEY = "remat.module_path"
@@ -98,10 +99,21 @@ def counting_fake_storages() -> Iterator[None]:
         _COUNT_FAKE[0] = before
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds; its own storage is a placeholder of
+    the whole tensor's size), any other tensor itself."""
+    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
+        with torch.no_grad():
+            return cast(torch.Tensor, t.to_local())
+    return t
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """What identifies ``t``'s storage among live tensors (views share it): its device and
     address; for a meta storage (a fake tensor's, all at address 0) the storage object's
-    own. None for a tensor without one storage, or an empty one."""
+    own; a DTensor's local shard's. None for a tensor without one storage, or an empty
+    one."""
+    t = local_shard(t)
     try:
         storage = t.untyped_storage()
         if not storage.nbytes():
@@ -171,7 +183,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
-        return t.untyped_storage()
+        return local_shard(t).untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None  # sparse, nested or opaque tensors have no single storage to count
 

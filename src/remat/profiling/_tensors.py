@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.measure.tracker import storage_key
+from remat.measure.tracker import local_shard, storage_key
 from remat.runtime.engine import main_input, main_output
 
 __all__ = [
@@ -29,7 +29,7 @@ def storage_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
     try:
-        storage = t.untyped_storage()
+        storage = local_shard(t).untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return 0
     nbytes = int(storage.nbytes())

@@ -112,6 +112,12 @@ def _device_name(device: torch.device | None) -> str:
 
 
 @without_own_checkpointing  # flags and checkpoint_wrapper off while profiling, with a warning
+def _tensor_parallel(model: nn.Module) -> bool:
+    """Whether the model has DTensor parameters (tensor parallelism: its stages'
+    forwards communicate, and ``selective:save-collectives`` is worth measuring)."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
 def profile(
     model: nn.Module,
     batch: Any,
@@ -144,7 +150,8 @@ def profile(
         options: ``keep`` and the selective options to measure saved bytes for; by
             default :data:`~remat.core.profile_format.OPTIONS`, and on compiled stages
             :data:`~remat.core.profile_format.COMPILED_OPTIONS` too
-            (``selective:budget=<fraction>`` needs compiled stages).
+            (``selective:budget=<fraction>`` needs compiled stages), and on a model with
+            DTensor parameters (tensor parallelism) ``selective:save-collectives``.
         batch_size: recorded in the profile; by default the first tensor's first dimension.
         description: the model's name in the profile (default: its class name).
         progress: ``progress(what, done, total)`` before each part and once at the end.
@@ -189,6 +196,8 @@ def profile(
                                  description=description, lr=lr, progress=progress,
                                  ranks_agree=ranks_agree)
     given = options
+    if options is None and _tensor_parallel(model):
+        options = (*OPTIONS, Option.selective("save-collectives"))
     options = _check_options(OPTIONS if options is None else options)
     loss_fn = loss_fn or _default_loss
     names = (

@@ -358,3 +358,12 @@ def applied(model: nn.Module) -> bool:
     """Whether a remat plan is currently applied to ``model``."""
     return model in _APPLIED
 
+
+def applied_stages(model: nn.Module) -> tuple[str, ...]:
+    """The stage paths of the plan applied to ``model``, in the order an observer's stage
+    indices count them (:func:`observe`)."""
+    installation = _APPLIED.get(model)
+    if installation is None:
+        raise UsageError("no remat plan is applied to this model")
+    return tuple(installation.engine.names)
+

@@ -14,6 +14,7 @@ from remat.core.plan_format import KEEP, OFFLOAD, parse_option
 
 __all__ = [
     "ATTENTION_OPS",
+    "COLLECTIVE_OPS",
     "MATMUL_OPS",
     "StagePolicy",
     "discard_saved_tensors",
@@ -41,7 +42,32 @@ ATTENTION_OPS = _existing(
 #: Matrix products (``linear`` rarely reaches the dispatcher, but costs nothing to list).
 MATMUL_OPS = (*_existing("mm", "addmm", "bmm", "linear"), *ATTENTION_OPS)
 
-_NAMED = {"save-matmuls": MATMUL_OPS, "save-attention": ATTENTION_OPS, "save-nothing": ()}
+
+
+def _functional(*names: str) -> tuple[Any, ...]:
+    """``_c10d_functional.<name>.default`` for each this torch has (DTensor's collectives
+    go through them; none where torch.distributed is not built)."""
+    packet = getattr(torch.ops, "_c10d_functional", None)
+    found = []
+    for name in names:
+        try:
+            found.append(getattr(packet, name).default)
+        except (AttributeError, RuntimeError):
+            continue
+    return tuple(found)
+
+
+#: Functional collectives (tensor and sequence parallelism's, DTensor's redistributions):
+#: saving their outputs keeps a rebuild from communicating again (torchtitan's selective
+#: policy saves ``reduce_scatter_tensor``'s).
+COLLECTIVE_OPS = _functional(
+    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
+    "broadcast", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+    "all_reduce_coalesced",
+)
+
+_NAMED = {"save-matmuls": MATMUL_OPS, "save-attention": ATTENTION_OPS, "save-nothing": (),
+          "save-collectives": COLLECTIVE_OPS}
 
 
 @dataclass(frozen=True)
