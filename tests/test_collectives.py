@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from remat.core.collectives import StageComms, collective_seconds, rebuilt_collectives
+from remat.core.collectives import (
+    StageComms,
+    collective_seconds,
+    link_bytes,
+    rebuilt_collectives,
+)
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan, Region
 
@@ -45,6 +50,20 @@ def test_nested_regions_and_bad_input_are_refused() -> None:
         collective_seconds([AG], 0.0)
 
 
-def test_a_repeated_collective_costs_its_bytes_over_the_link() -> None:
-    calls = rebuilt_collectives(Plan(NAMES, (Region(0, 1),)), [BLOCK] * 4)[0]
-    assert collective_seconds(calls, 4.0) == pytest.approx((8 + 4 + 8) / 4.0)
+def test_a_repeated_collective_costs_what_a_ring_moves_over_the_link() -> None:
+    # NCCL's bus bandwidth: over p ranks an all-gather of S bytes moves S (p-1)/p through
+    # each link, a reduce-scatter to S/p shards the same, an all-reduce twice that
+    p = 4
+    assert link_bytes("all_gather_into_tensor", 8, p) == pytest.approx(8 * 3 / 4)
+    assert link_bytes("reduce_scatter_tensor", 2, p) == pytest.approx(8 * 3 / 4)
+    assert link_bytes("all_reduce", 8, p) == pytest.approx(2 * 8 * 3 / 4)
+    assert link_bytes("all_reduce", 8, 1) == 0.0  # one rank moves nothing
+    calls = rebuilt_collectives(Plan(NAMES, (Region(0, 1),)), [BLOCK] * 4)[0]  # AG RS AG
+    assert collective_seconds(calls, 4.0, ranks=2) == pytest.approx((4 + 4 + 4) / 4.0)
+    with pytest.raises(UsageError, match="not priced"):
+        link_bytes("send", 8, 2)
+    # the device table gives the links of the accelerators it lists
+    from remat.core.devices import get_device
+
+    assert get_device("h100-sxm").link_bytes_per_s == 450e9
+    assert get_device("cpu").link_bytes_per_s is None

@@ -14,8 +14,12 @@ stages are not rebuilt. A stage inside a region is rebuilt by the region, whatev
 option. Nested regions are not predicted (raises): measured rebuilds there depend on
 which inner boundaries the outer rebuild keeps.
 
-Priced at ``bytes / bandwidth`` (:func:`collective_seconds`): what a rebuild adds to a
-step on a link of that bandwidth, with nothing overlapped.
+Priced as a ring moves them (:func:`collective_seconds`, the bus-bandwidth convention
+of NCCL's tests): over ``p`` ranks an all-gather of a whole tensor of ``S`` bytes sends
+``S (p - 1) / p`` through each rank's link, a reduce-scatter to shards of ``S / p`` the
+same, an all-reduce twice that, an all-to-all ``S (p - 1) / p``, a broadcast ``S``; time is
+that over the link's bandwidth (``Device.link_bytes_per_s``), with nothing overlapped:
+what a rebuild's collectives add to a step at most.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 
-__all__ = ["Call", "StageComms", "collective_seconds", "rebuilt_collectives"]
+__all__ = ["Call", "StageComms", "collective_seconds", "link_bytes", "rebuilt_collectives"]
 
 Call = tuple[str, int]  # a collective's op name and its output bytes on this rank
 
@@ -69,8 +73,38 @@ def rebuilt_collectives(plan: Plan, comms: Sequence[StageComms]) -> list[tuple[C
     return out
 
 
-def collective_seconds(calls: Sequence[Call], bandwidth_bytes_per_s: float) -> float:
-    """Seconds the calls take on a link of that bandwidth (each its output's bytes)."""
+#: Per op: bytes through one rank's link, as a multiple of the output's bytes times
+#: ``(p - 1) / p`` (a reduce-scatter's output is one shard: times ``p``).
+_RING = {
+    "all_gather_into_tensor": 1.0,
+    "all_gather_into_tensor_coalesced": 1.0,
+    "reduce_scatter_tensor": None,  # output is S / p: S (p - 1) / p = output (p - 1)
+    "reduce_scatter_tensor_coalesced": None,
+    "all_reduce": 2.0,
+    "all_reduce_coalesced": 2.0,
+    "all_to_all_single": 1.0,
+}
+
+
+def link_bytes(op: str, output_bytes: int, ranks: int) -> float:
+    """Bytes one collective moves through each rank's link over ``ranks`` ranks."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise UsageError(f"ranks={ranks!r} must be a whole number >= 1")
+    if op == "broadcast":
+        return float(output_bytes) if ranks > 1 else 0.0
+    if op not in _RING:
+        raise UsageError(f"collective {op!r} is not priced; known: "
+                         f"{', '.join(sorted([*_RING, 'broadcast']))}")
+    factor = _RING[op]
+    if factor is None:
+        return float(output_bytes * (ranks - 1))
+    return factor * output_bytes * (ranks - 1) / ranks
+
+
+def collective_seconds(calls: Sequence[Call], bandwidth_bytes_per_s: float,
+                       ranks: int = 2) -> float:
+    """Seconds the calls take over ``ranks`` ranks on links of that bandwidth (module
+    docstring)."""
     if not bandwidth_bytes_per_s > 0:
         raise UsageError(f"bandwidth {bandwidth_bytes_per_s!r} must be above zero")
-    return sum(nbytes for _, nbytes in calls) / bandwidth_bytes_per_s
+    return sum(link_bytes(op, nbytes, ranks) for op, nbytes in calls) / bandwidth_bytes_per_s

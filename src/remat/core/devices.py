@@ -44,7 +44,9 @@ class Device:
     ``float32``); ``bandwidth_bytes_per_s``: memory bandwidth; ``fused_attention``:
     attention runs a fused kernel (flash or memory-efficient) that keeps its output and
     log-sum-exp instead of the probabilities; ``fused_dropout``: dropout keeps a 1-byte
-    mask (``native_dropout``).
+    mask (``native_dropout``); ``link_bytes_per_s``: one device's bandwidth to its peers
+    in one direction (NVLink, Infinity Fabric), what a collective's ring moves at; None
+    where not known (collectives are then priced from a measured figure).
     """
 
     name: str
@@ -62,6 +64,7 @@ class Device:
     flop_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.7
     op_overhead_s: float = 5e-6
+    link_bytes_per_s: float | None = None
 
     @cached_property  # the roofline asks once per op of every stage
     def op_rates(self) -> Mapping[str, tuple[float, float]]:
@@ -100,6 +103,10 @@ class Device:
         if not isinstance(overhead, (int, float)) or isinstance(overhead, bool) \
                 or overhead < 0:
             raise UsageError(f"device {self.name}: op_overhead_s must be >= 0")
+        link = self.link_bytes_per_s
+        if link is not None and (not isinstance(link, (int, float)) or isinstance(link, bool)
+                                 or link <= 0):
+            raise UsageError(f"device {self.name}: link_bytes_per_s must be > 0 (or absent)")
         for flag in ("fused_attention", "fused_dropout"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"device {self.name}: {flag} must be true or false")
@@ -123,6 +130,8 @@ class Device:
             "source": self.source,
             **({"notes": self.notes} if self.notes else {}),
             **({"extra": dict(self.extra)} if self.extra else {}),
+            **({"link_bytes_per_s": self.link_bytes_per_s}
+               if self.link_bytes_per_s is not None else {}),
         }
 
     @classmethod
@@ -133,6 +142,7 @@ class Device:
                 "fused_dropout"}
         missing = sorted(keys - set(data))
         optional = {"source", "notes", "extra", "flop_efficiency", "bandwidth_efficiency",
+                    "link_bytes_per_s",
                     "op_overhead_s"}
         unknown = sorted(set(data) - keys - optional)
         if missing or unknown:
@@ -148,11 +158,11 @@ class Device:
                    source=str(data.get("source", "")), notes=str(data.get("notes", "")),
                    extra=data.get("extra", {}),
                    **{k: data[k] for k in ("flop_efficiency", "bandwidth_efficiency",
-                                           "op_overhead_s") if k in data})
+                                           "op_overhead_s", "link_bytes_per_s") if k in data})
 
 
 def _gpu(name: str, memory_mib: int, bf16_tflops: float, fp32_tflops: float,
-         bandwidth_tb_s: float, notes: str) -> Device:
+         bandwidth_tb_s: float, link_gb_s: float, notes: str) -> Device:
     return Device(
         name=name,
         memory_bytes=memory_mib * _MIB,
@@ -162,6 +172,7 @@ def _gpu(name: str, memory_mib: int, bf16_tflops: float, fp32_tflops: float,
         fused_attention=True,
         fused_dropout=True,
         notes=notes,
+        link_bytes_per_s=link_gb_s * 1e9,
     )
 
 
@@ -169,10 +180,12 @@ def _gpu(name: str, memory_mib: int, bf16_tflops: float, fp32_tflops: float,
 #: for matmuls only when allowed, so the plain float32 one is listed.
 BUILT_IN: Mapping[str, Device] = MappingProxyType({
     d.name: d for d in (
-        _gpu("h100-sxm", 81_559, 989.4, 66.9, 3.35, "NVIDIA H100 SXM5 80GB HBM3"),
-        _gpu("h200", 143_771, 989.4, 66.9, 4.8, "NVIDIA H200 SXM 141GB HBM3e"),
-        _gpu("a100-80gb", 81_920, 312.0, 19.5, 2.039, "NVIDIA A100 SXM4 80GB HBM2e"),
-        _gpu("mi300x", 196_592, 1307.4, 163.4, 5.3,
+        # links: NVLink 4 900 GB/s and NVLink 3 600 GB/s both ways together; Infinity
+        # Fabric 7 links of 64 GB/s each way
+        _gpu("h100-sxm", 81_559, 989.4, 66.9, 3.35, 450, "NVIDIA H100 SXM5 80GB HBM3"),
+        _gpu("h200", 143_771, 989.4, 66.9, 4.8, 450, "NVIDIA H200 SXM 141GB HBM3e"),
+        _gpu("a100-80gb", 81_920, 312.0, 19.5, 2.039, 300, "NVIDIA A100 SXM4 80GB HBM2e"),
+        _gpu("mi300x", 196_592, 1307.4, 163.4, 5.3, 448,
              "AMD Instinct MI300X 192GB HBM3 (ROCm: flash attention through AOTriton)"),
         Device(
             name="cpu",

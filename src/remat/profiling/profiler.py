@@ -111,13 +111,13 @@ def _device_name(device: torch.device | None) -> str:
     return str(device)
 
 
-@without_own_checkpointing  # flags and checkpoint_wrapper off while profiling, with a warning
 def _tensor_parallel(model: nn.Module) -> bool:
     """Whether the model has DTensor parameters (tensor parallelism: its stages'
     forwards communicate, and ``selective:save-collectives`` is worth measuring)."""
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
+@without_own_checkpointing  # flags and checkpoint_wrapper off while profiling, with a warning
 def profile(
     model: nn.Module,
     batch: Any,
