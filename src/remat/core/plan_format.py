@@ -43,8 +43,10 @@ SCHEMA_VERSION = 1
 
 #: Named selective policies; the runtime maps each to a set of ops to save
 #: (``save-collectives``: the outputs of functional collectives, so a rebuild under tensor
-#: or sequence parallelism repeats no communication).
-POLICIES = ("save-matmuls", "save-attention", "save-nothing", "save-collectives")
+#: or sequence parallelism repeats no communication; ``save-routing``: a router's top-k
+#: and arg-max decisions, so a rebuild routes to the experts the forward chose).
+POLICIES = ("save-matmuls", "save-attention", "save-nothing", "save-collectives",
+            "save-routing")
 
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?\Z")
 _OPTION_HINT = "use keep, offload, or selective:<policy> with a policy from " + ", ".join(

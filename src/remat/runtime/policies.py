@@ -16,6 +16,7 @@ __all__ = [
     "ATTENTION_OPS",
     "COLLECTIVE_OPS",
     "MATMUL_OPS",
+    "ROUTING_OPS",
     "StagePolicy",
     "discard_saved_tensors",
     "offload_saved_tensors",
@@ -66,8 +67,17 @@ COLLECTIVE_OPS = _functional(
     "all_reduce_coalesced",
 )
 
+#: Routing decisions (mixture-of-experts routers take their experts with ``topk``, a
+#: switch router with ``argmax``): saved, a rebuild cannot pick other experts than the
+#: forward did, whatever its logits come out as.
+ROUTING_OPS = (
+    *_existing("topk", "argmax", "argsort", "sort"),
+    _aten.max.dim,
+    *((_aten.sort.stable,) if hasattr(_aten.sort, "stable") else ()),
+)
+
 _NAMED = {"save-matmuls": MATMUL_OPS, "save-attention": ATTENTION_OPS, "save-nothing": (),
-          "save-collectives": COLLECTIVE_OPS}
+          "save-collectives": COLLECTIVE_OPS, "save-routing": ROUTING_OPS}
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,12 @@ from remat.core.plan_format import Plan, Region
 from remat.measure.modes import EagerDispatchMode
 from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
-from remat.runtime.policies import resolve
+from remat.runtime.policies import ROUTING_OPS, resolve
 from remat.verification.report import OpMismatch, ValueCheckResult
 from remat.verification.tolerance import TolerancePolicy, parse_tolerance
 
 __all__ = [
+    "ROUTING",
     "Fingerprint",
     "OpRecorder",
     "ValueCheck",
@@ -53,6 +54,7 @@ __all__ = [
     "compare_call",
     "outside_dispatch_modes",
     "rebuilt_stages",
+    "routing_flip",
 ]
 
 Checksum = tuple[float, float, float]
@@ -279,6 +281,34 @@ def compare_call(
     return first, None
 
 
+#: Ops whose integer outputs are routing decisions (the experts a router chose).
+ROUTING = frozenset(str(op) for op in ROUTING_OPS)
+
+
+def routing_flip(
+    forward: Sequence[Fingerprint],
+    rebuilt: Sequence[Fingerprint],
+    skippable: frozenset[str] = frozenset(),
+) -> _Difference | None:
+    """The first routing op (:data:`ROUTING`) whose chosen indices differ in the rebuild,
+    on the part where the two sequences still run the same ops; None if none does. A
+    difference anywhere in the indices counts (a near-tie flipped by a difference in the
+    logits within any tolerance picks another expert)."""
+    p = 0
+    for r in rebuilt:
+        while p < len(forward) and forward[p].op != r.op and forward[p].op in skippable:
+            p += 1
+        if p == len(forward) or forward[p].op != r.op:
+            return None
+        f = forward[p]
+        if f.op in ROUTING and f.shapes == r.shapes and f.dtypes == r.dtypes:
+            for j, (a, b, dtype) in enumerate(zip(f.sums, r.sums, f.dtypes, strict=True)):
+                if not dtype.is_floating_point and a is not None and b is not None and a != b:
+                    return _Difference("routing", p, f.op, r.op, j)
+        p += 1
+    return None
+
+
 class ValueCheck:
     """Compares every rebuilt op of a model with an applied plan against its forward record.
 
@@ -304,6 +334,7 @@ class ValueCheck:
         self._stack: list[tuple[int, bool, list[Fingerprint] | None]] = []
         self._first: dict[int, OpMismatch] = {}  # stage -> its first mismatch
         self._path: dict[int, OpMismatch] = {}  # stage -> where its op sequence split
+        self._routing: dict[int, OpMismatch] = {}  # stage -> its first routing flip
         self._rebuilt_calls = 0
         self._ops_compared = 0
         self._exits: contextlib.ExitStack | None = None
@@ -357,7 +388,8 @@ class ValueCheck:
         self._ops_compared += len(calls)
         skippable = self._skippable.get(stage, frozenset())
         first, path = compare_call(forward, calls, self._tolerance, skippable)
-        for store, diff in ((self._first, first), (self._path, path)):
+        flip = routing_flip(forward, calls, skippable)
+        for store, diff in ((self._first, first), (self._path, path), (self._routing, flip)):
             if diff is not None and stage not in store:
                 store[stage] = self._mismatch(stage, diff)
 
@@ -384,4 +416,5 @@ class ValueCheck:
             ops_compared=self._ops_compared,
             mismatches=tuple(self._first[i] for i in sorted(self._first)),
             control_flow=tuple(self._path[i] for i in sorted(self._path)),
+            routing=tuple(self._routing[i] for i in sorted(self._routing)),
         )

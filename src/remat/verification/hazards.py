@@ -15,6 +15,10 @@ applied (``remat.verify`` runs them in its first step), not by reading the code:
   a parameter it uses, changed between the forward call and the rebuild (version counter
   or values).
 * data-dependent control flow: the rebuild ran another op sequence (from the value check).
+* routing: a router's ``topk``/``argmax`` chose other indices in the rebuild than in the
+  forward (from the value check), so the rebuilt mixture-of-experts layer sends tokens to
+  other experts; a near-tie flips on any difference in the logits, within tolerance or
+  not. ``selective:save-routing`` keeps the forward's decisions.
 * Python side effects repeated by a rebuild: forward hooks of modules inside the stage,
   mutating calls (``append``, ``update``, ...) on lists, dicts, sets and deques the
   forward call also mutated, and changed scalar attributes of the stage's modules; counted.
@@ -472,6 +476,20 @@ class HazardProbe:
                     op for op in (mismatch.forward_op, mismatch.rebuilt_op) if op is not None
                 ),
             ))
+        for flip in value_check.routing if value_check is not None else ():
+            found.append(Hazard(
+                kind="routing",
+                message=(
+                    f"the rebuild of stage {flip.stage!r} chose other indices at "
+                    f"{flip.forward_op} (op {flip.op_index}) than its forward did, so its "
+                    "experts get other tokens; save the routing decisions with "
+                    "selective:save-routing on the stage, or keep it out of regions"
+                ),
+                stage=flip.stage,
+                stage_index=flip.stage_index,
+                region=flip.region,
+                details=(flip.forward_op or "",),
+            ))
         for stage, counts in sorted(self._repeats.items()):
             total = sum(counts.values())
             found.append(Hazard(
@@ -489,7 +507,7 @@ class HazardProbe:
             ))
         order = {kind: k for k, kind in enumerate(
             ("parameter-changed", "inplace-modification", "randomness", "control-flow",
-             "buffer-mutation", "python-side-effect")
+             "routing", "buffer-mutation", "python-side-effect")
         )}
         return tuple(sorted(
             found,

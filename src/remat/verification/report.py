@@ -39,6 +39,7 @@ HAZARD_KINDS = (
     "buffer-mutation",
     "inplace-modification",
     "control-flow",
+    "routing",
     "python-side-effect",
     "parameter-changed",
 )
@@ -199,6 +200,7 @@ class ValueCheckResult:
     ops_compared: int
     mismatches: tuple[OpMismatch, ...] = ()  # the first per stage, in stage order
     control_flow: tuple[OpMismatch, ...] = ()  # where each stage's op sequence split, if it did
+    routing: tuple[OpMismatch, ...] = ()  # each stage's first routing op choosing otherwise
 
     @property
     def ok(self) -> bool:
@@ -216,6 +218,7 @@ class ValueCheckResult:
             "ops_compared": self.ops_compared,
             "mismatches": [m.to_dict() for m in self.mismatches],
             "control_flow": [m.to_dict() for m in self.control_flow],
+            "routing": [m.to_dict() for m in self.routing],
         }
 
 
