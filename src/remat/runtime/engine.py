@@ -161,7 +161,7 @@ from torch.utils.hooks import RemovableHandle
 
 from remat.core.errors import RematError, UsageError
 from remat.core.plan_format import Plan
-from remat.runtime._torch_checkpoint import CheckpointFrame
+from remat.runtime._torch_checkpoint import CheckpointFrame, noop_context_fn
 from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.glue import (
     GlueRecorder,
@@ -176,6 +176,8 @@ from remat.runtime.policies import (
     StagePolicy,
     discard_saved_tensors,
     offload_saved_tensors,
+    routes,
+    routing_contexts,
     selective_contexts,
     wants_offload,
 )
@@ -392,6 +394,12 @@ class Engine:
         self.entered: tuple[int, tuple[Any, ...], dict[str, Any]] | None = None
         self.gap_due: CallRecord | None = None  # the call whose forward hook opens the GAP
         self.units_checked = False  # FSDP units made after apply: checked at the first pass
+        # Regions over a stage that routes keep its routing decisions (Note [Routing saved
+        # in regions]).
+        self.routes = tuple(routes(module) for module in self.modules)
+        self.saves_routing = tuple(
+            any(self.routes[i] for i in range(r.start, r.stop)) for r in self.regions
+        )
 
         self.phase = Phase.IDLE
         self.next_stage = 0
@@ -749,9 +757,17 @@ class Engine:
             entry.first_slot = self.tape.count
         fn = functools.partial(self._rebuild, entry) if kind is Kind.OPEN else _never_rebuilt
         entry.frame = CheckpointFrame.open(
-            fn, boundary, preserve_rng_state=self.preserve_rng_state
+            fn, boundary, preserve_rng_state=self.preserve_rng_state,
+            context_fn=routing_contexts if self.saves_routing[k] else noop_context_fn,
         )
         self.stack.append(entry)
+
+    @property
+    def routing_saved(self) -> frozenset[int]:
+        """Stages inside a region that keeps routing decisions (Note [Routing saved in
+        regions])."""
+        return frozenset(i for k, r in enumerate(self.regions) if self.saves_routing[k]
+                         for i in range(r.start, r.stop))
 
     def _rebuild(self, entry: _Entry, boundary: torch.Tensor) -> None:
         """Replay region ``entry.region``'s calls (torch calls this from backward)."""
@@ -821,6 +837,10 @@ class Engine:
         def context_fn() -> tuple[Any, Any]:
             if where is _Where.TOP:
                 caching, cached = selective_contexts(policy)
+                if self.routes[i]:  # Note [Routing saved in regions] in policies.py
+                    recording, replaying = routing_contexts()
+                    return (_Both(caching, recording),
+                            _Both(_RecomputeContext(record, cached), replaying))
                 return caching, _RecomputeContext(record, cached)
             return contextlib.nullcontext(), _RecomputeContext(record)
 
@@ -840,6 +860,25 @@ class Engine:
             f"stage {name!r} was called {where}; the model's loop skips, repeats or reorders "
             "stages, so list the plan's stages in the order the forward calls them, once each"
         )
+
+
+class _Both:
+    """Two context managers as one, entered in order and left in reverse."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.first)
+            stack.enter_context(self.second)
+            self.stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self.stack = self.stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
 
 
 _OPAQUE_REASON = "remat runs its checkpoint regions eagerly; see docs/compile.md"

@@ -43,7 +43,7 @@ from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
 from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.identity import check_made_for
-from remat.runtime.policies import StagePolicy, resolve
+from remat.runtime.policies import ROUTING_OPS, StagePolicy, resolve
 from remat.runtime.stages import unknown_path_message
 
 __all__ = ["Handle", "applied", "apply", "installed_hook_ids", "observe", "remove"]
@@ -102,6 +102,18 @@ class Handle:
             "and offloading only pays for inputs on an accelerator"
             for i, device in sorted(engine.offload_noop.items())
         )
+
+    def rebuilt_without_running(self) -> dict[int, frozenset[str]]:
+        """Per stage index, the ops whose outputs its rebuild gets back saved instead of
+        running them: its selective policy's, and the routing decisions where a region
+        over it or its selective option keeps them (Note [Routing saved in regions])."""
+        engine = self._installation.engine
+        saved = {i: {str(op) for op in policy.ops}
+                 for i, policy in enumerate(engine.policies) if policy.kind == "selective"}
+        for i in engine.routing_saved | {i for i, policy in enumerate(engine.policies)
+                                         if policy.kind == "selective" and engine.routes[i]}:
+            saved.setdefault(i, set()).update(str(op) for op in ROUTING_OPS)
+        return {i: frozenset(ops) for i, ops in saved.items()}
 
     @property
     def active(self) -> bool:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from remat.core.errors import UsageError
@@ -21,6 +23,8 @@ __all__ = [
     "discard_saved_tensors",
     "offload_saved_tensors",
     "resolve",
+    "routes",
+    "routing_contexts",
     "selective_contexts",
     "wants_offload",
 ]
@@ -131,6 +135,95 @@ def resolve(option: str, stage: str) -> StagePolicy:
 def selective_contexts(policy: StagePolicy) -> tuple[Any, Any]:
     """torch's selective-checkpoint pair: MUST_SAVE for ``policy.ops``, rebuild the rest."""
     return create_selective_checkpoint_contexts(list(policy.ops))
+
+
+# Note [Routing saved in regions]: a mixture-of-experts router picks experts with topk
+# (argmax) over logits a rebuild computes again; anything that moves them, far inside any
+# tolerance, can flip a near-tie and send tokens to other experts than the forward did.
+# A region over a stage that routes (one holding a module with an ``experts`` child, the
+# layout of transformers' Mixtral, Qwen2-MoE, DeepSeek and most MoE code), and a
+# selective option on one, keep the forward's decisions: the forward records each routing
+# op's indices (a few bytes per token; the profile does not count them), and the rebuild
+# takes them instead of choosing again, gathering the values at those indices from the
+# rebuilt input (so gradients flow as in the forward). Not torch's selective checkpoint:
+# it hands back the forward's own output tensors, and routers normalise their top-k
+# weights in place (Mixtral's ``routing_weights /= ...``), which it refuses.
+
+
+def routes(module: nn.Module) -> bool:
+    """Whether ``module`` holds a mixture-of-experts layer: a submodule with a child
+    called ``experts`` (Note [Routing saved in regions])."""
+    return any("experts" in m._modules for m in module.modules())
+
+
+_ROUTING = frozenset(ROUTING_OPS)
+
+
+def _indices(func: Any, out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[1]
+
+
+def _replayed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              idx: torch.Tensor) -> Any:
+    """``func``'s output with the recorded indices ``idx`` (Note [Routing saved ...]), made
+    past every dispatch mode: to the modes above, the routing op ran and nothing else."""
+    with _disable_current_modes():
+        return _replay(func, args, kwargs, idx)
+
+
+def _replay(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            idx: torch.Tensor) -> Any:
+    idx = idx.clone()
+    if func in (_aten.argmax.default, _aten.argsort.default):
+        return idx
+    source = args[0]
+    if func is _aten.max.dim:
+        dim = args[1] if len(args) > 1 else kwargs["dim"]
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        at = idx if keepdim else idx.unsqueeze(dim)
+        values = source.gather(dim, at)
+        return (values if keepdim else values.squeeze(dim)), idx
+    if func is _aten.topk.default:
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    else:  # sort
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and func is _aten.sort.default else -1)
+    return source.gather(dim, idx), idx
+
+
+class _RecordRouting(TorchDispatchMode):
+    def __init__(self, record: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _ROUTING:
+            with _disable_current_modes():
+                self.record.append(_indices(func, out).detach().clone())
+        return out
+
+
+class _ReplayRouting(TorchDispatchMode):
+    def __init__(self, record: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.record, self.position = record, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func not in _ROUTING or self.position >= len(self.record):
+            return func(*args, **kwargs)
+        idx = self.record[self.position]
+        self.position += 1
+        return _replayed(func, args, kwargs, idx)
+
+
+def routing_contexts() -> tuple[Any, Any]:
+    """A forward context recording routing decisions and a rebuild context replaying
+    them (Note [Routing saved in regions]), for a checkpoint's ``context_fn``."""
+    record: list[torch.Tensor] = []
+    return _RecordRouting(record), _ReplayRouting(record)
 
 
 def wants_offload(tensor: object) -> bool:

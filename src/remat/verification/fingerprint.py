@@ -41,7 +41,7 @@ from remat.core.plan_format import Plan, Region
 from remat.measure.modes import EagerDispatchMode
 from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
-from remat.runtime.policies import ROUTING_OPS, resolve
+from remat.runtime.policies import ROUTING_OPS
 from remat.verification.report import OpMismatch, ValueCheckResult
 from remat.verification.tolerance import TolerancePolicy, parse_tolerance
 
@@ -322,11 +322,7 @@ class ValueCheck:
         plan = handle.plan
         self._names = plan.stages
         self._rebuilt = rebuilt_stages(plan)
-        self._skippable = {
-            i: frozenset(str(op) for op in resolve(option, name).ops)
-            for i, (name, option) in enumerate(zip(plan.stages, plan.parsed_options, strict=True))
-            if option.is_selective
-        }
+        self._skippable = handle.rebuilt_without_running()
         self._tolerance = parse_tolerance(tolerance)
         self._stage_modules = {i: handle.model.get_submodule(plan.stages[i]) for i in self._rebuilt}
         self.recorder = OpRecorder()

@@ -18,7 +18,8 @@ applied (``remat.verify`` runs them in its first step), not by reading the code:
 * routing: a router's ``topk``/``argmax`` chose other indices in the rebuild than in the
   forward (from the value check), so the rebuilt mixture-of-experts layer sends tokens to
   other experts; a near-tie flips on any difference in the logits, within tolerance or
-  not. ``selective:save-routing`` keeps the forward's decisions.
+  not. On a stage holding an ``experts`` module the runtime keeps the forward's
+  decisions itself; elsewhere ``selective:save-routing`` does.
 * Python side effects repeated by a rebuild: forward hooks of modules inside the stage,
   mutating calls (``append``, ``update``, ...) on lists, dicts, sets and deques the
   forward call also mutated, and changed scalar attributes of the stage's modules; counted.
