@@ -82,8 +82,11 @@ def _rank(rank: int, store: str, out: str) -> None:
             problem = to_problem(prof)
             least = solvers.minimum_budget(problem)
             most = simulate(plans["none"], problem).peak_bytes
-            plans["optimal"] = agreed_plan(remat.plan(prof, (least + most) // 2))
+            budget = (least + most) // 2
+            plans["optimal"] = agreed_plan(remat.plan(prof, budget))
             results["optimal"] = plans["optimal"].to_dict()
+            results["save_collectives_fits"] = (
+                simulate(plans["save-collectives"], problem).peak_bytes <= budget)
         for name, plan in plans.items():
             model, batch = tp_transformer()
             parallelize(model, mesh, sequence_parallel=sp)
@@ -165,6 +168,15 @@ def test_sequence_parallel_blocks_gather_and_scatter_twice_and_a_rebuild_repeats
     assert row["tp:per-stage"]["measured"] == [[ar]] * 4
     for mode in ("sp", "tp"):
         assert row[f"{mode}:save-collectives"]["measured"] == [[]] * 4
+
+
+def test_where_saving_collectives_fits_the_optimal_plan_repeats_fewer_than_per_stage(
+        ranks: list[dict[str, Any]]) -> None:
+    for row in ranks:
+        assert row["save_collectives_fits"]
+        repeated = {name: sum(map(len, row[f"sp:{name}"]["measured"]))
+                    for name in ("optimal", "per-stage")}
+        assert repeated["optimal"] < repeated["per-stage"], (row["optimal"], repeated)
 
 
 def test_the_profile_counts_each_ranks_shard_and_offers_save_collectives(
