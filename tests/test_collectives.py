@@ -67,3 +67,20 @@ def test_a_repeated_collective_costs_what_a_ring_moves_over_the_link() -> None:
 
     assert get_device("h100-sxm").link_bytes_per_s == 450e9
     assert get_device("cpu").link_bytes_per_s is None
+
+
+def test_a_stages_collectives_go_into_its_profile_record_and_back() -> None:
+    from remat.core.profile_format import StageProfile
+
+    assert StageComms.from_dict(BLOCK.to_dict()) == BLOCK
+    with pytest.raises(UsageError, match="list of \\[op, bytes\\] pairs"):
+        StageComms.from_dict({"forward": [["all_reduce", -1]], "rebuild_last": []})
+    with pytest.raises(UsageError, match="forward and rebuild_last"):
+        StageComms.from_dict({"forward": []})
+    stage = StageProfile(name="b0", boundary_bytes=8, output_bytes=8,
+                         saved_bytes={"keep": 8}, fwd_s=1.0, bwd_s=1.0, rebuild_s=1.0,
+                         fwd_transient_bytes=0, bwd_transient_bytes=0,
+                         nosave_transient_bytes=0, grad_bytes=0, output_kept_outside=False,
+                         saves_input=False, saves_output=False, comms=BLOCK)
+    assert StageProfile.from_dict(stage.to_dict()).comms == BLOCK
+    assert "comms" not in StageProfile.from_dict({**stage.to_dict(), "comms": None}).to_dict()

@@ -1,7 +1,7 @@
 """remat under tensor and sequence parallelism (DTensor on 2 gloo ranks): losses and
 gradients equal one process for every plan, the collectives each plan's rebuilds repeat
-equal remat.core.collectives' prediction, save-collectives repeats none, and the profile
-counts each rank's shard of the parameters.
+equal the prediction from the profile's per-stage collectives, save-collectives repeats
+none, and the profile counts each rank's shard of the parameters.
 
 One launch (``mp.spawn``, 2 processes, about 20 s) runs remat.models.tp's decoder
 (4 blocks) parallelized the torchtitan way, with and without sequence parallelism, and
@@ -74,6 +74,12 @@ def _rank(rank: int, store: str, out: str) -> None:
             prof = remat.profile(model, batch, _loss, stages=NAMES, repeats=1,
                                  ranks_agree=True)
             results["options"] = sorted({o for s in prof.stages for o in s.saved_bytes})
+            # the profile records each stage's collectives: the plans' predictions below
+            # come from it (the same as stage_comms measures on its own)
+            results["profile_comms_equal"] = [st.comms for st in prof.stages] == comms
+            comms = [st.comms for st in prof.stages]
+            results["profile_round_trip"] = (
+                type(prof).from_dict(prof.to_dict()).stages[0].comms == comms[0])
             results["params_bytes"] = prof.fixed.params_bytes
             results["local_params_bytes"] = sum(
                 _local(p).numel() * p.element_size() for p in model.parameters())
@@ -182,5 +188,6 @@ def test_where_saving_collectives_fits_the_optimal_plan_repeats_fewer_than_per_s
 def test_the_profile_counts_each_ranks_shard_and_offers_save_collectives(
         ranks: list[dict[str, Any]]) -> None:
     for row in ranks:
+        assert row["profile_comms_equal"] and row["profile_round_trip"]
         assert row["params_bytes"] == row["local_params_bytes"] < row["whole_params_bytes"]
         assert "selective:save-collectives" in row["options"]

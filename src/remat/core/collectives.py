@@ -24,8 +24,9 @@ what a rebuild's collectives add to a step at most.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
@@ -43,7 +44,29 @@ class StageComms:
     forward: tuple[Call, ...] = ()
     rebuild_last: tuple[Call, ...] = ()
 
+    def to_dict(self) -> dict[str, list[list[Any]]]:
+        return {"forward": [list(c) for c in self.forward],
+                "rebuild_last": [list(c) for c in self.rebuild_last]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "collectives") -> StageComms:
+        if not isinstance(data, Mapping) or set(data) != {"forward", "rebuild_last"}:
+            raise UsageError(f"{where} must be an object with forward and rebuild_last")
+        calls = []
+        for key in ("forward", "rebuild_last"):
+            items = data[key]
+            if not isinstance(items, list) or not all(
+                    isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
+                    and isinstance(c[1], int) and not isinstance(c[1], bool) and c[1] >= 0
+                    for c in items):
+                raise UsageError(f"{where} {key} must be a list of [op, bytes] pairs")
+            calls.append(tuple((str(op), int(n)) for op, n in items))
+        return cls(calls[0], calls[1])
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "forward", tuple((str(op), int(n)) for op, n in self.forward))
+        object.__setattr__(self, "rebuild_last",
+                           tuple((str(op), int(n)) for op, n in self.rebuild_last))
         if list(self.rebuild_last) != list(self.forward[:len(self.rebuild_last)]):
             raise UsageError("a stage's rebuild repeats a first part of its forward's "
                              "collectives; rebuild_last is not one")

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 
 from remat.core import fields
 from remat.core.artifact import JsonArtifact
+from remat.core.collectives import StageComms
 from remat.core.errors import UsageError
 from remat.core.model_identity import StageIdentity, digest
 from remat.core.plan_format import KEEP, Option
@@ -135,10 +136,16 @@ class StageProfile(StageRecord):
     # Time -> (low, high): the interquartile range of the samples its median was taken
     # over ("fwd_s", "bwd_s", "rebuild_s", "extra_bwd_s.<option>"). Written only when set.
     time_spread: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
+    # Under tensor parallelism: the collectives the stage's forward issues and those its
+    # rebuild as a one-stage region repeats (remat.core.collectives, measured by
+    # remat.tensor_parallel.stage_comms). Written only when set.
+    comms: StageComms | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         where = self.where
+        if self.comms is not None and not isinstance(self.comms, StageComms):
+            raise UsageError(f"{where} comms must be a StageComms or null")
         for flag in ("output_kept_outside", "saves_output", "gets_previous_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"{where} {flag} must be true or false")
@@ -203,6 +210,7 @@ class StageProfile(StageRecord):
                 if self.time_spread
                 else {}
             ),
+            **({"comms": self.comms.to_dict()} if self.comms is not None else {}),
         }
 
     @classmethod
@@ -215,6 +223,8 @@ class StageProfile(StageRecord):
         values = {k: data[k] for k in keys}
         if values.get("identity") is not None:
             values["identity"] = StageIdentity.from_dict(values["identity"], f"{where} identity")
+        if values.get("comms") is not None:
+            values["comms"] = StageComms.from_dict(values["comms"], f"{where} comms")
         return cls(**values)
 
 
@@ -249,6 +259,7 @@ _OPTIONAL_STAGE_KEYS = (
     "identity",
     "same_as",
     "time_spread",
+    "comms",
 )
 
 

@@ -111,6 +111,15 @@ def _device_name(device: torch.device | None) -> str:
     return str(device)
 
 
+def _stage_comms(model: nn.Module, batch: Any, loss_fn: Any, names: Sequence[str]
+                 ) -> list[Any]:
+    from remat.tensor_parallel import stage_comms
+
+    comms = stage_comms(model, batch, loss_fn, names)
+    model.zero_grad(set_to_none=True)
+    return comms
+
+
 def _tensor_parallel(model: nn.Module) -> bool:
     """Whether the model has DTensor parameters (tensor parallelism: its stages'
     forwards communicate, and ``selective:save-collectives`` is worth measuring)."""
@@ -196,7 +205,8 @@ def profile(
                                  description=description, lr=lr, progress=progress,
                                  ranks_agree=ranks_agree)
     given = options
-    if options is None and _tensor_parallel(model):
+    tensor_parallel = _tensor_parallel(model)
+    if options is None and tensor_parallel:
         options = (*OPTIONS, Option.selective("save-collectives"))
     options = _check_options(OPTIONS if options is None else options)
     loss_fn = loss_fn or _default_loss
@@ -253,12 +263,15 @@ def profile(
             agree=most_over_ranks if ranks_agree else None,
             timed=_timed,
         )
+        # tensor parallelism: what each stage communicates, and again in a rebuild
+        comms = _stage_comms(model, batch, loss_fn, names) if tensor_parallel else None
     profile_s = time.perf_counter() - began
 
     post_grads, grads, pre_grads = gradient_owners(model, names, m.spans.post_modules)
     stage_list = [
-        replace(s, identity=identity)
-        for s, identity in zip(stage_profiles(m, grads), identities, strict=True)
+        replace(s, identity=identity, comms=None if comms is None else comms[i])
+        for i, (s, identity) in enumerate(zip(stage_profiles(m, grads), identities,
+                                              strict=True))
     ]
     floor = m.overhead.time_s
     residuals = region_overhead_rounds(m.plain_steps, m.per_stage_steps)
