@@ -6,7 +6,12 @@ folder on ``sys.path``) and use the fixtures by name.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,3 +57,18 @@ class TanhBlock(nn.Module):
 def mean_square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The toy loss: the mean of the model's output squared."""
     return model(x).square().mean()
+
+
+def launch_ranks(fn: Any, out: Path, world: int) -> Path:
+    """Run ``fn(rank, store, out)`` in ``world`` processes (``mp.spawn``; ``store`` is a
+    file to rendezvous at) and return ``out``, where each rank writes its figures."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as rendezvous:
+        mp.spawn(fn, args=(os.path.join(rendezvous, "store"), str(out)), nprocs=world)
+    return out
+
+
+def read_ranks(out: Path, world: int) -> list[Any]:
+    """Each rank's ``rank{r}.json`` under ``out``."""
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -6,13 +6,13 @@ gradients gathered from both ranks' tokens)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from conftest import launch_ranks, read_ranks
 
 WORLD = 2
 NAMES = ("layers.0", "layers.1")
@@ -89,17 +89,12 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("expert_parallel")
-    with tempfile.TemporaryDirectory() as rendezvous:
-        mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), str(out)), nprocs=WORLD)
-    return out
+    return launch_ranks(_rank, tmp_path_factory.mktemp("expert_parallel"), WORLD)
 
 
 @pytest.fixture(scope="module")
 def ranks(launched: Path) -> list[dict[str, Any]]:
-    return [json.loads((launched / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return read_ranks(launched, WORLD)
 
 
 def test_a_blocks_two_all_to_alls_are_counted_and_repeated_as_predicted(

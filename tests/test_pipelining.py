@@ -10,8 +10,6 @@ same model run whole in one process.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import launch_ranks, read_ranks
 from remat.models.gpt import GPTPart, logits_loss
 
 WORLD = 2
@@ -154,17 +153,12 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("pipelining")
-    with tempfile.TemporaryDirectory() as rendezvous:
-        mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), str(out)), nprocs=WORLD)
-    return out
+    return launch_ranks(_rank, tmp_path_factory.mktemp("pipelining"), WORLD)
 
 
 @pytest.fixture(scope="module")
 def ranks(launched: Path) -> list[list[dict[str, Any]]]:
-    return [json.loads((launched / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return read_ranks(launched, WORLD)
 
 
 def test_every_ranks_peak_is_predicted_within_5_percent(
