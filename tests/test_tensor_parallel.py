@@ -36,6 +36,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _figures(prof: Any) -> dict[str, Any]:
+    """What a fake profile must reproduce of a real one (docs/tensor-parallel.md)."""
+    return {
+        "stages": [{"boundary": s.boundary_bytes, "output": s.output_bytes,
+                    "saved": dict(s.saved_bytes), "grad": s.grad_bytes,
+                    "comms": s.comms.to_dict() if s.comms is not None else None}
+                   for s in prof.stages],
+        "fixed": [prof.fixed.params_bytes, prof.fixed.grads_bytes,
+                  prof.fixed.optimizer_state_bytes],
+    }
+
+
+def _fake_rank(rank: int, out: str) -> None:
+    """Rank 0 of 2 on torch's fake process group, the model built without weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import remat
+    from remat.models.tp import parallelize, tp_transformer
+    from remat.tensor_parallel import init_fake_ranks
+
+    torch.set_num_threads(1)
+    init_fake_ranks(WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))  # outside the fake mode: its ranks are real
+    with remat.fake_mode():
+        model, batch = tp_transformer()
+        parallelize(model, mesh)
+    prof = remat.profile(model, batch, _loss, stages=NAMES, fake=True)
+    Path(out, "fake.json").write_text(json.dumps(_figures(prof)))
+
+
 def _plans() -> dict[str, Any]:
     from remat.core.plan_format import Plan, Region
 
@@ -74,6 +104,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             prof = remat.profile(model, batch, _loss, stages=NAMES, repeats=1,
                                  ranks_agree=True)
             results["options"] = sorted({o for s in prof.stages for o in s.saved_bytes})
+            results["figures"] = _figures(prof)
             # the profile records each stage's collectives: the plans' predictions below
             # come from it (the same as stage_comms measures on its own)
             results["profile_comms_equal"] = [st.comms for st in prof.stages] == comms
@@ -178,6 +209,15 @@ def test_where_saving_collectives_fits_the_optimal_plan_repeats_fewer_than_per_s
         repeated = {name: sum(map(len, row[f"sp:{name}"]["measured"]))
                     for name in ("optimal", "per-stage")}
         assert repeated["optimal"] < repeated["per-stage"], (row["optimal"], repeated)
+
+
+def test_one_process_with_fake_ranks_profiles_a_rank_as_the_real_ranks_do(
+        ranks: list[dict[str, Any]], tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fake_rank, args=(str(tmp_path),), nprocs=1)
+    fake = json.loads((tmp_path / "fake.json").read_text())
+    assert fake == ranks[0]["figures"]
 
 
 def test_the_profile_counts_each_ranks_shard_and_offers_save_collectives(

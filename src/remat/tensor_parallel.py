@@ -38,7 +38,7 @@ from remat.core.plan_format import Plan
 from remat.measure.tracker import iter_tensors
 
 __all__ = ["Collective", "CollectiveCount", "StageCollectives", "agreed_plan",
-           "count_collectives", "stage_comms"]
+           "count_collectives", "init_fake_ranks", "stage_comms"]
 
 #: Functional ops that are not collectives of their own (a wait, the autograd wrapper).
 _NOT_COLLECTIVES = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
@@ -239,3 +239,28 @@ def agreed_plan(plan: Plan, group: Any = None) -> Plan:
     dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group else 0,
                                group=group)
     return Plan.from_dict(shared[0])
+
+
+def init_fake_ranks(world_size: int, rank: int = 0) -> None:
+    """Make this process rank ``rank`` of ``world_size`` on torch's fake process group:
+    collectives return at once without moving data, so one process builds and profiles
+    one rank of a tensor-parallel model (under :func:`remat.fake_mode`, without its
+    weights) for a mesh of any size: ``init_device_mesh("cpu", (world_size,))`` then
+    parallelize and ``remat.profile(..., fake=True)``. The values it computes are
+    wrong; the shapes, and so every byte a profile records, are the real rank's."""
+    import torch.distributed as dist
+
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UsageError(f"{name}={value!r} must be a whole number >= {low}")
+    if rank >= world_size:
+        raise UsageError(f"rank {rank} is outside 0..{world_size - 1}")
+    if dist.is_initialized():
+        raise UsageError("a process group is already initialized in this process; fake "
+                         "ranks need a process of their own")
+    # torch registers its fake backend only in its testing package (no public constructor
+    # exists in torch 2.13): importing it is the registration
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank,
+                            world_size=world_size)
