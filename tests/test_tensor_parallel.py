@@ -63,7 +63,26 @@ def _fake_rank(rank: int, out: str) -> None:
         model, batch = tp_transformer()
         parallelize(model, mesh)
     prof = remat.profile(model, batch, _loss, stages=NAMES, fake=True)
-    Path(out, "fake.json").write_text(json.dumps(_figures(prof)))
+    figures = _figures(prof)
+    # on a device with a link, the collectives are priced into the stage's times
+    import dataclasses
+
+    from remat.core.collectives import collective_seconds
+    from remat.core.devices import get_device
+
+    h100 = get_device("h100-sxm")
+    priced, bare = (remat.profile(model, batch, _loss, stages=NAMES, fake=True, device=d)
+                    for d in (h100, dataclasses.replace(h100, link_bytes_per_s=None)))
+    a, b = priced.stages[0], bare.stages[0]
+    assert a.comms is not None and h100.link_bytes_per_s is not None
+    figures["priced"] = {
+        "forward": [a.fwd_s - b.fwd_s, a.bwd_s - b.bwd_s, a.rebuild_s - b.rebuild_s],
+        "expected_forward": collective_seconds(a.comms.forward, h100.link_bytes_per_s, WORLD),
+        "replay": {o: a.extra_bwd_s[o] - b.extra_bwd_s[o] for o in a.extra_bwd_s},
+        "expected_replay": collective_seconds(a.comms.rebuild_last, h100.link_bytes_per_s,
+                                              WORLD),
+    }
+    Path(out, "fake.json").write_text(json.dumps(figures))
 
 
 def _plans() -> dict[str, Any]:
@@ -217,7 +236,16 @@ def test_one_process_with_fake_ranks_profiles_a_rank_as_the_real_ranks_do(
 
     mp.spawn(_fake_rank, args=(str(tmp_path),), nprocs=1)
     fake = json.loads((tmp_path / "fake.json").read_text())
+    priced = fake.pop("priced")
     assert fake == ranks[0]["figures"]
+    # and for a device with a link, its collectives are priced into its times: the
+    # forward's in forward, backward and rebuild, a one-stage rebuild's in every
+    # selective replay but save-collectives'
+    assert priced["expected_forward"] > 0
+    assert priced["forward"] == pytest.approx([priced["expected_forward"]] * 3)
+    for option, extra in priced["replay"].items():
+        expected = 0.0 if option == "selective:save-collectives" else priced["expected_replay"]
+        assert extra == pytest.approx(expected, abs=1e-15), option
 
 
 def test_the_profile_counts_each_ranks_shard_and_offers_save_collectives(

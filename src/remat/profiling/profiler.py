@@ -120,6 +120,15 @@ def _stage_comms(model: nn.Module, batch: Any, loss_fn: Any, names: Sequence[str
     return comms
 
 
+def _tp_ranks(model: nn.Module) -> int | None:
+    """The ranks a DTensor parameter is spread over (its mesh's size), or None."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if type(p).__name__ == "DTensor" and mesh is not None:
+            return int(mesh.size())
+    return None
+
+
 def _tensor_parallel(model: nn.Module) -> bool:
     """Whether the model has DTensor parameters (tensor parallelism: its stages'
     forwards communicate, and ``selective:save-collectives`` is worth measuring)."""
@@ -279,7 +288,10 @@ def profile(
         m.plain_steps, m.per_stage_steps, m.same_as, extra=m.extra_rounds,
         region_overhead_range_s=(max(floor, min(residuals)), max(floor, max(residuals))),
     )
-    overhead_s = region_overhead_s(m.plain_steps, m.per_stage_steps, floor)
+    # an untimed (fake) step's times are its dispatch's: a region costs what one
+    # checkpoint frame measured on the tiny chain costs (host-side, on any device)
+    overhead_s = (region_overhead_s(m.plain_steps, m.per_stage_steps, floor) if _timed
+                  else floor)
     # per round, so that one slow round's step is not set against another's stages
     outside = statistics.median(m.outside_rounds)
     result = Profile(
@@ -348,8 +360,8 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
             with DeviceKernels(device, names, counting=True) as counter, torch.no_grad():
                 loss(model, batch)  # one forward, to note each attention call's kernel
             kernels = counter.per_stage()
-        return replace(with_estimated_times(found, work, device), times_estimated=True,
-                       device=device.name, kernels=kernels)
+        return replace(with_estimated_times(found, work, device, _tp_ranks(model)),
+                       times_estimated=True, device=device.name, kernels=kernels)
 
     names = (resolve_stages(model, stages) if stages is not None
              else discover_stages(model, batch, loss_fn or _default_loss))
