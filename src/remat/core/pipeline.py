@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
-from remat.core.solve.simulator import simulate
+from remat.core.solve.simulator import Simulation, simulate
 
 __all__ = ["SCHEDULES", "PipelineStep", "RankCost", "ScheduleBuffers", "check_schedule",
            "chunked_rank_peak", "in_flight",
@@ -136,7 +136,10 @@ class RankCost:
 
 def rank_cost(plan: Plan, problem: Problem) -> RankCost:
     """A rank's cost from the simulator (the problem is the rank's, for one micro-batch)."""
-    sim = simulate(plan, problem)
+    return _cost(simulate(plan, problem))
+
+
+def _cost(sim: Simulation) -> RankCost:
     t = sim.time
     return RankCost(
         forward_s=t.forward_s,
@@ -240,7 +243,15 @@ class _Chunk:
         return b.persistent_bytes + (b.output_bytes + b.input_grad_bytes) * done_b
 
 
-def _chunk(plan: Plan, problem: Problem, buffers: ScheduleBuffers) -> _Chunk:
+def _figures(plan: Plan, problem: Problem, buffers: ScheduleBuffers
+             ) -> tuple[RankCost, _Chunk]:
+    """The stage's cost and its figures for the schedule walk, from one simulation."""
+    sim = simulate(plan, problem)
+    return _cost(sim), _chunk(sim, plan, problem, buffers)
+
+
+def _chunk(sim: Simulation, plan: Plan, problem: Problem, buffers: ScheduleBuffers
+           ) -> _Chunk:
     # Note [Pipeline rank peak]: a rank's live bytes at any moment are those of the
     # micro-batch it runs (the one-micro-batch step's forward or backward) plus what
     # each other micro-batch in flight keeps from its forward to its backward, plus the
@@ -251,7 +262,6 @@ def _chunk(plan: Plan, problem: Problem, buffers: ScheduleBuffers) -> _Chunk:
     # it (1F1B) runs with all of them, and a later backward adds none: its peak is the
     # backward's without gradients, plus all of them. With several chunks on a rank
     # (interleaved), each is such a walk of its own, and the others add what they hold.
-    sim = simulate(plan, problem)
     bare = simulate(plan, _without_grads(problem))
     labels = sim.labels
     first_b = next(i for i, label in enumerate(labels) if label.startswith("backward"))
@@ -315,7 +325,8 @@ def chunked_rank_peak(plans: Sequence[Plan], problems: Sequence[Problem], schedu
     if len(problems) != v or (buffers is not None and len(buffers) != v):
         raise UsageError("give one plan, problem and ScheduleBuffers per chunk of the rank")
     order = schedule_order(schedule, rank, ranks, microbatches, v)
-    figures = [_chunk(plan, problem, buffers[c] if buffers is not None else ScheduleBuffers())
+    figures = [_figures(plan, problem,
+                        buffers[c] if buffers is not None else ScheduleBuffers())[1]
                for c, (plan, problem) in enumerate(zip(plans, problems, strict=True))]
     return _walk(figures, order)
 
@@ -335,12 +346,14 @@ def pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem], schedule: 
         buffers = [ScheduleBuffers()] * n
     if len(buffers) != n:
         raise UsageError("give one ScheduleBuffers per stage")
-    costs = [rank_cost(plan, problem) for plan, problem in zip(plans, problems, strict=True)]
+    check_schedule(schedule, p, microbatches, chunks)
+    figures = [_figures(plan, problem, b)
+               for plan, problem, b in zip(plans, problems, buffers, strict=True)]
+    costs = [cost for cost, _ in figures]
     counts = tuple(in_flight(schedule, r, p, microbatches, chunks) for r in range(p))
     peaks = tuple(
-        chunked_rank_peak([plans[c * p + r] for c in range(chunks)],
-                          [problems[c * p + r] for c in range(chunks)], schedule, r, p,
-                          microbatches, [buffers[c * p + r] for c in range(chunks)])
+        _walk([figures[c * p + r][1] for c in range(chunks)],
+              schedule_order(schedule, r, p, microbatches, chunks))
         for r in range(p))
     return PipelineStep(peaks, counts, step_time(costs, schedule, microbatches, send_s, chunks))
 
@@ -428,8 +441,8 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
         buffers = [ScheduleBuffers()] * n
     if len(buffers) != n:
         raise UsageError("give one ScheduleBuffers per stage")
-    ladders = [[(plan, rank_cost(plan, problem), _chunk(plan, problem, buffers[s]))
-                for plan in _ladder(problem)] for s, problem in enumerate(problems)]
+    ladders = [[(plan, *_figures(plan, problem, buffers[s])) for plan in _ladder(problem)]
+               for s, problem in enumerate(problems)]
     choices = []
     for r in range(p):
         stages = [c * p + r for c in range(chunks)]
