@@ -245,6 +245,26 @@ class _Difference:
     max_rel_error: float | None = None
 
 
+def _aligned(
+    forward: Sequence[Fingerprint],
+    rebuilt: Sequence[Fingerprint],
+    skippable: frozenset[str],
+) -> Iterator[tuple[int, Fingerprint | None, Fingerprint]]:
+    """``(p, f, r)``: each rebuilt op ``r`` with the forward op ``f`` at position ``p`` it
+    lines up with (forward ops named in ``skippable`` may be missing from the rebuild).
+    Where the sequences part, one last triple whose ``f`` is the forward op there (None
+    past the forward's end) and runs another op than ``r``."""
+    p = 0
+    for r in rebuilt:
+        while p < len(forward) and forward[p].op != r.op and forward[p].op in skippable:
+            p += 1
+        f = forward[p] if p < len(forward) else None
+        yield p, f, r
+        if f is None or f.op != r.op:
+            return
+        p += 1
+
+
 def compare_call(
     forward: Sequence[Fingerprint],
     rebuilt: Sequence[Fingerprint],
@@ -260,14 +280,10 @@ def compare_call(
     is a prefix and matches.
     """
     first: _Difference | None = None
-    p = 0
-    for r in rebuilt:
-        while p < len(forward) and forward[p].op != r.op and forward[p].op in skippable:
-            p += 1
-        if p == len(forward) or forward[p].op != r.op:
-            path = _Difference("op", p, None if p == len(forward) else forward[p].op, r.op)
+    for p, f, r in _aligned(forward, rebuilt, skippable):
+        if f is None or f.op != r.op:
+            path = _Difference("op", p, None if f is None else f.op, r.op)
             return first or path, path
-        f = forward[p]
         if f.shapes != r.shapes or f.dtypes != r.dtypes:
             path = _Difference("metadata", p, f.op, r.op)
             return first or path, path
@@ -277,7 +293,6 @@ def compare_call(
             differ, abs_err, rel_err = _values_differ(a, b, tolerance.rebuild_rtol(f.dtypes[j]))
             if differ:
                 first = _Difference("value", p, f.op, r.op, j, abs_err, rel_err)
-        p += 1
     return first, None
 
 
@@ -294,18 +309,13 @@ def routing_flip(
     on the part where the two sequences still run the same ops; None if none does. A
     difference anywhere in the indices counts (a near-tie flipped by a difference in the
     logits within any tolerance picks another expert)."""
-    p = 0
-    for r in rebuilt:
-        while p < len(forward) and forward[p].op != r.op and forward[p].op in skippable:
-            p += 1
-        if p == len(forward) or forward[p].op != r.op:
+    for p, f, r in _aligned(forward, rebuilt, skippable):
+        if f is None or f.op != r.op:
             return None
-        f = forward[p]
         if f.op in ROUTING and f.shapes == r.shapes and f.dtypes == r.dtypes:
             for j, (a, b, dtype) in enumerate(zip(f.sums, r.sums, f.dtypes, strict=True)):
                 if not dtype.is_floating_point and a is not None and b is not None and a != b:
                     return _Difference("routing", p, f.op, r.op, j)
-        p += 1
     return None
 
 
