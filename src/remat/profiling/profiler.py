@@ -121,18 +121,14 @@ def _stage_comms(model: nn.Module, batch: Any, loss_fn: Any, names: Sequence[str
 
 
 def _tp_ranks(model: nn.Module) -> int | None:
-    """The ranks a DTensor parameter is spread over (its mesh's size), or None."""
+    """The ranks a DTensor parameter is spread over (its mesh's size), or None where no
+    parameter is a DTensor (no tensor parallelism: the stages do not communicate, and
+    ``selective:save-collectives`` is not worth measuring)."""
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
         if type(p).__name__ == "DTensor" and mesh is not None:
             return int(mesh.size())
     return None
-
-
-def _tensor_parallel(model: nn.Module) -> bool:
-    """Whether the model has DTensor parameters (tensor parallelism: its stages'
-    forwards communicate, and ``selective:save-collectives`` is worth measuring)."""
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 @without_own_checkpointing  # flags and checkpoint_wrapper off while profiling, with a warning
@@ -214,7 +210,7 @@ def profile(
                                  description=description, lr=lr, progress=progress,
                                  ranks_agree=ranks_agree)
     given = options
-    tensor_parallel = _tensor_parallel(model)
+    tensor_parallel = _tp_ranks(model) is not None
     if options is None and tensor_parallel:
         options = (*OPTIONS, Option.selective("save-collectives"))
     options = _check_options(OPTIONS if options is None else options)

@@ -151,7 +151,7 @@ import enum
 import functools
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -839,8 +839,8 @@ class Engine:
                 caching, cached = selective_contexts(policy)
                 if self.routes[i]:  # Note [Routing saved in regions] in policies.py
                     recording, replaying = routing_contexts()
-                    return (_Both(caching, recording),
-                            _Both(_RecomputeContext(record, cached), replaying))
+                    return (_together(caching, recording),
+                            _together(_RecomputeContext(record, cached), replaying))
                 return caching, _RecomputeContext(record, cached)
             return contextlib.nullcontext(), _RecomputeContext(record)
 
@@ -862,23 +862,11 @@ class Engine:
         )
 
 
-class _Both:
+@contextlib.contextmanager
+def _together(first: Any, second: Any) -> Iterator[None]:
     """Two context managers as one, entered in order and left in reverse."""
-
-    def __init__(self, first: Any, second: Any) -> None:
-        self.first, self.second = first, second
-        self.stack: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> None:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(self.first)
-            stack.enter_context(self.second)
-            self.stack = stack.pop_all()
-
-    def __exit__(self, *exc: Any) -> None:
-        stack, self.stack = self.stack, None
-        if stack is not None:
-            stack.__exit__(*exc)
+    with first, second:
+        yield
 
 
 _OPAQUE_REASON = "remat runs its checkpoint regions eagerly; see docs/compile.md"
