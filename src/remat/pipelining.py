@@ -19,7 +19,9 @@ model and drops them; :func:`dropped_checkpoints` names the stages that lost the
 and a remat plan applies to the exported stage module (same module paths) instead.
 Under interleaved 1F1B a rank holds several stages (chunks): each is profiled, given its
 buffers and its plan as its own part, and the core walks a rank's chunks together
-(``chunks=`` in :mod:`remat.core.pipeline`). Not yet here: zero-bubble schedules.
+(``chunks=`` in :mod:`remat.core.pipeline`). Zero-bubble schedules are refused: a region
+is rebuilt in each of their backward passes (Note [Backward in passes] in
+remat.runtime.engine).
 """
 
 from __future__ import annotations

@@ -39,12 +39,16 @@ from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import Simulation, simulate
 
-__all__ = ["SCHEDULES", "PipelineStep", "RankCost", "ScheduleBuffers", "check_schedule",
-           "chunked_rank_peak", "in_flight",
+__all__ = ["SCHEDULES", "ZERO_BUBBLE", "PipelineStep", "RankCost", "ScheduleBuffers",
+           "check_schedule", "chunked_rank_peak", "in_flight",
            "pipeline_step", "plan_pipeline", "rank_cost", "rank_peak", "schedule_order",
            "step_time"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+#: torch's schedules that split each backward into input and weight passes: a checkpointed
+#: region is rebuilt in each pass there (Note [Backward in passes] in remat.runtime.engine),
+#: so remat does not plan regions for them.
+ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 #: Schedules that run one stage per rank (the others take ``chunks``).
 SINGLE_STAGE = ("gpipe", "1f1b")
 
@@ -53,6 +57,12 @@ def check_schedule(schedule: str, ranks: int = 1, microbatches: int = 1,
                    chunks: int = 1) -> None:
     """UsageError for a schedule remat does not model, a count below 1, or chunks the
     schedule does not take."""
+    if schedule in ZERO_BUBBLE:
+        raise UsageError(
+            f"schedule {schedule!r} splits each backward into an input pass and weight passes, "
+            "and a checkpointed region is rebuilt in every pass (measured: twice the peak of "
+            "no region), so remat does not plan for it; use 1f1b or interleaved-1f1b, or run "
+            "those stages without regions")
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r} is not known; choose one of "
                          f"{', '.join(SCHEDULES)}")

@@ -150,6 +150,7 @@ import contextlib
 import enum
 import functools
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -250,6 +251,7 @@ class _Entry:
     outer: set[int] = field(default_factory=set)
     externals: dict[int, torch.Tensor] = field(default_factory=dict)
     children_at: dict[int, list[_Entry]] = field(default_factory=dict)
+    rebuilt: int = 0  # how many times backward rebuilt it (Note [Backward in passes])
 
     def dead_after(self) -> list[list[int]]:
         """Per step, the slots no later step (nor a child region opening later) reads: a
@@ -416,6 +418,7 @@ class Engine:
         self.reads_before: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.current: CallRecord | None = None  # the call a rebuild is replaying
         self.rebuilds = 0
+        self.warned_passes = False  # Note [Backward in passes]
         self.offload_noop: dict[int, str] = {}  # stage -> device of its input
         # Debugging switches, off in normal training (Note [Observing stage calls]).
         self.preserve_rng_state = preserve_rng_state
@@ -776,6 +779,11 @@ class Engine:
         self.stack.append(_Entry(entry.region, Kind.REPLAYING, None, entry.calls))
         self.phase = Phase.REBUILD
         self.rebuilds += 1
+        entry.rebuilt += 1
+        if entry.rebuilt == 2 and not self.warned_passes:
+            self.warned_passes = True
+            warnings.warn(rebuilt_again(self.regions[entry.region], self.names),
+                          RuntimeWarning, stacklevel=2)
         env = dict(entry.externals)
         env[entry.input_slot] = boundary
         dead_after = entry.dead_after()
@@ -870,6 +878,30 @@ def _together(first: Any, second: Any) -> Iterator[None]:
 
 
 _OPAQUE_REASON = "remat runs its checkpoint regions eagerly; see docs/compile.md"
+
+
+# Note [Backward in passes]: torch's non-reentrant checkpoint rebuilds a region once per
+# backward pass that reaches it (its rebuilt tensors are keyed by the graph task), so a
+# backward run as several passes rebuilds it in each. torch.distributed.pipelining's
+# zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+# ScheduleDualPipeV) do that: an input-gradient pass (``stage_backward_input``), then one
+# weight-gradient ``autograd.grad`` per parameter group (``stage_backward_weight``).
+# Measured (torch 2.13, gpt half of two blocks, one region per block): the input pass
+# rebuilt part of each block, the weight passes rebuilt the blocks 9 times over, and the
+# step's peak was 9.5 MB against 4.7 MB with no region; torch's GraphExecGroup (one
+# rebuild per group) refuses the weight passes, which unpack tensors the input pass
+# already did (pytorch/pytorch#136766 is the same interaction). The gradients are right,
+# so this warns once per model rather than failing a step.
+def rebuilt_again(region: Any, names: Sequence[str]) -> str:
+    """The warning for a region rebuilt a second time for one forward."""
+    first, last = names[region.start], names[region.stop - 1]
+    return (
+        f"remat: region {first if first == last else f'{first}..{last}'} was rebuilt a second "
+        "time for one forward because its backward ran in several passes (torch's "
+        "zero-bubble pipeline schedules split it into input and weight passes), which costs "
+        "more time and memory than the region saves; run those stages without regions or "
+        "use Schedule1F1B / ScheduleInterleaved1F1B (docs/pipeline.md)"
+    )
 
 
 def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:

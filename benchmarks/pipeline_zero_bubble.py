@@ -1,0 +1,132 @@
+"""Regions under torch's zero-bubble schedules: does checkpointing lower a rank's peak?
+
+Run from the repository root (spawns 2 gloo processes itself)::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/pipeline_zero_bubble.py [--out FILE]
+
+remat's gpt (4 blocks, hidden 64, sequence 32, batch 32, no dropout) over 2 ranks x 2
+chunks (4 virtual stages, ``remat.models.gpt.GPTPart``), 4 micro-batches; per schedule
+(``ScheduleInterleaved1F1B`` for reference, then ``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, the last two placing chunks in a
+V), one step with no plan and one with a region per block on every chunk. Each rank's
+peak is the live-storage tracker's over the second ``schedule.step`` (the first warms
+up); the gradients of the planned run are compared with the plain run's. Rank 0 prints
+the table and writes it to ``--out`` (markdown) when given. Why the zero-bubble peaks
+rise: Note [Backward in passes] in ``remat/runtime/engine.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+WORLD, MICRO = 2, 4
+OPTS = {"n_layer": 4, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32,
+        "dropout": 0.0}
+SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+             "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from remat.core.plan_format import Plan, Region
+    from remat.measure.tracker import LiveMemoryTracker
+    from remat.models.gpt import GPTPart, gpt, logits_loss
+    from remat.pipelining import apply_to_stage, receive_buffers
+    from remat.runtime.install import remove
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    rows: list[dict[str, Any]] = []
+    for name in SCHEDULES:
+        n = 2 * WORLD
+        ids = [rank, 2 * WORLD - 1 - rank] if name in V_SHAPED else [rank, rank + WORLD]
+        grads: dict[bool, dict[str, torch.Tensor]] = {}
+        for planned in (False, True):
+            model, (idx, target), _ = gpt(**OPTS)
+            parts = [GPTPart(model, s, n) for s in ids]
+            stages = [pipelining.PipelineStage(part, s, n, torch.device("cpu"))
+                      for s, part in zip(ids, parts, strict=True)]
+            if planned:
+                for stage, part in zip(stages, parts, strict=True):
+                    names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+                    apply_to_stage(stage, Plan(names, tuple(Region(i, i + 1)
+                                                            for i in range(len(names)))))
+            schedule = getattr(pipelining, name)(stages, n_microbatches=MICRO,
+                                                 loss_fn=logits_loss)
+            first, last = any(p.first for p in parts), any(p.last for p in parts)
+
+            def step(schedule: Any = schedule, first: bool = first, last: bool = last,
+                     idx: Any = idx, target: Any = target) -> None:
+                kwargs = {"target": target, "losses": []} if last else {}
+                if first:
+                    schedule.step(idx, **kwargs)
+                else:
+                    schedule.step(**kwargs)
+
+            step()
+            grads[planned] = {f"{s}.{k}": q.grad.clone() for s, part in zip(ids, parts,
+                                                                           strict=True)
+                              for k, q in part.named_parameters() if q.grad is not None}
+            for part in parts:
+                part.zero_grad(set_to_none=True)
+            gc.collect()
+            tracker = LiveMemoryTracker()
+            for part in parts:
+                tracker.register_existing(part)
+            tracker.register_existing([idx, target])
+            for stage in stages:
+                tracker.register_existing(receive_buffers(stage))
+            with tracker:
+                step()
+            rows.append({"schedule": name, "planned": planned, "peak": tracker.peak_bytes})
+            if planned:
+                for part in parts:
+                    remove(part)
+        same = grads[False].keys() == grads[True].keys() and all(
+            torch.equal(grads[False][k], grads[True][k]) for k in grads[False])
+        rows[-1]["same_grads"] = same
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    out = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as rendezvous:
+        mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), out), nprocs=WORLD)
+    ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    lines = ["| schedule | rank | peak, no plan (MB) | peak, a region per block (MB) | "
+             "change | gradients equal |", "|---|---|---|---|---|---|"]
+    for name in SCHEDULES:
+        for r, rows in enumerate(ranks):
+            plain, planned = (next(x for x in rows if x["schedule"] == name
+                                   and x["planned"] == p) for p in (False, True))
+            lines.append(f"| {name} | {r} | {plain['peak'] / 1e6:.2f} | "
+                         f"{planned['peak'] / 1e6:.2f} | "
+                         f"{planned['peak'] / plain['peak'] - 1:+.0%} | "
+                         f"{'yes' if planned['same_grads'] else 'NO'} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
