@@ -91,14 +91,20 @@ def _spans_a_break(regions: Iterable[Region], problem: Problem) -> bool:
     return any(r.start < b < r.stop for r in regions for b in problem.breaks)
 
 
-def all_plans(problem: Problem) -> Iterator[Plan]:
-    """Every plan the chain allows (no region over a chain break)."""
+def _choices(problem: Problem) -> Iterator[tuple[tuple[Region, ...], tuple[str, ...]]]:
+    """Every plan the chain allows (no region over a chain break), as regions and options."""
     for regions in _levels(0, problem.n, False):
         rs = tuple(Region(*r) for r in regions)
         if _spans_a_break(rs, problem):
             continue
         for options in itertools.product(*(problem.options(i) for i in range(problem.n))):
-            yield Plan(problem.stage_names, rs, options)
+            yield rs, options
+
+
+def all_plans(problem: Problem) -> Iterator[Plan]:
+    """Every plan the chain allows (no region over a chain break)."""
+    for rs, options in _choices(problem):
+        yield Plan(problem.stage_names, rs, options)
 
 
 _FORKED: list[Problem] = []  # the problem a forked worker scores (it does not pickle)
@@ -110,9 +116,9 @@ def _forked_scores(part: int, parts: int) -> list[tuple[int, float]]:
 
 def _scores(problem: Problem, part: int, parts: int) -> list[tuple[int, float]]:
     out = []
-    for k, plan in enumerate(all_plans(problem)):
-        if k % parts == part:
-            sim = simulate(plan, problem)
+    for k, (rs, options) in enumerate(_choices(problem)):
+        if k % parts == part:  # a worker builds only the plans it scores
+            sim = simulate(Plan(problem.stage_names, rs, options), problem)
             out.append((sim.peak_bytes, sim.step_time_s))
     return out
 
