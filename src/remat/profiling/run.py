@@ -208,8 +208,8 @@ def measure_all(
     ``agree(n)``: the count every rank uses where this rank would use ``n`` (rounds added
     to a noisy profile), so ranks whose steps communicate run the same steps.
     ``timed=False`` (a fake profile): no step that only times something (the spanning
-    regions', the bare one, each option's: taken as the plain step of the round), and no
-    rounds added for noise.
+    regions', the bare one, each option's: taken as the plain step of the round), no
+    round after the warm-up (whose steps are kept) and none added for noise.
     """
     agree = agree or (lambda n: n)
     names = tuple(names)
@@ -301,15 +301,17 @@ def measure_all(
     signatures: list[str | None] = []
     one_round(signatures)
     part(parts[2])
-    for _ in range(repeats):
+    # untimed (a fake profile: its times are the fake run's dispatch, replaced by a
+    # device's roofline or meaningless), the warm-up round is the one round: it counted
+    # the fixed bytes and recorded which stages are identical, all later rounds would
+    for _ in range(repeats if timed else 0):
         one_round()
     same_as = tuple(identical_groups(signatures))
     # A noisy first set gets one more (bounded): more samples move the medians less.
-    extra = extra_rounds(plain[1:], same_as, repeats,
-                         others=[rebuilt[1:], *([spanned[1:]] if spanned else []),
-                                 *(steps[1:] for steps in with_option.values())],
-                         per_stage=rebuilt[1:])
-    extra = agree(extra) if timed else 0
+    extra = agree(extra_rounds(plain[1:], same_as, repeats,
+                               others=[rebuilt[1:], *([spanned[1:]] if spanned else []),
+                                       *(steps[1:] for steps in with_option.values())],
+                               per_stage=rebuilt[1:])) if timed else 0
     for _ in range(extra):
         one_round()
     # Note [Rounds for the paired overhead]: then one at a time while the per-round
@@ -322,8 +324,9 @@ def measure_all(
         one_round()
         extra += 1
         added += 1
-    rebuilt, plain, spanned, bare = rebuilt[1:], plain[1:], spanned[1:], bare[1:]
-    with_option = {option: steps[1:] for option, steps in with_option.items()}
+    warm = 1 if timed else 0
+    rebuilt, plain, spanned, bare = rebuilt[warm:], plain[warm:], spanned[warm:], bare[warm:]
+    with_option = {option: steps[warm:] for option, steps in with_option.items()}
 
     part(parts[3])
     # measure_step collects garbage first; freezing what exists now makes that collection
