@@ -369,3 +369,50 @@ def test_a_backward_in_passes_rebuilds_each_region_again_and_remat_says_so() -> 
     for schedule in ZERO_BUBBLE:
         with pytest.raises(UsageError, match="weight passes"):
             check_schedule(schedule, 2, 4, 2)
+
+
+def test_a_stage_built_by_pipeline_profiles_as_the_manual_split_and_keeps_its_prediction(
+) -> None:
+    # pipeline()'s exported stage modules keep the model's module paths: each profiles
+    # (remat.pipelining.profile_part) to the bytes of the same blocks split by hand, and a
+    # plan on the exported first stage measures the peak its profile predicts
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from remat.core.plan_format import Plan, Region
+    from remat.core.planner import to_problem
+    from remat.core.solve import simulate
+    from remat.measure.step import measure_step
+    from remat.models.gpt import gpt
+    from remat.pipelining import apply_to_stage, part_loss, profile_part
+    from remat.runtime.install import remove
+
+    opts = {**OPTS, "batch_size": 8}
+    model, (idx, target), _ = gpt(**opts)
+    pipe = pipeline(_CheckpointedGPT(model, own=False), mb_args=(idx,),
+                    split_spec={"m.blocks.2": SplitPoint.BEGINNING})
+    x = torch.randn(8, OPTS["block_size"], OPTS["n_embd"], requires_grad=True)
+    exported = [profile_part(pipe.get_stage_module(0), idx, last=False,
+                             stages=("m.blocks.0", "m.blocks.1"), repeats=1),
+                profile_part(pipe.get_stage_module(1), x, last=True, loss_fn=_loss,
+                             target=target, stages=("m.blocks.2", "m.blocks.3"), repeats=1)]
+    whole = gpt(**opts)[0]
+    manual = [profile_part(GPTPart(whole, 0, 2), idx, last=False,
+                           stages=("blocks.0", "blocks.1"), repeats=1),
+              profile_part(GPTPart(whole, 1, 2), x, last=True, loss_fn=_loss, target=target,
+                           stages=("blocks.0", "blocks.1"), repeats=1)]
+
+    def figures(prof: Any) -> list[Any]:
+        return [(s.boundary_bytes, s.output_bytes, dict(s.saved_bytes), s.grad_bytes)
+                for s in prof.stages]
+
+    for ours, theirs in zip(exported, manual, strict=True):
+        assert figures(ours) == figures(theirs)
+    first = pipe.get_stage_module(0)
+    plan = Plan(("m.blocks.0", "m.blocks.1"), (Region(0, 1), Region(1, 2)))
+    predicted = simulate(plan, to_problem(exported[0])).peak_bytes
+    apply_to_stage(first, plan)
+    try:
+        measured = measure_step(first, idx, part_loss(first, idx, last=False)).peak_bytes
+    finally:
+        remove(first)
+    assert measured == pytest.approx(predicted, rel=0.03)
