@@ -1,7 +1,9 @@
 """Times without measuring: the roofline calibrated on one model, checked on the others.
 
 Issue 18, item 3's check on this CPU: ``remat calibrate`` on the built-in gpt (its ops'
-rates and the cost of a call), then for each other model a real profile (one thread) and
+rates and the cost of a call, and a reference convolutional network's ops' rates), run
+again right before each measurement (the machine's speed moves within minutes), then for
+each model, in three interleaved rounds, a real profile (one thread) and
 the work of one step counted (``remat.profiling.op_costs``): each stage's forward time
 as the roofline predicts it against the measured one, and the per-stage plan's overhead
 (one region per stage) with the estimated times against the measured times, both through
@@ -37,6 +39,7 @@ from remat.profiling.op_costs import count_work
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/roofline_cpu.py"
 CALIBRATION = "gpt"
+ROUNDS = 3
 MODELS = ["mlp-hetero", "convnet-bn", "resnet", "unet", "encdec", "hf:llama"]
 
 
@@ -51,23 +54,34 @@ def overhead(profile: remat.Profile) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    model, batch, loss_fn = load_model(CALIBRATION)
-    device, fit = calibrate_device(model, batch, loss_fn, description=CALIBRATION)
+    calibration = load_model(CALIBRATION)
+    device, fit = calibrate_device(*calibration, description=CALIBRATION)
     lines = ["| model | stages | forward error, median | forward error, largest | "
-             "per-stage overhead measured | estimated | gap (pts) |",
+             "per-stage overhead measured | estimated | gap (pts), median (range) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in MODELS:
         model, batch, loss_fn = load_model(name)
-        profile = remat.profile(model, batch, loss_fn, repeats=2)
-        work = count_work(model, batch, loss_fn, profile.stage_names, profile.optimizer)
-        estimated = with_estimated_times(profile, work, device)
-        errors = [e.fwd_s / m.fwd_s - 1 for e, m in zip(estimated.stages, profile.stages,
-                                                         strict=True) if m.fwd_s > 0]
+        ratios: list[list[float]] = []  # per round, per stage: estimated over measured
+        gaps: list[tuple[float, float]] = []  # per round: measured and estimated overhead
+        for _ in range(ROUNDS):
+            # calibrated again right before each measurement: this shared machine's speed
+            # moves by up to 2x within minutes, and a calibration holds for the minutes
+            # around it; the rounds interleave the two, and each figure is their median
+            device, _ = calibrate_device(*calibration, description=CALIBRATION)
+            profile = remat.profile(model, batch, loss_fn, repeats=2)
+            work = count_work(model, batch, loss_fn, profile.stage_names, profile.optimizer)
+            estimated = with_estimated_times(profile, work, device)
+            ratios.append([e.fwd_s / m.fwd_s if m.fwd_s > 0 else 1.0
+                           for e, m in zip(estimated.stages, profile.stages, strict=True)])
+            gaps.append((overhead(profile), overhead(estimated)))
+        errors = [statistics.median(r[i] for r in ratios) - 1 for i in range(len(ratios[0]))]
         worst = max(errors, key=abs)
-        measured_o, estimated_o = overhead(profile), overhead(estimated)
+        measured_o = statistics.median(m for m, _ in gaps)
+        estimated_o = statistics.median(e for _, e in gaps)
+        spread = [100 * (e - m) for m, e in gaps]
         row = (f"| `{name}` | {len(errors)} | {statistics.median(abs(e) for e in errors):.0%} "
                f"| {worst:+.0%} | {measured_o:+.1%} | {estimated_o:+.1%} | "
-               f"{100 * (estimated_o - measured_o):+.1f} |")
+               f"{statistics.median(spread):+.1f} ({min(spread):+.1f} to {max(spread):+.1f}) |")
         lines.append(row)
         print(row, flush=True)
     text = "\n".join([
@@ -84,7 +98,10 @@ def main() -> None:
         f"within {fit['median_abs_error']:.0%} (median). Forward error: the estimated stage "
         "forward time over the measured median, less 1, per stage. Overhead: one region per "
         "stage against no checkpointing, through the simulator, on measured and on "
-        "estimated times. One run.",
+        f"estimated times. Each model is measured in {ROUNDS} rounds, each right after a "
+        "calibration of its own (the machine's speed moves within minutes; the figures "
+        "above are the first calibration's): a stage's error is the median of its rounds' "
+        "ratios, an overhead the median of its rounds'. One run of the script.",
         "",
         *lines,
         "",

@@ -51,6 +51,10 @@ def test_the_roofline_adds_compute_memory_and_calls() -> None:
     measured = Device("y", 1 << 30, {"float32": 1e12}, 1e11, False, False,
                       extra={"op_rates": {"mm": [1e-12, 0.0]}, "call_s": {"forward": 2e-6}})
     assert seconds(work, measured, "mm", "forward") == pytest.approx(1.0 + 6e-6)
+    # a kernel's own cost per call (a small convolution's) comes on top of the call's
+    kernel = Device("z", 1 << 30, {"float32": 1e12}, 1e11, False, False,
+                    extra={"op_rates": {"mm": [1e-12, 0.0, 5e-6]}, "call_s": {"forward": 2e-6}})
+    assert seconds(work, kernel, "mm", "forward") == pytest.approx(1.0 + 3 * 7e-6)
 
 
 def test_the_device_table_takes_entries_from_the_users_file(tmp_path: Any,
@@ -77,6 +81,11 @@ def test_calibrate_writes_an_entry_that_prices_its_own_model(tmp_path: Any,
     assert "wrote here to" in capsys.readouterr().out
     entry = Device.from_dict("here", json.loads(out.read_text())["here"])
     assert entry.op_rates and entry.extra["conv_flops_per_s"] > 0
+    # gpt runs no convolution: its rates come from the reference network, per FLOP and
+    # per call (every rate now has its kernel's per-call part)
+    conv = entry.op_rates["convolution"]
+    assert conv[0] > 0 and conv[2] >= 0 and entry.op_rates["convolution_backward"][0] > 0
+    assert "native_batch_norm" in entry.op_rates and len(entry.op_rates["mm"]) == 3
     assert entry.call_seconds("forward") > 0
     assert main(["calibrate", "--model", "gpt", *sets, "--repeats", "0"]) == 2
 

@@ -67,11 +67,13 @@ class Device:
     link_bytes_per_s: float | None = None
 
     @cached_property  # the roofline asks once per op of every stage
-    def op_rates(self) -> Mapping[str, tuple[float, float]]:
-        """Per aten op name, measured by ``remat calibrate``: seconds per FLOP and per byte
-        moved (``extra["op_rates"]``); empty for the built-in entries."""
+    def op_rates(self) -> Mapping[str, tuple[float, float, float]]:
+        """Per aten op name, measured by ``remat calibrate``: seconds per FLOP, per byte
+        moved and per call of its kernel (``extra["op_rates"]``, the last 0 where an entry
+        has two); empty for the built-in entries."""
         rates = self.extra.get("op_rates") or {}
-        return {str(op): (float(r[0]), float(r[1])) for op, r in rates.items()}
+        return {str(op): (float(r[0]), float(r[1]), float(r[2]) if len(r) > 2 else 0.0)
+                for op, r in rates.items()}
 
     def call_seconds(self, phase: str | None) -> float:
         """What one op's call costs beyond its kernel, in ``phase`` where ``remat

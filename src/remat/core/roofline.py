@@ -66,8 +66,9 @@ def seconds(work: Work, device: Device, op: str | None = None,
     ``phase`` at what a call cost there."""
     rate = device.op_rates.get(op) if op is not None else None
     per_call = device.call_seconds(phase)
-    if rate is not None:  # seconds per FLOP and per byte
-        return work.total_flops * rate[0] + work.bytes * rate[1] + work.ops * per_call
+    if rate is not None:  # seconds per FLOP, per byte and per kernel call
+        return (work.total_flops * rate[0] + work.bytes * rate[1]
+                + work.ops * (rate[2] + per_call))
     compute = 0.0
     conv = device.extra.get("conv_flops_per_s") if op in _CONVOLUTIONS else None
     for dtype, n in work.flops.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from remat.core.devices import Device
-from remat.core.roofline import Work
+from remat.core.roofline import Work, WorkTable
 from remat.profiling.op_costs import count_work
 
-__all__ = ["Primitives", "calibrate_device", "primitives"]
+__all__ = ["Primitives", "calibrate_device", "primitives", "reference_rates"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,70 @@ def primitives(repeats: int = 7) -> Primitives:
     return Primitives(2 * n**3 / mm, 3 * big * 4 / add, tiny, conv_flops / conv)
 
 
+class _ConvBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+def _reference_net(channels: int, pixels: int) -> tuple[nn.Module, Any, Callable[..., Any]]:
+    """Three residual 3x3 convolution, batch-norm and ReLU blocks, pooled into a linear
+    head: the layers of a convolutional network (batch 8)."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), *(_ConvBlock(channels)
+                                                                 for _ in range(3)))
+    model = nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+    batch = (torch.randn(8, 3, pixels, pixels), torch.randint(0, 10, (8,)))
+
+    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    return model, batch, loss
+
+
+def _op_times(model: nn.Module, batch: Any, loss_fn: Callable[..., Any],
+              names: Sequence[str], optimizer: str) -> tuple[dict[str, tuple[float, Work]],
+                                                            WorkTable]:
+    """Each op's kernel seconds and work over a step, timed as it runs: the median of
+    three steps' figures per op (``remat.profiling.op_costs``)."""
+    runs: list[dict[str, tuple[float, Work]]] = []
+    for _ in range(3):
+        found: dict[str, tuple[float, Work]] = {}
+        work = count_work(model, batch, loss_fn, names, optimizer, times=found)
+        runs.append(found)
+    times = {op: (statistics.median(r[op][0] for r in runs if op in r), w)
+             for op, (_, w) in runs[-1].items()}
+    return times, work
+
+
+def reference_rates(optimizer: str = "adamw") -> dict[str, list[float]]:
+    """Per op of a convolutional network (:func:`_reference_net`): seconds per FLOP (or
+    per byte, for an op that does no FLOPs) and per call of its kernel, fitted through the
+    op's times in the network at two sizes (64 channels at 32 pixels, and 8 at 16): a
+    small convolution's kernel costs more than its FLOPs at a large one's rate."""
+    sizes = [_op_times(*_reference_net(c, px), ["0"], optimizer)[0]
+             for c, px in ((64, 32), (8, 16))]
+    rates: dict[str, list[float]] = {}
+    for op in set(sizes[0]) & set(sizes[1]):
+        (t_big, w_big), (t_small, w_small) = sizes[0][op], sizes[1][op]
+        per_flop = bool(w_big.total_flops)
+        big, small = ((w_big.total_flops, w_small.total_flops) if per_flop
+                      else (w_big.bytes, w_small.bytes))
+        calls = w_big.ops
+        if not calls or calls != w_small.ops or big <= small:
+            continue
+        unit = (t_big - t_small) / (big - small)
+        fixed = (t_big - unit * big) / calls
+        if unit < 0 or fixed < 0:  # noise: one rate through both sizes' totals
+            unit, fixed = (t_big + t_small) / (big + small), 0.0
+        rates[op] = [unit, 0.0, fixed] if per_flop else [0.0, unit, fixed]
+    return rates
+
+
 def _memory_bytes() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -87,14 +151,7 @@ def calibrate_device(
     measured = profile(model, batch, loss_fn, optimizer=optimizer, repeats=repeats,
                        options=["keep"])
     names = measured.stage_names
-    # each op timed as it runs, three steps: the median step's figures per op
-    runs: list[dict[str, tuple[float, Work]]] = []
-    for _ in range(3):
-        found: dict[str, tuple[float, Work]] = {}
-        work = count_work(model, batch, loss_fn, names, optimizer, times=found)
-        runs.append(found)
-    times = {op: (statistics.median(r[op][0] for r in runs if op in r), w)
-             for op, (_, w) in runs[-1].items()}
+    times, work = _op_times(model, batch, loss_fn, names, optimizer)
     # what a call costs beyond its kernel (autograd's recording, Python, hooks), per
     # phase: the measured stage times less their ops' kernel times, per call
     call_s: dict[str, float] = {}
@@ -109,6 +166,10 @@ def calibrate_device(
             rates[op] = [spent / w.total_flops, 0.0]
         elif w.bytes:
             rates[op] = [0.0, spent / w.bytes]
+    # ops the model did not run, a convolutional network's above all, at the rates of a
+    # reference network of them (the model's own rates win where it ran the op)
+    for op, rate in reference_rates(optimizer).items():
+        rates.setdefault(op, rate)
     per_call = statistics.mean(call_s.values())
     threads = torch.get_num_threads()
     device = Device(
