@@ -7,8 +7,9 @@ measured times better), plus what launching one op costs (Python dispatch on a C
 launch on an accelerator). The work comes from counting one step's ops
 (``remat.profiling.op_costs``); the figures from the device table
 (``remat.core.devices``), measured on this machine by ``remat calibrate`` (which also
-times each op of its calibration model and a convolution: those rates replace the
-generic ones where they apply). An estimate:
+times each op of its calibration model and of a reference convolutional network, as a
+rate plus a per-call kernel cost: those replace the generic figures where they apply).
+An estimate:
 fused kernels, overlap and caches are not modelled (docs/fake.md). Torch-free.
 
 A stage's forward is its forward ops, its backward its backward ops, its rebuild its
