@@ -4,7 +4,8 @@ One launch runs GPipe and 1F1B over 4 micro-batches, with no plan and with per-b
 regions applied to each rank's half of a small GPT; every rank's peak, measured by the
 live-storage tracker over the schedule's step and the optimizer step, is compared with
 remat.core.pipeline's prediction from the rank's own profile, and the losses with the
-same model run whole in one process.
+same model run whole in one process. A second launch runs stages built by torch's
+``pipeline()`` under 1F1B with per-block regions: gradients and peaks as above.
 """
 
 from __future__ import annotations
@@ -416,3 +417,113 @@ def test_a_stage_built_by_pipeline_profiles_as_the_manual_split_and_keeps_its_pr
     finally:
         remove(first)
     assert measured == pytest.approx(predicted, rel=0.03)
+
+
+def _built_rank(rank: int, store: str, out: str) -> None:
+    # stages built by pipeline() and build_stage, per-block regions on each, under 1F1B
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    from remat.core.pipeline import pipeline_step
+    from remat.core.plan_format import Plan, Region
+    from remat.core.planner import to_problem
+    from remat.core.solve.problem import Problem
+    from remat.measure.tracker import LiveMemoryTracker
+    from remat.models.gpt import gpt
+    from remat.pipelining import apply_to_stage, profile_part, receive_buffers, schedule_buffers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    mb, half = OPTS["batch_size"] // MICRO, OPTS["n_layer"] // WORLD
+    first, last = rank == 0, rank == WORLD - 1
+
+    def built() -> tuple[Any, torch.Tensor, torch.Tensor]:
+        model, (idx, target), _ = gpt(**OPTS)
+        pipe = pipeline(_CheckpointedGPT(model, own=False), mb_args=(idx[:mb],),
+                        split_spec={f"m.blocks.{half}": SplitPoint.BEGINNING})
+        return pipe.build_stage(rank, torch.device("cpu")), idx, target
+
+    stage, idx, target = built()
+    names = tuple(f"m.blocks.{rank * half + i}" for i in range(half))
+    plan = Plan(names, tuple(Region(i, i + 1) for i in range(half)))
+    torch.manual_seed(1)
+    micro = (idx[:mb] if first else
+             torch.randn(mb, OPTS["block_size"], OPTS["n_embd"], requires_grad=True))
+    prof = profile_part(stage.submod, micro, last=last, loss_fn=_loss, target=target[:mb],
+                        stages=names, repeats=1)
+    buffers = schedule_buffers(prof, stage.submod, micro, schedule="1f1b",
+                               microbatches=MICRO, first=first, last=last)
+    shared: list[Any] = [None] * WORLD
+    dist.all_gather_object(shared, (plan, to_problem(prof).to_dict(), buffers))
+    predicted = pipeline_step([s[0] for s in shared],
+                              [Problem.from_dict(s[1]) for s in shared], "1f1b", MICRO,
+                              buffers=[s[2] for s in shared]).peaks[rank]
+    stage, idx, target = built()  # a fresh copy: profiling took optimizer steps
+    apply_to_stage(stage, plan)
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=_loss)
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-3)
+
+    def step() -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        if first:
+            schedule.step(idx)
+        else:
+            schedule.step(target=target, losses=losses)
+        return losses
+
+    step()
+    torch.save({name: q.grad for name, q in stage.submod.named_parameters()},
+               Path(out, f"grads_{rank}.pt"))
+    opt.step()
+    stage.submod.zero_grad(set_to_none=True)
+    gc.collect()
+    tracker = LiveMemoryTracker()
+    tracker.register_existing(stage.submod)
+    tracker.register_existing(opt)
+    tracker.register_existing([idx] if first else [target])
+    tracker.register_existing(receive_buffers(stage))
+    with tracker:
+        step()
+        opt.step()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(
+        {"measured": tracker.peak_bytes, "predicted": predicted}))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch_ranks(_built_rank, tmp_path_factory.mktemp("built"), WORLD)
+
+
+def test_stages_built_by_pipeline_train_the_whole_models_gradients_under_a_plan(
+        built: Path) -> None:
+    from remat.models.gpt import gpt
+
+    model, (idx, target), _ = gpt(**OPTS)
+    mb = OPTS["batch_size"] // MICRO
+    loss = sum(_loss(model(idx[i * mb:(i + 1) * mb]), target[i * mb:(i + 1) * mb])
+               for i in range(MICRO)) / MICRO
+    loss.backward()
+    whole = {n: q.grad for n, q in model.named_parameters()}
+    tied = torch.zeros_like(whole["wte.weight"])  # the embedding and the head's copies
+    seen = set()
+    for r in range(WORLD):
+        for key, grad in torch.load(built / f"grads_{r}.pt").items():
+            name = key.removeprefix("m.")
+            if name in ("wte.weight", "lm_head.weight"):
+                if grad is not None:  # the first stage's copy of the head is unused
+                    tied += grad
+                continue
+            torch.testing.assert_close(grad, whole[name], rtol=1e-4, atol=1e-6, msg=name)
+            seen.add(name)
+    torch.testing.assert_close(tied, whole["wte.weight"], rtol=1e-4, atol=1e-6)
+    assert seen | {"wte.weight", "lm_head.weight"} >= set(whole)
+
+
+def test_stages_built_by_pipeline_keep_each_ranks_predicted_peak(built: Path) -> None:
+    for r, row in enumerate(read_ranks(built, WORLD)):
+        error = row["measured"] / row["predicted"] - 1
+        assert abs(error) <= 0.05, (r, row, f"{error:+.1%}")
