@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import remat
+from conftest import start_ranks
 from remat import distributed as rd
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan, Region
@@ -316,10 +317,8 @@ def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
 
 
 def _spawn(fn: Any, *args: Any, tmp: Path) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as rendezvous:
-        mp.spawn(fn, args=(os.path.join(rendezvous, "store"), str(tmp), *args), nprocs=WORLD)
+        start_ranks(fn, (os.path.join(rendezvous, "store"), str(tmp), *args), WORLD)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -334,11 +333,9 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], lis
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("ranks")
     with tempfile.TemporaryDirectory() as rendezvous:
-        mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), str(out)), nprocs=WORLD)
+        start_ranks(_rank, (os.path.join(rendezvous, "store"), str(out)), WORLD)
     return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import launch_ranks, read_ranks
+from conftest import launch_ranks, read_ranks, start_ranks
 
 WORLD = 2
 NAMES = tuple(f"layers.{i}" for i in range(4))
@@ -233,9 +233,7 @@ def test_where_saving_collectives_fits_the_optimal_plan_repeats_fewer_than_per_s
 
 def test_one_process_with_fake_ranks_profiles_a_rank_as_the_real_ranks_do(
         ranks: list[dict[str, Any]], tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_fake_rank, args=(str(tmp_path),), nprocs=1)
+    start_ranks(_fake_rank, (str(tmp_path),), 1)
     fake = json.loads((tmp_path / "fake.json").read_text())
     priced = fake.pop("priced")
     assert fake == ranks[0]["figures"]
