@@ -118,7 +118,11 @@ def test_a_block_freed_by_another_thread_without_an_event_is_measured_again() ->
     handoff.append(True)
     once = rd.rank_step_memory(model, batch, loss_fn, opt, warmup_steps=0, attempts=1)
     assert once.unmatched_bytes == 4 << 20  # held to the end of the step
-    assert once.peak_bytes == plain.peak_bytes + (4 << 20)
+    # the raw sum of the events holds the block from its allocation on; the step's own
+    # reading does too, until the allocator hands its address out again (then the block
+    # is known to be gone: seen once in the full suite, 186 KiB reused before the peak)
+    assert once.summed_peak_bytes == plain.peak_bytes + (4 << 20)
+    assert plain.peak_bytes < once.peak_bytes <= plain.peak_bytes + (4 << 20)
     handoff.append(True)
     again = rd.rank_step_memory(model, batch, loss_fn, opt, warmup_steps=0)
     assert again.attempts == 2
