@@ -71,10 +71,11 @@ multiprocessing.set_forkserver_preload(_PRELOAD)
 def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
     """``mp.spawn(fn, args, nprocs)``, the processes forked from a server that imported
     torch and remat once (a clean interpreter as spawn's is: it holds nothing the test
-    process made, only those modules)."""
+    process made, only those modules); spawned where there is no fork server (Windows)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method=method)
 
 
 def launch_ranks(fn: Any, out: Path, world: int) -> Path:
