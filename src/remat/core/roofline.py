@@ -7,9 +7,8 @@ measured times better), plus what launching one op costs (Python dispatch on a C
 launch on an accelerator). The work comes from counting one step's ops
 (``remat.profiling.op_costs``); the figures from the device table
 (``remat.core.devices``), measured on this machine by ``remat calibrate`` (which also
-times each op of its calibration model, and of a reference convolutional network as
-seconds per FLOP, per byte and per call: those replace the generic figures where they
-apply).
+times each op of its calibration model and of a reference convolutional network, as a
+rate plus a per-call kernel cost: those replace the generic figures where they apply).
 An estimate:
 fused kernels, overlap and caches are not modelled (docs/fake.md). Torch-free.
 

@@ -7,10 +7,8 @@ backward times) and its step's ops, each timed as it runs (``remat.profiling.op_
 the median of three steps): each op's rate (seconds per FLOP, or per byte where it does
 none), and per phase what a call costs beyond its kernel (the stages' measured times
 less their ops' kernel times, per call). The roofline (``remat.core.roofline``) prices an
-op the model ran at its own rate and any other by the primitives. Ops of convolutional
-networks the model does not run are fitted on a small reference network at four sizes
-(:func:`reference_rates`). The entry keeps this machine's kernels (no stand-ins) and its
-memory.
+op the model ran at its own rate and any other by the primitives. The entry keeps this
+machine's kernels (no stand-ins) and its memory.
 """
 
 from __future__ import annotations
