@@ -108,34 +108,3 @@ def test_a_fake_profile_for_a_device_has_the_rooflines_times() -> None:
     assert remat.Profile.from_dict(profile.to_dict()).times_estimated
     plain = remat.profile(model, batch, loss_fn, fake=True)
     assert not plain.times_estimated
-
-
-def test_the_reference_fit_recovers_known_rates_and_keeps_every_part_at_or_above_zero() -> None:
-    from remat.core.roofline import Work
-    from remat.profiling.device_calibration import _fit
-
-    def sample(flops: int, nbytes: int, ops: int, rate: list[float]) -> tuple[float, Work]:
-        return flops * rate[0] + nbytes * rate[1] + ops * rate[2], Work({"float32": flops},
-                                                                         nbytes, ops)
-
-    # a convolution's shapes: FLOPs and bytes grow apart with channels and image size
-    shapes = [(9_437_184, 2_101_248, 3), (147_456, 65_536, 3), (589_824, 262_144, 3),
-              (2_359_296, 131_072, 3)]
-    rate = [5e-12, 5e-10, 1.5e-4]
-    fitted = _fit([sample(*s, rate) for s in shapes], per_flop=True)
-    assert fitted is not None
-    for got, want in zip(fitted, rate, strict=True):
-        assert abs(got - want) <= 1e-9 * want
-    # times no mix of non-negative parts fits exactly: the part fitted below zero is dropped
-    noisy = [sample(*s, rate) for s in shapes]
-    noisy[0] = (noisy[0][0] * 0.2, noisy[0][1])  # the largest size far faster than the rest
-    fitted = _fit(noisy, per_flop=True)
-    assert fitted is not None and min(fitted) >= 0 and 0.0 in fitted
-    # an op without FLOPs is priced per byte and call only
-    no_flops = [(t, Work({}, w.bytes, w.ops)) for t, w in (sample(0, b, o, [0, 2e-10, 3e-6])
-                                                           for _, b, o in shapes)]
-    fitted = _fit(no_flops, per_flop=False)
-    assert fitted is not None and fitted[0] == 0.0
-    assert abs(fitted[1] - 2e-10) <= 1e-18 and abs(fitted[2] - 3e-6) <= 1e-14
-    # sizes that cannot tell the parts apart (every size the same work) give no rate
-    assert _fit([sample(*shapes[0], rate)] * 3, per_flop=True) is None

@@ -107,51 +107,27 @@ def _op_times(model: nn.Module, batch: Any, loss_fn: Callable[..., Any],
     return times, work
 
 
-#: The reference network's sizes (channels, pixels): wide and narrow channels at large
-#: and small images, since a CPU convolution's time follows its channels and its image
-#: apart (narrow channels move bytes more than they multiply)
-REFERENCE_SIZES = ((64, 32), (8, 16), (8, 32), (64, 8))
-
-
-def _fit(samples: Sequence[tuple[float, Work]], per_flop: bool) -> list[float] | None:
-    """``[s/FLOP, s/byte, s/call]`` through an op's (seconds, work) at several sizes: the
-    least relative squares, no part below zero (a part fitted below zero is dropped and
-    the rest fitted again); None where the sizes cannot separate the parts."""
-    import numpy as np
-
-    columns = [0, 1, 2] if per_flop else [1, 2]
-    rows = [[float(w.total_flops), float(w.bytes), float(w.ops)] for _, w in samples]
-    times = [t for t, _ in samples]
-    while columns:
-        a = np.array([[r[c] / t for c in columns] for r, t in zip(rows, times, strict=True)])
-        scale = np.abs(a).max(axis=0)  # FLOPs, bytes and calls differ by orders of magnitude
-        if not scale.all() or np.linalg.matrix_rank(a / scale) < len(columns):
-            return None
-        x = np.linalg.lstsq(a / scale, np.ones(len(samples)), rcond=None)[0] / scale
-        if (x >= 0).all():
-            rate = [0.0, 0.0, 0.0]
-            for c, v in zip(columns, x, strict=True):
-                rate[c] = float(v)
-            return rate
-        columns = [c for c, v in zip(columns, x, strict=True) if v >= 0]
-    return None
-
-
-def reference_rates(optimizer: str = "adamw",
-                    sizes: Sequence[tuple[int, int]] = REFERENCE_SIZES) -> dict[str, list[float]]:
-    """Per op of a convolutional network (:func:`_reference_net`): seconds per FLOP, per
-    byte and per call of its kernel, fitted (:func:`_fit`) through the op's times in the
-    network at ``sizes``: a small convolution's kernel costs more than its FLOPs at a
-    large one's rate, and a narrow one more than a wide one of the same FLOPs."""
-    runs = [_op_times(*_reference_net(c, px), ["0"], optimizer)[0] for c, px in sizes]
+def reference_rates(optimizer: str = "adamw") -> dict[str, list[float]]:
+    """Per op of a convolutional network (:func:`_reference_net`): seconds per FLOP (or
+    per byte, for an op that does no FLOPs) and per call of its kernel, fitted through the
+    op's times in the network at two sizes (64 channels at 32 pixels, and 8 at 16): a
+    small convolution's kernel costs more than its FLOPs at a large one's rate."""
+    sizes = [_op_times(*_reference_net(c, px), ["0"], optimizer)[0]
+             for c, px in ((64, 32), (8, 16))]
     rates: dict[str, list[float]] = {}
-    for op in set.intersection(*(set(r) for r in runs)):
-        samples = [r[op] for r in runs]
-        if any(w.ops != samples[0][1].ops or t <= 0 for t, w in samples):
+    for op in set(sizes[0]) & set(sizes[1]):
+        (t_big, w_big), (t_small, w_small) = sizes[0][op], sizes[1][op]
+        per_flop = bool(w_big.total_flops)
+        big, small = ((w_big.total_flops, w_small.total_flops) if per_flop
+                      else (w_big.bytes, w_small.bytes))
+        calls = w_big.ops
+        if not calls or calls != w_small.ops or big <= small:
             continue
-        rate = _fit(samples, bool(samples[0][1].total_flops))
-        if rate is not None:
-            rates[op] = rate
+        unit = (t_big - t_small) / (big - small)
+        fixed = (t_big - unit * big) / calls
+        if unit < 0 or fixed < 0:  # noise: one rate through both sizes' totals
+            unit, fixed = (t_big + t_small) / (big + small), 0.0
+        rates[op] = [unit, 0.0, fixed] if per_flop else [0.0, unit, fixed]
     return rates
 
 
