@@ -78,11 +78,12 @@ def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method=method)
 
 
-def launch_ranks(fn: Any, out: Path, world: int) -> Path:
-    """Run ``fn(rank, store, out)`` in ``world`` processes (``start_ranks``; ``store`` is a
-    file to rendezvous at) and return ``out``, where each rank writes its figures."""
+def launch_ranks(fn: Any, out: Path, world: int, *args: Any) -> Path:
+    """Run ``fn(rank, store, out, *args)`` in ``world`` processes (``start_ranks``;
+    ``store`` is a file to rendezvous at) and return ``out``, where each rank writes its
+    figures."""
     with tempfile.TemporaryDirectory() as rendezvous:
-        start_ranks(fn, (os.path.join(rendezvous, "store"), str(out)), world)
+        start_ranks(fn, (os.path.join(rendezvous, "store"), str(out), *args), world)
     return out
 
 

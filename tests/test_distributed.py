@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 import remat
-from conftest import start_ranks
+from conftest import launch_ranks
 from remat import distributed as rd
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan, Region
@@ -317,8 +316,7 @@ def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
 
 
 def _spawn(fn: Any, *args: Any, tmp: Path) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as rendezvous:
-        start_ranks(fn, (os.path.join(rendezvous, "store"), str(tmp), *args), WORLD)
+    launch_ranks(fn, tmp, WORLD, *args)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -333,10 +331,7 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], lis
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ranks")
-    with tempfile.TemporaryDirectory() as rendezvous:
-        start_ranks(_rank, (os.path.join(rendezvous, "store"), str(out)), WORLD)
-    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return _spawn(_rank, tmp=tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")

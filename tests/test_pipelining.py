@@ -37,9 +37,35 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 CONFIGS = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+def _measured_step(step: Any, parts: list[nn.Module], stages: list[Any], opt: Any,
+                   batch: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """After a first ``step()`` and before the optimizer's step: that step, gradients
+    cleared, then a second step and optimizer step under the live-storage tracker (the
+    parts, optimizer state, the rank's ``batch`` and the stages' receive buffers counted
+    as there from the start); its peak and the losses it returned."""
     import gc
 
+    from remat.measure.tracker import LiveMemoryTracker
+    from remat.pipelining import receive_buffers
+
+    opt.step()
+    for part in parts:
+        part.zero_grad(set_to_none=True)
+    gc.collect()
+    tracker = LiveMemoryTracker()
+    for part in parts:
+        tracker.register_existing(part)
+    tracker.register_existing(opt)
+    tracker.register_existing([batch])
+    for stage in stages:
+        tracker.register_existing(receive_buffers(stage))
+    with tracker:
+        losses = step()
+        opt.step()
+    return tracker.peak_bytes, losses
+
+
+def _rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -52,14 +78,8 @@ def _rank(rank: int, store: str, out: str) -> None:
     from remat.core.plan_format import Plan, Region
     from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
-    from remat.measure.tracker import LiveMemoryTracker
     from remat.models.gpt import gpt
-    from remat.pipelining import (
-        apply_to_stage,
-        profile_part,
-        receive_buffers,
-        schedule_buffers,
-    )
+    from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
     from remat.runtime.install import remove
 
     torch.set_num_threads(1)
@@ -122,29 +142,13 @@ def _rank(rank: int, store: str, out: str) -> None:
                     schedule.step()
                 return losses
 
-            def zero(parts: list[nn.Module] = parts) -> None:
-                for part in parts:
-                    part.zero_grad(set_to_none=True)
-
             first_losses = step()
             torch.save({f"{s}.{name}": q.grad for s, part in zip(ids, parts, strict=True)
                         for name, q in part.named_parameters()},
                        Path(out, f"grads_{rank}_{schedule_name}_{int(planned)}.pt"))
-            opt.step()
-            zero()
-            gc.collect()
-            tracker = LiveMemoryTracker()
-            for part in parts:
-                tracker.register_existing(part)
-            tracker.register_existing(opt)
-            tracker.register_existing([idx] if first else [target])
-            for stage in stages:
-                tracker.register_existing(receive_buffers(stage))
-            with tracker:
-                losses = step()
-                opt.step()
+            peak, losses = _measured_step(step, parts, stages, opt, idx if first else target)
             results.append({"schedule": schedule_name, "planned": planned,
-                            "measured": tracker.peak_bytes, "predicted": predicted,
+                            "measured": peak, "predicted": predicted,
                             "losses": [float(x) for x in first_losses],
                             "measured_losses": len(losses)})
             if planned:
@@ -195,19 +199,24 @@ def test_the_pipeline_trains_the_loss_of_the_whole_model(
         assert row["measured_losses"] == MICRO
 
 
-@pytest.mark.parametrize("schedule", [name for name, _ in CONFIGS])
-@pytest.mark.parametrize("planned", [0, 1])
-def test_the_ranks_gradients_are_the_whole_models(launched: Path, schedule: str,
-                                                  planned: int) -> None:
+def _whole_model_grads() -> dict[str, torch.Tensor]:
+    """The gradients of the same model run whole in one process over the micro-batches
+    (torch's schedules scale them by 1 / micro-batches: the mean of their losses)."""
     from remat.models.gpt import gpt
 
     model, (idx, target), _ = gpt(**OPTS)
     mb = OPTS["batch_size"] // MICRO
-    # torch's schedules scale the gradients by 1 / micro-batches: the mean of their losses
     loss = sum(_loss(model(idx[i * mb:(i + 1) * mb]), target[i * mb:(i + 1) * mb])
                for i in range(MICRO)) / MICRO
     loss.backward()
-    whole = {n: q.grad for n, q in model.named_parameters()}
+    return {n: q.grad for n, q in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", [name for name, _ in CONFIGS])
+@pytest.mark.parametrize("planned", [0, 1])
+def test_the_ranks_gradients_are_the_whole_models(launched: Path, schedule: str,
+                                                  planned: int) -> None:
+    whole = _whole_model_grads()
     grads: dict[str, torch.Tensor] = {}  # "stage.name" over every rank's stages
     for r in range(WORLD):
         grads.update(torch.load(launched / f"grads_{r}_{schedule}_{planned}.pt"))
@@ -421,8 +430,6 @@ def test_a_stage_built_by_pipeline_profiles_as_the_manual_split_and_keeps_its_pr
 
 def _built_rank(rank: int, store: str, out: str) -> None:
     # stages built by pipeline() and build_stage, per-block regions on each, under 1F1B
-    import gc
-
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
@@ -430,9 +437,8 @@ def _built_rank(rank: int, store: str, out: str) -> None:
     from remat.core.plan_format import Plan, Region
     from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
-    from remat.measure.tracker import LiveMemoryTracker
     from remat.models.gpt import gpt
-    from remat.pipelining import apply_to_stage, profile_part, receive_buffers, schedule_buffers
+    from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -477,19 +483,9 @@ def _built_rank(rank: int, store: str, out: str) -> None:
     step()
     torch.save({name: q.grad for name, q in stage.submod.named_parameters()},
                Path(out, f"grads_{rank}.pt"))
-    opt.step()
-    stage.submod.zero_grad(set_to_none=True)
-    gc.collect()
-    tracker = LiveMemoryTracker()
-    tracker.register_existing(stage.submod)
-    tracker.register_existing(opt)
-    tracker.register_existing([idx] if first else [target])
-    tracker.register_existing(receive_buffers(stage))
-    with tracker:
-        step()
-        opt.step()
+    peak, _ = _measured_step(step, [stage.submod], [stage], opt, idx if first else target)
     Path(out, f"rank{rank}.json").write_text(json.dumps(
-        {"measured": tracker.peak_bytes, "predicted": predicted}))
+        {"measured": peak, "predicted": predicted}))
     dist.destroy_process_group()
 
 
@@ -500,14 +496,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_stages_built_by_pipeline_train_the_whole_models_gradients_under_a_plan(
         built: Path) -> None:
-    from remat.models.gpt import gpt
-
-    model, (idx, target), _ = gpt(**OPTS)
-    mb = OPTS["batch_size"] // MICRO
-    loss = sum(_loss(model(idx[i * mb:(i + 1) * mb]), target[i * mb:(i + 1) * mb])
-               for i in range(MICRO)) / MICRO
-    loss.backward()
-    whole = {n: q.grad for n, q in model.named_parameters()}
+    whole = _whole_model_grads()
     tied = torch.zeros_like(whole["wte.weight"])  # the embedding and the head's copies
     seen = set()
     for r in range(WORLD):
