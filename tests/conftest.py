@@ -65,7 +65,6 @@ def mean_square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
             "torch.distributed.pipelining", "torch.distributed.tensor", "remat",
             "remat.models.gpt"]
-multiprocessing.set_forkserver_preload(_PRELOAD)
 
 
 def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
@@ -74,7 +73,10 @@ def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
     process made, only those modules); spawned where there is no fork server (Windows)."""
     import torch.multiprocessing as mp
 
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    method = "spawn"
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        method = "forkserver"
+        multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method=method)
 
 
