@@ -100,11 +100,13 @@ def _line(k: int, data: dict[str, Any]) -> str:
               f"({noise['rounds']} rounds)" if noise else "-")
     low, high = data.get("overhead_range", [measured, measured])
     predicted_base = data["plan"].get("baseline_step_time_s") or 0.0
+    noted = " (noted)" if data.get("prediction_disagrees") else ""
     moved = (f"{data['baseline_step_time_s'] / predicted_base:.1f}x" if predicted_base else "-")
     return (
         f"| {k} | {'yes' if data['busy'] else 'no'} | {_plan_key(data)} | "
         f"{predicted:+.1%} | {span} | {measured:+.1%} [{low:+.1%}, {high:+.1%}] | "
-        f"{(measured - predicted) * 100:+.1f} | {spread} | {moved} | {data['exit_code']} "
+        f"{(measured - predicted) * 100:+.1f}{noted}"
+        f" | {spread} | {moved} | {data['exit_code']} "
         f"({data['wall_s']:.0f} s) |"
     )
 
@@ -154,7 +156,8 @@ def main() -> None:
         "within the profile's timing noise (`uncertain`: another plan beats it by more "
         "than a point under some draw of the times); the measured overhead, the median of "
         "the interleaved per-pair ratios [interquartile range]; measured less predicted "
-        "in points; the profile's timing spread (largest of the plain step's and the "
+        "in points (`noted`: auto said the two disagree beyond their noise, the ranges "
+        "apart); the profile's timing spread (largest of the plain step's and the "
         "stages' interquartile range over median) and its timed rounds; how many times "
         "longer the plain step took while measuring than the profile predicted it (far "
         "from 1x: the load changed between profiling and measuring); auto's exit code "

@@ -117,11 +117,14 @@ def test_auto_json_names_its_overhead_statistics(report: AutoReport) -> None:
 
 
 def _summary(step: float, base: float, pairs: tuple[float, ...],
-             profiled_step: float | None = None) -> list[str]:
+             profiled_step: float | None = None,
+             predicted_range: tuple[float, float] | None = None,
+             predicted: float = 0.2) -> list[str]:
     from statistics import median
 
     from remat.cli.auto import _step_lines
     from remat.core.profile_format import FixedBytes, Profile, StageProfile
+    from remat.core.solve.uncertainty import PlanUncertainty
 
     profile = None if profiled_step is None else Profile(
         model="m", batch_size=1, stages=(StageProfile("a", 1, 1, {"keep": 0}),),
@@ -132,7 +135,10 @@ def _summary(step: float, base: float, pairs: tuple[float, ...],
         predicted_peak_bytes=1, measured_peak_bytes=1, predicted_peak_event="e",
         peak_phase=None, peak_module=None, peak_by_category={},
         baseline_peak_by_category={}, baseline_step_time_s=base, step_time_s=step,
-        overhead=median(pairs), overhead_pairs=pairs, predicted_overhead=0.2, profile=profile,
+        overhead=median(pairs), overhead_pairs=pairs, predicted_overhead=predicted, profile=profile,
+        uncertainty=None if predicted_range is None else PlanUncertainty(
+            overhead=predicted, overhead_low=predicted_range[0], overhead_high=predicted_range[1],
+            trials=0, changed=0, spread=0.1),
     )
     return _step_lines(report)
 
@@ -155,6 +161,21 @@ def test_the_summary_says_when_the_machine_moved_between_profiling_and_measuring
     assert moved[-1].startswith("note: the plain step took 10.0x as long while measuring as "
                                 "while profiling (1000.0 ms against 100.0 ms)")
     assert len(_summary(1.2, 1.0, (0.19, 0.2, 0.21), profiled_step=0.9)) == 2
+
+
+def test_the_summary_says_when_measurement_and_prediction_disagree_beyond_their_noise(
+) -> None:
+    # the noise_stability miss: predicted +46.5% (+40.0%..+56.4%), measured +38.7%
+    # (quartiles +37.3%..+39.4%)
+    pairs = (0.36, 0.373, 0.385, 0.389, 0.394, 0.40)
+    apart = _summary(1.387, 1.0, pairs, predicted_range=(0.40, 0.564), predicted=0.465)
+    assert apart[-1].startswith("note: the measured overhead is 7.8 points below the "
+                                "prediction, outside its range within the timing noise "
+                                "(+40.0%..+56.4%)")
+    above = _summary(1.387, 1.0, pairs, predicted_range=(0.30, 0.36), predicted=0.33)
+    assert "points above the prediction" in above[-1]
+    overlapping = _summary(1.387, 1.0, pairs, predicted_range=(0.39, 0.50), predicted=0.45)
+    assert not any("measured overhead is" in line for line in overlapping)
 
 
 def test_planning_leaves_torchs_thread_count_as_it_was() -> None:

@@ -109,6 +109,15 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
             "machine's speed moved during the measurement (each pair ran back to back, so "
             "the per-pair figure is the steadier one)"
         )
+    if report.prediction_disagrees and report.uncertainty is not None:
+        u, gap = report.uncertainty, report.overhead - (report.predicted_overhead or 0.0)
+        lines.append(
+            f"note: the measured overhead is {abs(gap) * 100:.1f} points "
+            f"{'above' if gap > 0 else 'below'} the prediction, outside its range within "
+            f"the timing noise ({u.overhead_low:+.1%}..{u.overhead_high:+.1%}): the "
+            "machine's state changed between profiling and measuring; run remat auto "
+            "again for a prediction from steadier timings"
+        )
     if report.profile is not None and report.profile.step_s > 0:
         speed = report.baseline_step_time_s / report.profile.step_s
         if not 2 / 3 <= speed <= 1.5:
