@@ -9,8 +9,9 @@ checkpoint call), then ``torch.compile`` of the whole loss, which Dynamo traces 
 graph with the regions inside. Rows, per process: ``eager`` (the base of the ratios),
 then either ``compile@F`` (``torch.compile`` with functorch's
 ``activation_memory_budget=F``; one fraction per process, so no compiled graph is shared)
-or ``traced:A-B,C-D`` (regions [A,B) and [C,D) of the built-in gpt's blocks, compiled
-whole at 1.0).
+or ``traced:A-B,C-D`` (regions [A,B) and [C,D) of the model's ``blocks``, compiled
+whole at 1.0). Models: the built-in gpt (a ``ModuleList`` in a plain loop) and
+mlp-hetero (a ``Sequential``).
 
 Per row: the peak (allocator events, ``remat.benchmarking.measure.by_profiler``), the
 median step and the median of per-round ratios to ``eager`` over interleaved rounds after
@@ -18,7 +19,7 @@ median step and the median of per-round ratios to ``eager`` over interleaved rou
 the same weights and seed (dropout 0.1 under inductor's ``fallback_random``). Not yet a
 remat feature: the regions are written by hand here.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/compile_traced.py [--rounds 9]
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_traced.py [--model gpt] [--rounds 9]
         [--out benchmarks/compile_traced.md]
 """
 
@@ -33,12 +34,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-GROUPS = [["compile@1.0", "traced:0-2", "traced:0-3", "traced:0-2,2-4", "traced:0-2,2-5",
-           "traced:0-1,1-2,2-3,3-4,4-5,5-6,6-7,7-8"],
-          ["compile@0.75"], ["compile@0.5"], ["compile@0.2"]]
+_FRACTIONS = [["compile@0.75"], ["compile@0.5"], ["compile@0.2"]]
+GROUPS = {
+    "gpt": [["compile@1.0", "traced:0-2", "traced:0-3", "traced:0-2,2-4", "traced:0-2,2-5",
+             "traced:0-1,1-2,2-3,3-4,4-5,5-6,6-7,7-8"], *_FRACTIONS],
+    "mlp-hetero": [["compile@1.0", "traced:0-1", "traced:0-1,3-4", "traced:0-2",
+                    "traced:0-4", "traced:0-4,4-8", "traced:0-12"], *_FRACTIONS],
+}
 
 
-def measure(rows_wanted: list[str], rounds: int) -> dict[str, dict[str, float]]:
+def measure(model_name: str, rows_wanted: list[str], rounds: int
+            ) -> dict[str, dict[str, float]]:
     import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -78,12 +84,13 @@ def measure(rows_wanted: list[str], rounds: int) -> dict[str, dict[str, float]]:
             else:
                 out.append(blocks[i])
                 i += 1
-        model.blocks = nn.ModuleList(out)
+        model.blocks = type(model.blocks)(*out) if isinstance(model.blocks, nn.Sequential) \
+            else nn.ModuleList(out)
 
     rows: dict[str, tuple[Any, Any, Any]] = {}
     for name in ["eager", *rows_wanted]:
         torch.manual_seed(0)
-        model, batch, loss = load_model("gpt")
+        model, batch, loss = load_model(model_name)
         if name.startswith("traced:"):
             with_regions(model, name.split(":", 1)[1])
         if name != "eager":
@@ -131,29 +138,32 @@ def measure(rows_wanted: list[str], rounds: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(GROUPS), default="gpt")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".md")))
     parser.add_argument("--rows", default=None, help=argparse.SUPPRESS)  # one child process
     args = parser.parse_args()
     if args.rows is not None:
-        print(json.dumps(measure(args.rows.split(";"), args.rounds)))
+        print(json.dumps(measure(args.model, args.rows.split(";"), args.rounds)))
         return
     import torch
 
     began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
-        "# Regions as traced checkpoint calls in a whole-model compile (gpt)", "",
-        "Command: `PYTHONPATH=src .venv/bin/python benchmarks/compile_traced.py --rounds "
-        f"{args.rounds}` ({began}; torch {torch.__version__}, one thread, 2-core shared "
-        "CPU). One process per group of rows; ratios are to `eager` in the same process "
+        f"# Regions as traced checkpoint calls in a whole-model compile ({args.model})", "",
+        "Command: `PYTHONPATH=src .venv/bin/python benchmarks/compile_traced.py --model "
+        f"{args.model} --rounds {args.rounds}` ({began}; torch {torch.__version__}, one "
+        "thread, 2-core shared CPU). One process per group of rows; ratios are to `eager` "
+        "in the same process "
         f"(median of {args.rounds} interleaved per-round ratios); gradient difference: the "
         "largest absolute difference from eager's after one step from the same weights "
         "and seed.", "",
         "| process | row | peak (MiB) | median step (ms) | step / eager | grad diff |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for k, group in enumerate(GROUPS, 1):
-        done = subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds),
+    for k, group in enumerate(GROUPS[args.model], 1):
+        done = subprocess.run([sys.executable, __file__, "--model", args.model,
+                               "--rounds", str(args.rounds),
                                "--rows", ";".join(group)],
                               capture_output=True, text=True, check=True)
         found = json.loads(done.stdout.strip().splitlines()[-1])
