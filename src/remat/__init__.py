@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "compile_stages": "remat.runtime.compiled_stages",
     "uncompile_stages": "remat.runtime.compiled_stages",
     "fake_mode": "remat.profiling.fake",
+    "trace_regions": "remat.runtime.traced",
 }
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from remat.profiling.profiler import profile
     from remat.runtime.compiled_stages import compile_stages, uncompile_stages
     from remat.runtime.install import Handle, applied, apply, remove
+    from remat.runtime.traced import trace_regions
     from remat.verification.harness import verify
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "plan",
     "profile",
     "remove",
+    "trace_regions",
     "uncompile_stages",
     "verify",
 ]

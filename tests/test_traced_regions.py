@@ -1,0 +1,170 @@
+"""remat.trace_regions: a plan's regions as checkpoint calls a whole-model compile traces."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import plans
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan, Region
+from remat.models import load_model
+
+SMALL_GPT = {"n_layer": 4, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size": 64,
+             "batch_size": 4}
+
+
+def _gpt() -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    return load_model("gpt", **SMALL_GPT)
+
+
+def _grads(model: nn.Module, batch: Any, loss_fn: Any) -> list[torch.Tensor]:
+    torch.manual_seed(1)  # the same dropout draws
+    loss_fn(model, batch).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _peak(model: nn.Module, batch: Any, loss_fn: Any) -> int:
+    from remat.benchmarking.measure import by_profiler
+    from remat.benchmarking.runners import Runner
+
+    return by_profiler(Runner(model, batch, loss_fn, "sgd")).peak_bytes
+
+
+def _untouched(model: nn.Module) -> bool:
+    return not remat.applied(model) and not any("forward" in m.__dict__
+                                                for m in model.modules())
+
+
+def test_traced_regions_keep_gradients_and_lower_the_peak_eager() -> None:
+    model, batch, loss_fn = _gpt()
+    twin = copy.deepcopy(model)
+    plan = plans.uniform_groups(twin, 2)  # [0,2) [2,4)
+    handle = remat.trace_regions(twin, plan, batch, loss_fn)
+    for got, want in zip(_grads(twin, batch, loss_fn), _grads(model, batch, loss_fn),
+                         strict=True):
+        torch.testing.assert_close(got, want)
+    twin.eval()  # eval runs every stage as written
+    with torch.no_grad():
+        torch.testing.assert_close(loss_fn(twin, batch), loss_fn(model.eval(), batch))
+    twin.train()
+    model.train()
+    assert _peak(twin, batch, loss_fn) < 0.8 * _peak(model, batch, loss_fn)
+    handle.remove()
+    assert _untouched(twin)
+    with pytest.raises(UsageError, match="already removed"):
+        handle.remove()
+
+
+def test_traced_regions_compile_into_one_graph_with_eager_gradients() -> None:
+    model, batch, loss_fn = _gpt()
+    twin = copy.deepcopy(model)
+    remat.trace_regions(twin, plans.uniform_groups(twin, 2), batch, loss_fn)
+    plain = copy.deepcopy(model)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    # aot_eager: Dynamo's one graph through AOTAutograd, as inductor gets it, without
+    # inductor's compile time (benchmarks/compile_traced.py runs inductor)
+    traced = _grads(twin, batch, torch.compile(loss_fn, backend="aot_eager"))
+    # no graph break: the regions are inside the one graph
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    for got, want in zip(traced, _grads(plain, batch, loss_fn), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class _WithNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+                                      for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def _loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x).pow(2).mean()
+
+
+def _plan(model: nn.Module, regions: list[tuple[int, int]], option: str = "keep") -> Plan:
+    stages = tuple(f"blocks.{i}" for i in range(len(model.blocks)))  # type: ignore[arg-type]
+    return Plan(stages=stages, regions=tuple(Region(a, b) for a, b in regions),
+                options=(option,) * len(stages))
+
+
+@pytest.mark.parametrize(("model", "regions", "option", "message"), [
+    (_Residual(), [(0, 2)], "keep", "input is not stage 'blocks.0'.s output"),
+    (_WithNorm(), [(0, 2)], "keep", "holds BatchNorm1d, whose running statistics"),
+    (_Residual(), [(0, 2)], "selective:save-nothing", "traced regions run keep only"),
+    (_Residual(), [(0, 4), (0, 2)], "keep", "must not nest"),
+])
+def test_what_traced_regions_cannot_run_is_refused_and_the_model_untouched(
+        model: nn.Module, regions: list[tuple[int, int]], option: str, message: str) -> None:
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UsageError, match=message):
+        remat.trace_regions(model, _plan(model, regions, option), torch.randn(2, 8), _loss)
+    assert _untouched(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(UsageError, match="no remat plan is applied"):
+        remat.remove(model)
+
+
+def _encdec() -> tuple[nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    return load_model("encdec", n_encoder_layers=3, n_decoder_layers=2, d_model=16, d_ff=32,
+                      src_len=8, tgt_len=8, batch_size=2)
+
+
+def test_an_encoder_stack_of_a_t5_shaped_model_takes_a_traced_region() -> None:
+    model, batch, loss_fn = _encdec()
+    twin = copy.deepcopy(model)
+    stages = ("encoder.block.0", "encoder.block.1", "encoder.block.2")
+    plan = Plan(stages=stages, regions=(Region(0, 3),), options=("keep",) * 3)
+    remat.trace_regions(twin, plan, batch, loss_fn)
+    for got, want in zip(_grads(twin, batch, loss_fn), _grads(model, batch, loss_fn),
+                         strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("stages", "message"), [
+    (("encoder.block.2", "decoder.block.0"), "not consecutive entries of one container"),
+    (("decoder.block.0", "decoder.block.1"), "takes or returns more than one tensor"),
+    (("encoder", "decoder"), "not an entry of an nn.ModuleList or nn.Sequential"),
+])
+def test_regions_a_traced_checkpoint_cannot_run_back_to_back_are_refused(
+        stages: tuple[str, str], message: str) -> None:
+    model, batch, loss_fn = _encdec()
+    plan = Plan(stages=stages, regions=(Region(0, 2),), options=("keep", "keep"))
+    with pytest.raises(UsageError, match=message):
+        remat.trace_regions(model, plan, batch, loss_fn)
+    assert _untouched(model)
+
+
+def test_a_traced_model_takes_no_other_plan_until_removed() -> None:
+    model, batch, loss_fn = _gpt()
+    remat.trace_regions(model, plans.uniform_groups(model, 2), batch, loss_fn)
+    with pytest.raises(UsageError, match="already applied"):
+        remat.apply(model, plans.per_stage(model))
+    remat.remove(model)
+    assert _untouched(model)
