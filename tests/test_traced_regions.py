@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -167,4 +168,24 @@ def test_a_traced_model_takes_no_other_plan_until_removed() -> None:
     with pytest.raises(UsageError, match="already applied"):
         remat.apply(model, plans.per_stage(model))
     remat.remove(model)
+    assert _untouched(model)
+
+
+def test_the_checking_forward_leaves_the_random_stream_and_names_a_failing_loss() -> None:
+    from remat.core.errors import UserCodeError
+
+    model, batch, loss_fn = _gpt()  # dropout 0.1: the checking forward draws
+    torch.manual_seed(7)
+    remat.trace_regions(model, plans.uniform_groups(model, 2), batch, loss_fn)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    torch.testing.assert_close(after, torch.rand(3))
+    remat.remove(model)
+
+    def broken(m: nn.Module, b: Any) -> torch.Tensor:
+        raise RuntimeError("bad batch")
+
+    with pytest.raises(UserCodeError,
+                       match=re.escape("loss_fn(model, batch) raised RuntimeError: bad batch")):
+        remat.trace_regions(model, plans.uniform_groups(model, 2), batch, broken)
     assert _untouched(model)

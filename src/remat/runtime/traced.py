@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat.core.errors import UsageError
+from remat.core.errors import UsageError, UserCodeError
 from remat.core.plan_format import KEEP, Plan
 from remat.runtime import install
 from remat.runtime.install import _APPLIED, _MISSING, _WRAPPED, _resolve_stages
@@ -150,9 +150,15 @@ def _check_nothing_between(model: nn.Module, plan: Plan, stages: Sequence[nn.Mod
 
     inside = sorted({i for r in plan.regions for i in range(r.start, r.stop)})
     hooks = [stages[i].register_forward_hook(record(i), with_kwargs=True) for i in inside]
-    try:
-        with torch.no_grad():
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:  # the caller's random streams stay where they were (dropout draws here)
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             loss_fn(model, batch)
+    except Exception as err:
+        raise UserCodeError(
+            f"loss_fn(model, batch) raised {type(err).__name__}: {err} (the one forward "
+            "remat.trace_regions runs to check the regions)"
+        ) from err
     finally:
         for hook in hooks:
             hook.remove()
