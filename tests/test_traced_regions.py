@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import plans
@@ -86,7 +87,8 @@ def test_traced_regions_compile_into_one_graph_with_eager_gradients() -> None:
 class _Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+                                    for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -112,6 +114,35 @@ def _plan(model: nn.Module, regions: list[tuple[int, int]], option: str = "keep"
     stages = tuple(f"blocks.{i}" for i in range(len(model.blocks)))  # type: ignore[arg-type]
     return Plan(stages=stages, regions=tuple(Region(a, b) for a, b in regions),
                 options=(option,) * len(stages))
+
+
+def test_one_stage_regions_take_a_loop_with_code_between_its_stages() -> None:
+    # x = x + block(x): a region of one block has nothing between stages inside it
+    torch.manual_seed(0)
+    model, x = _Residual(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    remat.trace_regions(twin, _plan(twin, [(0, 1), (1, 2), (2, 3), (3, 4)]), x, _loss)
+    with _Count() as traced:
+        got = _grads(twin, x, _loss)
+    with _Count() as plain:
+        want = _grads(model, x, _loss)
+    # each block's first Linear again in backward (the rebuild stops once it has the
+    # GELU's input and output the block saved: torch's checkpoint early stop)
+    assert (plain.addmm, traced.addmm) == (8, 12)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+class _Count(TorchDispatchMode):
+    """How many ``addmm`` ops ran (a Linear's forward)."""
+
+    addmm = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.addmm.default:
+            self.addmm += 1
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize(("model", "regions", "option", "message"), [
