@@ -26,6 +26,7 @@ remat feature: the regions are written by hand here.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -51,7 +52,7 @@ def measure(model_name: str, rows_wanted: list[str], rounds: int
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    from remat.benchmarking.measure import by_profiler
+    from remat.benchmarking.measure import by_profiler, interleaved
     from remat.benchmarking.runners import Runner
     from remat.models import load_model
 
@@ -112,22 +113,14 @@ def measure(model_name: str, rows_wanted: list[str], rounds: int
              for name, (m, b, loss) in rows.items()}
     optimizers = {k: torch.optim.AdamW(v[0].parameters(), lr=1e-3) for k, v in rows.items()}
 
-    def step(key: str) -> float:
+    def step(key: str) -> None:
         model, batch, loss = rows[key]
-        t = time.perf_counter()
         loss(model, batch).backward()
         optimizers[key].step()
         optimizers[key].zero_grad(set_to_none=True)
-        return time.perf_counter() - t
 
-    for key in rows:
-        for _ in range(3):
-            step(key)
-    times: dict[str, list[float]] = {key: [] for key in rows}
-    keys = list(rows)
-    for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[key].append(step(key))
+    times = interleaved({key: functools.partial(step, key) for key in rows}, repeats=rounds,
+                        warmup=3)
     return {
         key: {"peak_mib": peaks[key] / 2**20, "median_s": statistics.median(v),
               "ratio": statistics.median(a / e for a, e in zip(v, times["eager"], strict=True)),

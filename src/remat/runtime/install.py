@@ -63,25 +63,48 @@ class _Installation:
     def uninstall(self) -> None:
         for hook in self.hooks:
             hook.remove()
-        for module, previous in zip(self.stages, self.previous, strict=True):
-            _WRAPPED.discard(module)
-            if previous is _MISSING:
-                del module.forward
-            else:
-                module.forward = previous
+        restore_forwards(self.stages, self.previous)
+
+
+def restore_forwards(stages: tuple[nn.Module, ...], previous: tuple[Any, ...]) -> None:
+    """Give each stage back its own instance-level ``forward`` (``previous``, or none)."""
+    for module, before in zip(stages, previous, strict=True):
+        _WRAPPED.discard(module)
+        if before is _MISSING:
+            del module.forward
+        else:
+            module.forward = before
 
 
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, _Installation] = weakref.WeakKeyDictionary()
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # stage modules of applied plans
 
 
-class Handle:
-    """A plan applied to a model: ``handle.remove()`` undoes it, as ``remat.remove`` does."""
+class AppliedPlan:
+    """What a plan applied to a model leaves with the caller: ``remove()`` undoes it, as
+    ``remat.remove(model)`` does; ``active`` says whether it is still applied."""
 
-    def __init__(self, model: nn.Module, plan: Plan, installation: _Installation) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, installation: Any) -> None:
         self.model = model
         self.plan = plan
         self._installation = installation
+
+    @property
+    def active(self) -> bool:
+        """Whether the plan is still applied to the model."""
+        return _APPLIED.get(self.model) is self._installation
+
+    def remove(self) -> None:
+        """Restore the model exactly; same as ``remat.remove(model)``."""
+        if not self.active:
+            raise UsageError("this plan was already removed from the model; nothing to undo")
+        remove(self.model)
+
+
+class Handle(AppliedPlan):
+    """A plan applied to a model: ``handle.remove()`` undoes it, as ``remat.remove`` does."""
+
+    _installation: _Installation
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
@@ -114,17 +137,6 @@ class Handle:
                                          if policy.kind == "selective" and engine.routes[i]}:
             saved.setdefault(i, set()).update(str(op) for op in ROUTING_OPS)
         return {i: frozenset(ops) for i, ops in saved.items()}
-
-    @property
-    def active(self) -> bool:
-        """Whether the plan is still applied to the model."""
-        return _APPLIED.get(self.model) is self._installation
-
-    def remove(self) -> None:
-        """Restore the model exactly; same as ``remat.remove(model)``."""
-        if not self.active:
-            raise UsageError("this plan was already removed from the model; nothing to undo")
-        remove(self.model)
 
     def __repr__(self) -> str:
         return (

@@ -42,8 +42,14 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.core.errors import UsageError, UserCodeError
 from remat.core.plan_format import KEEP, Plan
-from remat.runtime import install
-from remat.runtime.install import _APPLIED, _MISSING, _WRAPPED, _resolve_stages
+from remat.runtime.install import (
+    _APPLIED,
+    _MISSING,
+    _WRAPPED,
+    AppliedPlan,
+    _resolve_stages,
+    restore_forwards,
+)
 
 __all__ = ["TracedHandle", "trace_regions"]
 
@@ -56,32 +62,11 @@ class _TracedInstallation:
     previous: tuple[Any, ...]
 
     def uninstall(self) -> None:
-        for module, previous in zip(self.stages, self.previous, strict=True):
-            _WRAPPED.discard(module)
-            if previous is _MISSING:
-                del module.forward
-            else:
-                module.forward = previous
+        restore_forwards(self.stages, self.previous)
 
 
-class TracedHandle:
+class TracedHandle(AppliedPlan):
     """Regions written into a model by :func:`trace_regions`; ``remove()`` undoes them."""
-
-    def __init__(self, model: nn.Module, plan: Plan, installation: _TracedInstallation) -> None:
-        self.model = model
-        self.plan = plan
-        self._installation = installation
-
-    @property
-    def active(self) -> bool:
-        return _APPLIED.get(self.model) is self._installation
-
-    def remove(self) -> None:
-        """Restore the model exactly; same as ``remat.remove(model)``."""
-        if not self.active:
-            raise UsageError("these regions were already removed from the model; nothing to "
-                             "undo")
-        install.remove(self.model)
 
 
 def _container_index(model: nn.Module, path: str) -> tuple[str, int]:
