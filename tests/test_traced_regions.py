@@ -220,3 +220,12 @@ def test_the_checking_forward_leaves_the_random_stream_and_names_a_failing_loss(
                        match=re.escape("loss_fn(model, batch) raised RuntimeError: bad batch")):
         remat.trace_regions(model, plans.uniform_groups(model, 2), batch, broken)
     assert _untouched(model)
+
+
+def test_a_plan_made_for_another_model_is_refused() -> None:
+    model, batch, loss_fn = _gpt()
+    torch.manual_seed(0)
+    wider, _, _ = load_model("gpt", **{**SMALL_GPT, "n_embd": 64})
+    with pytest.raises(UsageError, match=re.escape("stage blocks.0 is")):
+        remat.trace_regions(model, plans.uniform_groups(wider, 2), batch, loss_fn)
+    assert _untouched(model)

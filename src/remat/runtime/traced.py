@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.core.errors import UsageError, UserCodeError
 from remat.core.plan_format import KEEP, Plan
+from remat.runtime.identity import check_made_for
 from remat.runtime.install import (
     _APPLIED,
     _MISSING,
@@ -170,9 +172,13 @@ def _check_nothing_between(model: nn.Module, plan: Plan, stages: Sequence[nn.Mod
 
 
 def trace_regions(model: nn.Module, plan: Plan, batch: Any,
-                  loss_fn: Callable[[nn.Module, Any], Any]) -> TracedHandle:
+                  loss_fn: Callable[[nn.Module, Any], Any], *,
+                  force: bool = False) -> TracedHandle:
     """Write ``plan``'s regions into ``model`` as checkpoint calls (module docstring);
-    compile the model (or ``loss_fn``) afterwards to trace them into one graph."""
+    compile the model (or ``loss_fn``) afterwards to trace them into one graph.
+
+    A plan made for another model is refused as by ``remat.apply`` (``force=True`` writes
+    it anyway, with a warning)."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     if not isinstance(plan, Plan):
@@ -183,8 +189,11 @@ def trace_regions(model: nn.Module, plan: Plan, batch: Any,
                          "before applying another")
     plan.validate()
     stages = _resolve_stages(model, plan)
+    notes = check_made_for(model, plan, stages, force=force)
     _check_regions(model, plan, stages)
     _check_nothing_between(model, plan, stages, batch, loss_fn)
+    for note in notes:  # before any change: a warning turned into an error leaves no trace
+        warnings.warn(note, stacklevel=2)
 
     # Everything is checked: from here on nothing can fail half-way.
     touched = tuple(stages[i] for r in plan.regions for i in range(r.start, r.stop))
