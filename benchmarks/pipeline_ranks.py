@@ -26,7 +26,6 @@ writes them to ``--out`` (markdown) when given.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import time
@@ -46,9 +45,8 @@ from remat.core.pipeline import SINGLE_STAGE, pipeline_step, plan_pipeline
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve.problem import Problem
-from remat.measure.tracker import LiveMemoryTracker
 from remat.models.gpt import GPTPart, gpt, logits_loss
-from remat.pipelining import apply_to_stage, profile_part, receive_buffers, schedule_buffers
+from remat.pipelining import apply_to_stage, profile_part, rank_step_peak, schedule_buffers
 
 OPTS = {"n_layer": 8, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32,
         "dropout": 0.0}
@@ -98,19 +96,10 @@ class Runner:
         self._train()
 
     def peak(self) -> int:
-        self.step()
-        self._zero()
-        gc.collect()
-        tracker = LiveMemoryTracker()
-        for part in self.parts:
-            tracker.register_existing(part)
-        tracker.register_existing(self.opt)
-        tracker.register_existing([self.idx] if self.first else [self.target])
-        for stage in self.stages:  # receive buffers, allocated at the first step
-            tracker.register_existing(receive_buffers(stage))
-        with tracker:
-            self._train()
-        return tracker.peak_bytes
+        self.step()  # allocates the receive buffers
+        peak, _ = rank_step_peak(self._train, self.parts, self.stages, optimizer=self.opt,
+                                 held=[self.idx] if self.first else [self.target])
+        return peak
 
 
 def _gather(value: Any) -> list[Any]:

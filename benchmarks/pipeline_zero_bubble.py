@@ -18,7 +18,6 @@ rise: Note [Backward in passes] in ``remat/runtime/engine.py``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import tempfile
@@ -42,9 +41,8 @@ def _rank(rank: int, store: str, out: str) -> None:
     from torch.distributed import pipelining
 
     from remat.core.plan_format import Plan, Region
-    from remat.measure.tracker import LiveMemoryTracker
     from remat.models.gpt import GPTPart, gpt, logits_loss
-    from remat.pipelining import apply_to_stage, receive_buffers
+    from remat.pipelining import apply_to_stage, rank_step_peak
     from remat.runtime.install import remove
 
     torch.set_num_threads(1)
@@ -82,18 +80,8 @@ def _rank(rank: int, store: str, out: str) -> None:
             grads[planned] = {f"{s}.{k}": q.grad.clone() for s, part in zip(ids, parts,
                                                                            strict=True)
                               for k, q in part.named_parameters() if q.grad is not None}
-            for part in parts:
-                part.zero_grad(set_to_none=True)
-            gc.collect()
-            tracker = LiveMemoryTracker()
-            for part in parts:
-                tracker.register_existing(part)
-            tracker.register_existing([idx, target])
-            for stage in stages:
-                tracker.register_existing(receive_buffers(stage))
-            with tracker:
-                step()
-            rows.append({"schedule": name, "planned": planned, "peak": tracker.peak_bytes})
+            peak, _ = rank_step_peak(step, parts, stages, held=[idx, target])
+            rows.append({"schedule": name, "planned": planned, "peak": peak})
             if planned:
                 for part in parts:
                     remove(part)

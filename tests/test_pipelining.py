@@ -40,29 +40,17 @@ CONFIGS = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 def _measured_step(step: Any, parts: list[nn.Module], stages: list[Any], opt: Any,
                    batch: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
     """After a first ``step()`` and before the optimizer's step: that step, gradients
-    cleared, then a second step and optimizer step under the live-storage tracker (the
-    parts, optimizer state, the rank's ``batch`` and the stages' receive buffers counted
-    as there from the start); its peak and the losses it returned."""
-    import gc
+    cleared, then a second step and optimizer step under the live-storage tracker
+    (:func:`remat.pipelining.rank_step_peak`); its peak and the losses it returned."""
+    from remat.pipelining import rank_step_peak
 
-    from remat.measure.tracker import LiveMemoryTracker
-    from remat.pipelining import receive_buffers
-
-    opt.step()
-    for part in parts:
-        part.zero_grad(set_to_none=True)
-    gc.collect()
-    tracker = LiveMemoryTracker()
-    for part in parts:
-        tracker.register_existing(part)
-    tracker.register_existing(opt)
-    tracker.register_existing([batch])
-    for stage in stages:
-        tracker.register_existing(receive_buffers(stage))
-    with tracker:
+    def step_and_update() -> list[torch.Tensor]:
         losses = step()
         opt.step()
-    return tracker.peak_bytes, losses
+        return losses
+
+    opt.step()
+    return rank_step_peak(step_and_update, parts, stages, held=[batch], optimizer=opt)
 
 
 def _rank(rank: int, store: str, out: str) -> None:

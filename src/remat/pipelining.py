@@ -27,6 +27,7 @@ remat.runtime.engine).
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,10 +38,10 @@ from remat.core.errors import UsageError
 from remat.core.pipeline import SINGLE_STAGE, ScheduleBuffers, check_schedule
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
-from remat.measure.tracker import iter_tensors, storage_key
+from remat.measure.tracker import LiveMemoryTracker, iter_tensors, storage_key
 
 __all__ = ["apply_to_stage", "dropped_checkpoints", "part_loss", "profile_part",
-           "receive_buffers", "schedule_buffers"]
+           "rank_step_peak", "receive_buffers", "schedule_buffers"]
 
 
 def _bytes(value: Any) -> int:
@@ -142,6 +143,30 @@ def receive_buffers(stage: Any) -> list[torch.Tensor]:
                 if isinstance(buffer, torch.Tensor):
                     found.append(buffer)
     return found
+
+
+def rank_step_peak(step: Callable[[], Any], parts: Sequence[nn.Module], stages: Sequence[Any],
+                   *, held: Sequence[torch.Tensor] = (), optimizer: Any = None
+                   ) -> tuple[int, Any]:
+    """One pipeline step of a rank as the rank holds it: the parts' gradients cleared, then
+    ``step()`` under the live-storage tracker with the parts, the optimizer's state, the
+    ``held`` tensors (the rank's batch) and the stages' receive buffers (allocated at the
+    first step: run one before) counted as there from the start. Returns the step's peak
+    and what ``step()`` returned."""
+    for part in parts:
+        part.zero_grad(set_to_none=True)
+    gc.collect()
+    tracker = LiveMemoryTracker()
+    for part in parts:
+        tracker.register_existing(part)
+    if optimizer is not None:
+        tracker.register_existing(optimizer)
+    tracker.register_existing(list(held))
+    for stage in stages:
+        tracker.register_existing(receive_buffers(stage))
+    with tracker:
+        result = step()
+    return tracker.peak_bytes, result
 
 
 def dropped_checkpoints(model: nn.Module, batch: Any,
