@@ -229,3 +229,18 @@ def test_a_plan_made_for_another_model_is_refused() -> None:
     with pytest.raises(UsageError, match=re.escape("stage blocks.0 is")):
         remat.trace_regions(model, plans.uniform_groups(wider, 2), batch, loss_fn)
     assert _untouched(model)
+
+
+def test_what_needs_remats_engine_says_so_on_traced_regions() -> None:
+    from remat.runtime.install import applied_stages, installed_hook_ids, observe
+
+    model, batch, loss_fn = _gpt()
+    remat.trace_regions(model, plans.uniform_groups(model, 2), batch, loss_fn)
+    assert installed_hook_ids(model) == frozenset()
+    with pytest.raises(UsageError, match=re.escape("written by remat.trace_regions")):
+        applied_stages(model)
+    with pytest.raises(UsageError, match=re.escape("written by remat.trace_regions")), \
+            observe(model, object()):  # type: ignore[arg-type]
+        pass
+    remat.remove(model)
+    assert _untouched(model)

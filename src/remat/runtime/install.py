@@ -76,7 +76,20 @@ def restore_forwards(stages: tuple[nn.Module, ...], previous: tuple[Any, ...]) -
             module.forward = before
 
 
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, _Installation] = weakref.WeakKeyDictionary()
+@dataclass(eq=False)
+class _TracedInstallation:
+    """What ``remat.trace_regions`` changed on one model (``remat.runtime.traced``): stage
+    forwards only, no engine and no hooks."""
+
+    stages: tuple[nn.Module, ...]
+    previous: tuple[Any, ...]
+
+    def uninstall(self) -> None:
+        restore_forwards(self.stages, self.previous)
+
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, _Installation | _TracedInstallation] = (
+    weakref.WeakKeyDictionary())
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # stage modules of applied plans
 
 
@@ -361,7 +374,7 @@ def observe(model: nn.Module, observer: StageObserver) -> Iterator[None]:
     installation = _APPLIED.get(model)
     if installation is None:
         raise UsageError("no remat plan is applied to this model; apply one before observing it")
-    engine = installation.engine
+    engine = _engine_of(installation)
     if engine.observer is not None:
         raise UsageError("this model's stages are already observed; end that observation first")
     engine.observer = observer
@@ -375,7 +388,8 @@ def installed_hook_ids(model: nn.Module) -> frozenset[int]:
     """Ids of the hooks ``apply`` put on ``model`` and its stages (``remat.verify`` counts
     only the model's own)."""
     installation = _APPLIED.get(model)
-    return frozenset(h.id for h in installation.hooks) if installation is not None else frozenset()
+    return (frozenset(h.id for h in installation.hooks)
+            if isinstance(installation, _Installation) else frozenset())
 
 
 def applied(model: nn.Module) -> bool:
@@ -389,5 +403,15 @@ def applied_stages(model: nn.Module) -> tuple[str, ...]:
     installation = _APPLIED.get(model)
     if installation is None:
         raise UsageError("no remat plan is applied to this model")
-    return tuple(installation.engine.names)
+    return tuple(_engine_of(installation).names)
+
+
+def _engine_of(installation: _Installation | _TracedInstallation) -> Engine:
+    if isinstance(installation, _TracedInstallation):
+        raise UsageError(
+            "this model's regions were written by remat.trace_regions, which runs no remat "
+            "engine to observe; remat.remove(model), then remat.apply(model, plan) to verify "
+            "the plan"
+        )
+    return installation.engine
 

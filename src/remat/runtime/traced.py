@@ -34,7 +34,6 @@ import itertools
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,21 +49,12 @@ from remat.runtime.install import (
     _WRAPPED,
     AppliedPlan,
     _resolve_stages,
-    restore_forwards,
+    _TracedInstallation,
 )
 
 __all__ = ["TracedHandle", "trace_regions"]
 
 _INDEX = re.compile(r"^(.*?)\.?([0-9]+)$")
-
-
-@dataclass(eq=False)
-class _TracedInstallation:
-    stages: tuple[nn.Module, ...]
-    previous: tuple[Any, ...]
-
-    def uninstall(self) -> None:
-        restore_forwards(self.stages, self.previous)
 
 
 class TracedHandle(AppliedPlan):
@@ -219,7 +209,7 @@ def trace_regions(model: nn.Module, plan: Plan, batch: Any,
     for m in touched:
         _WRAPPED.add(m)
     installation = _TracedInstallation(touched, previous)
-    _APPLIED[model] = installation  # type: ignore[assignment]
+    _APPLIED[model] = installation
     return TracedHandle(model, plan, installation)
 
 
