@@ -323,8 +323,8 @@ class AutoReport:
         auto`` on the built-in gpt in ten (benchmarks/noise_stability.md, 2026-12-03)
         profiled while every block's rebuild took 1.25x to 1.37x its forward, in each of
         four rounds (34.5 ms against 27.5 ms, rounds agreeing within a point: predicted
-        +46.5%), and measured 11 s later at the usual 1.0x (+38.7%, 6 pairs within 2
-        points). The two instruments each agreed with themselves and not with each other:
+        +46.5%), and measured 11 s later at the usual 1.0x (+38.7%, five of its six pairs
+        within 3.5 points). The two instruments each agreed with themselves and not with each other:
         the machine, not the sample, changed. More rounds cannot mend that; saying so
         can."""
         u = self.uncertainty

@@ -252,21 +252,12 @@ def apply(
     draw fresh random numbers (another dropout mask), so gradients are wrong; it exists
     so that ``remat.verify`` can be shown catching exactly that.
     """
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
-    if not isinstance(plan, Plan):
-        raise UsageError(
-            f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
-        )
+    check_target(model, plan)
     for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force),
                        ("allow_compile_mismatch", allow_compile_mismatch)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
-    if model in _APPLIED:
-        raise UsageError(
-            "a plan is already applied to this model; call remat.remove(model) before "
-            "applying another"
-        )
+    check_free(model)
     plan.validate()  # again: a frozen dataclass can still be changed behind its back
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
@@ -319,6 +310,25 @@ def apply(
     installation = _Installation(engine, stages, previous, hooks)
     _APPLIED[model] = installation
     return Handle(model, plan, installation)
+
+
+def check_target(model: nn.Module, plan: Plan) -> None:
+    """UsageError unless ``model`` is a module and ``plan`` a remat Plan."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    if not isinstance(plan, Plan):
+        raise UsageError(
+            f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)"
+        )
+
+
+def check_free(model: nn.Module) -> None:
+    """UsageError when a plan is applied to ``model`` already (one at a time)."""
+    if model in _APPLIED:
+        raise UsageError(
+            "a plan is already applied to this model; call remat.remove(model) before "
+            "applying another"
+        )
 
 
 def remove(model: nn.Module) -> None:

@@ -50,6 +50,8 @@ from remat.runtime.install import (
     AppliedPlan,
     _resolve_stages,
     _TracedInstallation,
+    check_free,
+    check_target,
 )
 
 __all__ = ["TracedHandle", "trace_regions"]
@@ -169,14 +171,8 @@ def trace_regions(model: nn.Module, plan: Plan, batch: Any,
 
     A plan made for another model is refused as by ``remat.apply`` (``force=True`` writes
     it anyway, with a warning)."""
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
-    if not isinstance(plan, Plan):
-        raise UsageError(
-            f"plan is a {type(plan).__name__}, not a remat Plan; load one with Plan.load(path)")
-    if model in _APPLIED:
-        raise UsageError("a plan is already applied to this model; call remat.remove(model) "
-                         "before applying another")
+    check_target(model, plan)
+    check_free(model)
     plan.validate()
     stages = _resolve_stages(model, plan)
     notes = check_made_for(model, plan, stages, force=force)
