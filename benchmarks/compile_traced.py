@@ -52,7 +52,7 @@ def measure(model_name: str, rows_wanted: list[str], rounds: int
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    from remat.benchmarking.measure import by_profiler, interleaved
+    from remat.benchmarking.measure import by_profiler, interleaved, paired
     from remat.benchmarking.runners import Runner
     from remat.models import load_model
 
@@ -123,7 +123,7 @@ def measure(model_name: str, rows_wanted: list[str], rounds: int
                         warmup=3)
     return {
         key: {"peak_mib": peaks[key] / 2**20, "median_s": statistics.median(v),
-              "ratio": statistics.median(a / e for a, e in zip(v, times["eager"], strict=True)),
+              "ratio": paired(v, times["eager"])[0],
               "grad_diff": diff[key]}
         for key, v in times.items()
     }

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from remat.benchmarking.factory import make_factory
-from remat.benchmarking.measure import interleaved
+from remat.benchmarking.measure import interleaved, paired
 from remat.benchmarking.runners import EagerRunner, Runner
 from remat.core.planner import plan as make_plan
 from remat.core.planner import to_problem
@@ -76,8 +76,7 @@ def main() -> None:
         finally:
             planned.close()
             plain.close()
-        measured = statistics.median(a / b - 1 for a, b in zip(times["planned"], times["plain"],
-                                                                 strict=True))
+        measured = paired(times["planned"], times["plain"])[0] - 1
         predicted = statistics.median(rounds)
         gaps.append(measured - predicted)
         line = (f"| {it} | {predicted:+.1%} ({len(rounds)}) | "
