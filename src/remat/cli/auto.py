@@ -114,9 +114,9 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
         lines.append(
             f"note: the measured overhead is {abs(gap) * 100:.1f} points "
             f"{'above' if gap > 0 else 'below'} the prediction, outside its range within "
-            f"the timing noise ({u.overhead_low:+.1%}..{u.overhead_high:+.1%}): the "
-            "machine's state changed between profiling and measuring; run remat auto "
-            "again for a prediction from steadier timings"
+            f"the timing noise ({u.overhead_low:+.1%}..{u.overhead_high:+.1%}): either the "
+            "machine changed between profiling and measuring, or the cost model misses "
+            "something on this model; run remat auto again: a gap that repeats is the model's"
         )
     if report.profile is not None and report.profile.step_s > 0:
         speed = report.baseline_step_time_s / report.profile.step_s
