@@ -42,6 +42,25 @@ def test_a_stage_is_charged_its_matmul_flops_forward_and_backward() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_the_optimizer_is_counted_as_a_steady_step_and_a_given_one_left_as_it_was() -> None:
+    model, batch, loss_fn = _mlp()
+    params = list(model.parameters())
+    work = count_work(model, batch, loss_fn, ["0", "2"])
+    ops = {op for (s, phase, _, op) in work.table if phase == "optimizer"}
+    # the first step's state (AdamW's two moments, zeroed) is made before counting
+    assert "zeros_like" not in ops and "lerp_" in ops
+    opt = torch.optim.AdamW(params, lr=0.1)
+    loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    moments = [opt.state[p]["exp_avg"].clone() for p in params]
+    steps = [float(opt.state[p]["step"]) for p in params]
+    count_work(model, batch, loss_fn, ["0", "2"], opt)
+    assert [float(opt.state[p]["step"]) for p in params] == steps
+    assert all(torch.equal(opt.state[p]["exp_avg"], m)
+               for p, m in zip(params, moments, strict=True))
+
+
 def test_the_roofline_adds_compute_memory_and_calls() -> None:
     device = Device("x", 1 << 30, {"float32": 1e12}, 1e11, False, False,
                     flop_efficiency=0.5, bandwidth_efficiency=0.25, op_overhead_s=1e-6)
