@@ -61,6 +61,34 @@ def test_the_optimizer_is_counted_as_a_steady_step_and_a_given_one_left_as_it_wa
                for p, m in zip(params, moments, strict=True))
 
 
+class _Sines(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = torch.sin(x)
+        return x
+
+
+def test_a_rebuild_is_priced_as_its_forward_and_a_pack_per_saved_tensor() -> None:
+    def packs(n: int) -> int:
+        model = nn.Sequential(nn.Linear(8, 8), _Sines(n))
+        work = count_work(model, torch.randn(4, 8), lambda m, x: m(x).sum(), ["0", "1"])
+        return work.packs["1"]
+
+    assert packs(7) - packs(2) == 5  # each sine saves its input, once, in forward
+    model = nn.Sequential(nn.Linear(8, 8), _Sines(3))
+    work = count_work(model, torch.randn(4, 8), lambda m, x: m(x).sum(), ["0", "1"])
+    plain = BUILT_IN["h100-sxm"]
+    assert plain.pack_seconds() == 0 and work.rebuild("1", plain) == work.forward("1", plain)
+    here = Device("here", 1 << 30, {"float32": 1e12}, 1e11, False, False,
+                  extra={"pack_s": 1e-5})
+    assert work.rebuild("1", here) == pytest.approx(work.forward("1", here)
+                                                    + work.packs["1"] * 1e-5)
+
+
 def test_the_roofline_adds_compute_memory_and_calls() -> None:
     device = Device("x", 1 << 30, {"float32": 1e12}, 1e11, False, False,
                     flop_efficiency=0.5, bandwidth_efficiency=0.25, op_overhead_s=1e-6)
@@ -106,6 +134,7 @@ def test_calibrate_writes_an_entry_that_prices_its_own_model(tmp_path: Any,
     assert conv[0] > 0 and conv[2] >= 0 and entry.op_rates["convolution_backward"][0] > 0
     assert "native_batch_norm" in entry.op_rates and len(entry.op_rates["mm"]) == 3
     assert entry.call_seconds("forward") > 0
+    assert entry.pack_seconds() > 0  # a rebuild's cost per saved tensor, measured
     assert main(["calibrate", "--model", "gpt", *sets, "--repeats", "0"]) == 2
 
 

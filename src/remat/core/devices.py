@@ -81,6 +81,12 @@ class Device:
         calls = self.extra.get("call_s") or {}
         return float(calls.get(phase, self.op_overhead_s)) if phase else self.op_overhead_s
 
+    def pack_seconds(self) -> float:
+        """What a rebuild costs beyond its forward per tensor it saves for backward
+        (checkpoint's pack hook storing it for the stage's backward; ``extra["pack_s"]``,
+        measured by ``remat calibrate``; 0 for the built-in entries, unmeasured there)."""
+        return float(self.extra.get("pack_s") or 0.0)
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
             raise UsageError(f"device name {self.name!r} must be a non-empty word")

@@ -13,9 +13,11 @@ An estimate:
 fused kernels, overlap and caches are not modelled (docs/fake.md). Torch-free.
 
 A stage's forward is its forward ops, its backward its backward ops, its rebuild its
-forward again; a selective option's replay is the forward less the ops whose outputs it
-saves (``save-matmuls``: the matmul group; ``save-attention``: the attention group;
-``save-nothing``: none of them).
+forward again plus what checkpoint's pack hook costs per tensor the stage saves for
+backward (``Device.pack_seconds``: on this CPU about 8 us a tensor, which made encdec's
+rebuilds 1.15x to 1.25x their forwards); a selective option's replay is the forward
+less the ops whose outputs it saves (``save-matmuls``: the matmul group;
+``save-attention``: the attention group; ``save-nothing``: none of them).
 """
 
 from __future__ import annotations
@@ -91,10 +93,13 @@ class WorkTable:
     ``backward``, ``optimizer``."""
 
     def __init__(self, table: Mapping[tuple[str, str, str, str], Work],
-                 spent: Mapping[tuple[str, str, str, str], float] | None = None) -> None:
+                 spent: Mapping[tuple[str, str, str, str], float] | None = None,
+                 packs: Mapping[str, int] | None = None) -> None:
         self.table = dict(table)
         # kernel seconds by the same keys, where the ops were timed as they ran
         self.spent = dict(spent or {})
+        # per stage, the tensors its forward saved for backward
+        self.packs = dict(packs or {})
 
     def kernel_seconds(self, stage: str, phase: str) -> float:
         """The timed kernels' seconds of the stage's ops in ``phase`` (0 if untimed)."""
@@ -117,6 +122,10 @@ class WorkTable:
 
     def backward(self, stage: str, device: Device) -> float:
         return self.time(stage, "backward", device)
+
+    def rebuild(self, stage: str, device: Device) -> float:
+        """The stage's forward again, each tensor it saves packed for its backward."""
+        return self.forward(stage, device) + self.packs.get(stage, 0) * device.pack_seconds()
 
     def replay(self, stage: str, option: str, device: Device) -> float:
         """What ``option`` replays of the stage's forward in its backward."""

@@ -7,7 +7,9 @@ backward times) and its step's ops, each timed as it runs (``remat.profiling.op_
 the median of three steps): each op's rate (seconds per FLOP, or per byte where it does
 none), and per phase what a call costs beyond its kernel (the stages' measured times
 less their ops' kernel times, per call). The roofline (``remat.core.roofline``) prices an
-op the model ran at its own rate and any other by the primitives. The entry keeps this
+op the model ran at its own rate and any other by the primitives. A rebuild costs its
+forward and, per tensor it saves for backward, what checkpoint's pack hook costs
+(:func:`pack_seconds`, timed on a chain of tiny ops). The entry keeps this
 machine's kernels (no stand-ins) and its memory.
 """
 
@@ -27,7 +29,8 @@ from remat.core.devices import Device
 from remat.core.roofline import Work, WorkTable
 from remat.profiling.op_costs import count_work
 
-__all__ = ["Primitives", "calibrate_device", "primitives", "reference_rates"]
+__all__ = ["Primitives", "calibrate_device", "pack_seconds", "primitives",
+           "reference_rates"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,46 @@ def primitives(repeats: int = 7) -> Primitives:
     conv = _median_s(lambda: torch.nn.functional.conv2d(image, weight, padding=1), repeats)
     conv_flops = 2 * 8 * 64 * 64 * 9 * 56 * 56
     return Primitives(2 * n**3 / mm, 3 * big * 4 / add, tiny, conv_flops / conv)
+
+
+class _SinChain(nn.Module):
+    """``n`` sines of a tiny tensor: ``n`` tensors saved for backward, each nearly free."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.scale
+        for _ in range(self.n):
+            x = torch.sin(x)
+        return x
+
+
+def pack_seconds(steps: int = 15) -> float:
+    """What a rebuild costs beyond its forward per tensor the stage saves: a chain of
+    tiny sines as one stage, its forward and its rebuild in a one-stage region timed by
+    the profile's hooks (medians of ``steps`` steps each), the difference per saved
+    tensor as the step's ops count them."""
+    from remat.core.plan_format import Plan, Region
+    from remat.profiling.timing import timed_steps
+
+    model = nn.Sequential(_SinChain(200))
+    batch = torch.randn(64, 16)
+
+    def loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stage = [model[0]]
+    plain = timed_steps(model, batch, loss, opt, stage, steps=steps)
+    region = Plan(["0"], (Region(0, 1),))
+    rebuilt = timed_steps(model, batch, loss, opt, stage, steps=steps, plan=region)
+    fwd = statistics.median(t.fwd_s[0] for t in plain)
+    rebuild = statistics.median(t.rebuild_s[0] for t in rebuilt)
+    packs = count_work(model, batch, loss, ["0"], opt).packs.get("0", 0)
+    return max(0.0, rebuild - fwd) / packs if packs else 0.0
 
 
 class _ConvBlock(nn.Module):
@@ -181,7 +224,7 @@ def calibrate_device(
                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {threads} thread(s)"),
         notes="this machine's CPU kernels, as a real profile runs them",
         extra={"threads": threads, "op_rates": rates, "call_s": call_s,
-               "conv_flops_per_s": prims.conv_flops_per_s},
+               "conv_flops_per_s": prims.conv_flops_per_s, "pack_s": pack_seconds()},
     )
     errors = []
     for s in measured.stages:

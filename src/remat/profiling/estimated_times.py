@@ -1,6 +1,7 @@
 """A profile's times replaced by the roofline's estimates for a device (``remat.core.roofline``).
 
-Per stage: forward and backward from its counted ops, the rebuild a forward again, each
+Per stage: forward and backward from its counted ops, the rebuild a forward again
+(and its saved tensors packed: ``WorkTable.rebuild``), each
 selective option's extra the forward less the ops it saves; outside the chain the pre-
 and post-chain and the optimizer step; the step their sum. Under tensor parallelism
 (stages with ``comms``, a device with a link bandwidth, ``ranks`` given) the stage's
@@ -38,7 +39,8 @@ def with_estimated_times(profile: Profile, work: WorkTable, device: Device,
             replay_c = collective_seconds(s.comms.rebuild_last, link, ranks)
         fwd = work.forward(s.name, device) + forward_c
         stages.append(replace(
-            s, fwd_s=fwd, bwd_s=work.backward(s.name, device) + forward_c, rebuild_s=fwd,
+            s, fwd_s=fwd, bwd_s=work.backward(s.name, device) + forward_c,
+            rebuild_s=work.rebuild(s.name, device) + forward_c,
             extra_bwd_s={o: work.replay(s.name, o, device)
                          + (0.0 if o == "selective:save-collectives" else replay_c)
                          for o in s.extra_bwd_s},

@@ -6,7 +6,8 @@ matmuls, convolutions, attention), the bytes of the tensors it reads and writes,
 op; each op is charged to the stage it ran in (``torch.utils.module_tracker``), forward
 or backward, and to its group (``matmul``, ``attention``, ``other``: what a selective
 option saves the output of). ``remat.core.roofline`` turns the counts into times for a
-device. Works on real and fake tensors alike; each op is also timed as it runs when
+device, and per stage the tensors its forward saves for backward (a rebuild packs each
+again). Works on real and fake tensors alike; each op is also timed as it runs when
 asked (``remat calibrate``, on a real model).
 """
 
@@ -105,6 +106,10 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
                stages: Sequence[str], optimizer: str | torch.optim.Optimizer = "adamw", *,
                times: dict[str, tuple[float, Work]] | None = None) -> WorkTable:
@@ -126,8 +131,16 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
     opt = make_optimizer(model, optimizer)
     state = (copy.deepcopy(opt.state_dict())
              if isinstance(optimizer, torch.optim.Optimizer) else None)
+    packs: dict[str, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if counter.phase == "forward":
+            stage = stage_of(modules, stages)
+            packs[stage] = packs.get(stage, 0) + 1
+        return t
+
     try:
-        with modules, counter:
+        with modules, counter, torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
             loss = loss_fn(model, batch)
             counter.phase = "backward"
             loss.backward()
@@ -145,4 +158,4 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
             opt.load_state_dict(state)
     if times is not None:
         times.update(counter.times)
-    return WorkTable(counter.table, counter.spent)
+    return WorkTable(counter.table, counter.spent, packs)
