@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         f"{device.name}: matmul {device.peak_flops['float32'] / 1e9:.1f} GFLOP/s, add "
         f"{device.bandwidth_bytes_per_s / 1e9:.1f} GB/s, a call beyond its kernel "
         f"{device.call_seconds('forward') * 1e6:.1f} us in forward and "
-        f"{device.call_seconds('backward') * 1e6:.1f} us in backward; {report['ops']} ops' "
+        f"{device.call_seconds('backward') * 1e6:.1f} us in backward, a rebuild "
+        f"{device.pack_seconds() * 1e6:.1f} us per saved tensor beyond its forward; "
+        f"{report['ops']} ops' "
         f"rates from {description}, whose {report['rows']} stage times it prices within "
         f"{report['median_abs_error']:.0%} (median), "
         f"{report['max_abs_error']:.0%} (largest); memory {format_bytes(device.memory_bytes)}")
