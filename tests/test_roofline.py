@@ -81,12 +81,30 @@ def test_a_rebuild_is_priced_as_its_forward_and_a_pack_per_saved_tensor() -> Non
     assert packs(7) - packs(2) == 5  # each sine saves its input, once, in forward
     model = nn.Sequential(nn.Linear(8, 8), _Sines(3))
     work = count_work(model, torch.randn(4, 8), lambda m, x: m(x).sum(), ["0", "1"])
-    plain = BUILT_IN["h100-sxm"]
-    assert plain.pack_seconds() == 0 and work.rebuild("1", plain) == work.forward("1", plain)
+    assert BUILT_IN["h100-sxm"].pack_seconds() == 0  # unmeasured there
+    unpriced = Device("here", 1 << 30, {"float32": 1e12}, 1e11, False, False)
     here = Device("here", 1 << 30, {"float32": 1e12}, 1e11, False, False,
                   extra={"pack_s": 1e-5})
-    assert work.rebuild("1", here) == pytest.approx(work.forward("1", here)
+    assert work.rebuild("1", here) == pytest.approx(work.rebuild("1", unpriced)
                                                     + work.packs["1"] * 1e-5)
+
+
+def test_a_rebuild_is_priced_without_the_ops_after_its_last_saved_tensor() -> None:
+    # the block's last matmul: autograd packs its inputs before it runs, and the rebuild
+    # stops at that pack (torch's early stop), so the matmul never runs again
+    block = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = nn.Sequential(block, nn.Linear(8, 1))
+    work = count_work(model, torch.randn(32, 8), lambda m, x: m(x).sum(), ["0", "1"])
+    tail = work.tails["0"]
+    assert [(op, w.ops) for (_, _, _, op), w in tail.items()] == [("addmm", 1)]
+    assert next(iter(tail.values())).total_flops == 2 * 32 * 64 * 8
+    device = BUILT_IN["h100-sxm"]
+    skipped = seconds(next(iter(tail.values())), device, "addmm", "forward")
+    assert work.rebuild("0", device) == pytest.approx(work.forward("0", device) - skipped)
+    # a stage whose last op saves its output (a ReLU after the matmul) skips nothing
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 1))
+    work = count_work(model, torch.randn(32, 8), lambda m, x: m(x).sum(), ["0", "1"])
+    assert not work.tails["0"]
 
 
 def test_the_roofline_adds_compute_memory_and_calls() -> None:
@@ -146,7 +164,9 @@ def test_a_fake_profile_for_a_device_has_the_rooflines_times() -> None:
     assert profile.times_estimated and profile.device == "h100-sxm"
     for s in profile.stages:
         assert 0 < s.fwd_s < s.bwd_s  # backward does twice the matmul work
-        assert s.rebuild_s == s.fwd_s
+        # the block's last matmul and what follows it run after its last saved tensor:
+        # a rebuild (torch's early stop) does not run them again
+        assert 0 < s.rebuild_s < s.fwd_s
         # saving the matmuls' outputs leaves less to replay than saving nothing
         assert s.extra_bwd_s["selective:save-matmuls"] < s.extra_bwd_s["selective:save-nothing"]
     # identical stages, identical estimates; the step adds up its parts

@@ -7,8 +7,9 @@ op; each op is charged to the stage it ran in (``torch.utils.module_tracker``), 
 or backward, and to its group (``matmul``, ``attention``, ``other``: what a selective
 option saves the output of). ``remat.core.roofline`` turns the counts into times for a
 device, and per stage the tensors its forward saves for backward (a rebuild packs each
-again). Works on real and fake tensors alike; each op is also timed as it runs when
-asked (``remat calibrate``, on a real model).
+again) and the ops its forward runs after the last of them (Note [A rebuild stops at its
+last saved tensor] in ``remat.core.roofline``). Works on real and fake tensors alike;
+each op is also timed as it runs when asked (``remat calibrate``, on a real model).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class _Counter(TorchDispatchMode):
         # op name -> (seconds, work) over the step, and seconds by key, when timed
         self.times: dict[str, tuple[float, Work]] = {}
         self.spent: dict[tuple[str, str, str, str], float] = {}
+        # per stage, the forward's ops since it last saved a tensor for backward
+        self.tails: dict[str, dict[tuple[str, str, str, str], Work]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -99,6 +102,9 @@ class _Counter(TorchDispatchMode):
         work = Work(flops={dtype: flops} if flops else {}, bytes=moved, ops=1)
         found = self.table.get(key)
         self.table[key] = work if found is None else found + work
+        if phase == "forward" and stage != OUTSIDE:
+            tail = self.tails.setdefault(stage, {})
+            tail[key] = work if key not in tail else tail[key] + work
         if self.timed:
             spent, total = self.times.get(op, (0.0, Work()))
             self.times[op] = (spent + elapsed, total + work)
@@ -137,6 +143,7 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
         if counter.phase == "forward":
             stage = stage_of(modules, stages)
             packs[stage] = packs.get(stage, 0) + 1
+            counter.tails[stage] = {}  # everything up to here a rebuild runs again
         return t
 
     try:
@@ -158,4 +165,4 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
             opt.load_state_dict(state)
     if times is not None:
         times.update(counter.times)
-    return WorkTable(counter.table, counter.spent, packs)
+    return WorkTable(counter.table, counter.spent, packs, counter.tails)
