@@ -102,7 +102,7 @@ def pack_seconds(steps: int = 15) -> float:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     stage = [model[0]]
     plain = timed_steps(model, batch, loss, opt, stage, steps=steps)
-    region = Plan(["0"], (Region(0, 1),))
+    region = Plan(("0",), (Region(0, 1),))
     rebuilt = timed_steps(model, batch, loss, opt, stage, steps=steps, plan=region)
     fwd = statistics.median(t.fwd_s[0] for t in plain)
     rebuild = statistics.median(t.rebuild_s[0] for t in rebuilt)
