@@ -72,8 +72,16 @@ class _Counter(TorchDispatchMode):
         # op name -> (seconds, work) over the step, and seconds by key, when timed
         self.times: dict[str, tuple[float, Work]] = {}
         self.spent: dict[tuple[str, str, str, str], float] = {}
-        # per stage, the forward's ops since it last saved a tensor for backward
+        # per stage, the tensors its forward saved for backward, and the forward's ops
+        # since the last of them
+        self.packs: dict[str, int] = {}
         self.tails: dict[str, dict[tuple[str, str, str, str], Work]] = {}
+
+    def saved(self, stage: str) -> None:
+        """``stage``'s forward saved a tensor for backward: a rebuild runs everything up
+        to here again."""
+        self.packs[stage] = self.packs.get(stage, 0) + 1
+        self.tails[stage] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -137,13 +145,10 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
     opt = make_optimizer(model, optimizer)
     state = (copy.deepcopy(opt.state_dict())
              if isinstance(optimizer, torch.optim.Optimizer) else None)
-    packs: dict[str, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if counter.phase == "forward":
-            stage = stage_of(modules, stages)
-            packs[stage] = packs.get(stage, 0) + 1
-            counter.tails[stage] = {}  # everything up to here a rebuild runs again
+            counter.saved(stage_of(modules, stages))
         return t
 
     try:
@@ -165,4 +170,4 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
             opt.load_state_dict(state)
     if times is not None:
         times.update(counter.times)
-    return WorkTable(counter.table, counter.spent, packs, counter.tails)
+    return WorkTable(counter.table, counter.spent, counter.packs, counter.tails)
