@@ -109,6 +109,16 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
             "machine's speed moved during the measurement (each pair ran back to back, so "
             "the per-pair figure is the steadier one)"
         )
+    first = report.first_prediction
+    if first is not None:
+        agrees = "agrees with" if not report.prediction_disagrees else "also disagrees with"
+        lines.append(
+            f"note: the first profile predicted {first.overhead:+.1%} "
+            f"({first.overhead_low:+.1%}..{first.overhead_high:+.1%} within its timing "
+            f"noise), apart from the measurement, so remat profiled the plain model again: "
+            f"the prediction above is the second profile's, which {agrees} the measurement "
+            "(the plan was chosen on the first)"
+        )
     if report.prediction_disagrees and report.uncertainty is not None:
         u, gap = report.uncertainty, report.overhead - (report.predicted_overhead or 0.0)
         lines.append(
