@@ -101,9 +101,10 @@ def _line(k: int, data: dict[str, Any]) -> str:
     low, high = data.get("overhead_range", [measured, measured])
     predicted_base = data["plan"].get("baseline_step_time_s") or 0.0
     noted = " (noted)" if data.get("prediction_disagrees") else ""
-    first = data.get("first_prediction")
+    first = data.get("first_attempt")
     if first:  # Note [Profiling again]
-        noted += f" (profiled again; the first predicted {first['overhead']:+.1%})"
+        noted += (f" (again; the first predicted {first['prediction']['overhead']:+.1%}, "
+                  f"measured {first['overhead']:+.1%})")
     moved = (f"{data['baseline_step_time_s'] / predicted_base:.1f}x" if predicted_base else "-")
     return (
         f"| {k} | {'yes' if data['busy'] else 'no'} | {_plan_key(data)} | "
@@ -160,8 +161,8 @@ def main() -> None:
         "than a point under some draw of the times); the measured overhead, the median of "
         "the interleaved per-pair ratios [interquartile range]; measured less predicted "
         "in points (`noted`: auto said the two disagree beyond their noise, the ranges "
-        "apart; `profiled again`: the first profile's prediction was apart from the "
-        "measurement, and auto predicted again from a second profile, the one shown); "
+        "apart; `again`: the first prediction and measurement were apart, and auto "
+        "profiled and measured again, the second figures shown); "
         "the profile's timing spread (largest of the plain step's and the "
         "stages' interquartile range over median) and its timed rounds; how many times "
         "longer the plain step took while measuring than the profile predicted it (far "

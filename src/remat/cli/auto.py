@@ -109,15 +109,16 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
             "machine's speed moved during the measurement (each pair ran back to back, so "
             "the per-pair figure is the steadier one)"
         )
-    first = report.first_prediction
+    first = report.first_attempt
     if first is not None:
-        agrees = "agrees with" if not report.prediction_disagrees else "also disagrees with"
+        u, (low, high) = first.prediction, first.overhead_range
+        agrees = "agree" if not report.prediction_disagrees else "disagree too"
         lines.append(
-            f"note: the first profile predicted {first.overhead:+.1%} "
-            f"({first.overhead_low:+.1%}..{first.overhead_high:+.1%} within its timing "
-            f"noise), apart from the measurement, so remat profiled the plain model again: "
-            f"the prediction above is the second profile's, which {agrees} the measurement "
-            "(the plan was chosen on the first)"
+            f"note: the first profile predicted {u.overhead:+.1%} ({u.overhead_low:+.1%}.."
+            f"{u.overhead_high:+.1%} within its timing noise) and the first measurement gave "
+            f"{first.overhead:+.1%} (interquartile {low:+.1%}..{high:+.1%}), apart, so remat "
+            f"profiled the plain model and timed the pairs again: the figures above are the "
+            f"second ones, which {agrees} (the plan was chosen on the first profile)"
         )
     if report.prediction_disagrees and report.uncertainty is not None:
         u, gap = report.uncertainty, report.overhead - (report.predicted_overhead or 0.0)
