@@ -245,7 +245,7 @@ def test_wide_pairs_are_timed_again_with_twice_as_many_and_narrow_ones_not(
 
     monkeypatch.setattr(auto_module, "interleaved", wide_first)
     # made-up pairs lie apart from any prediction: no second attempt (Note [Profiling again])
-    monkeypatch.setattr(auto_module, "_apart", lambda _measured, _predicted: False)
+    monkeypatch.setattr(auto_module, "_try_again", lambda *_: False)
     wide = remat.auto("gpt", options=TINY, budget="80%", repeats=4)
     assert calls == [4, 8]
     assert len(wide.overhead_pairs) == 12
@@ -278,7 +278,7 @@ def test_pairs_are_added_while_their_median_is_uncertain_up_to_a_bound(
                 "planned": [1.0 + 0.1 * (k % 4) for k in range(repeats)]}
 
     monkeypatch.setattr(auto_module, "interleaved", always_wide)
-    monkeypatch.setattr(auto_module, "_apart", lambda _measured, _predicted: False)
+    monkeypatch.setattr(auto_module, "_try_again", lambda *_: False)
     report = remat.auto("gpt", options=TINY, budget="80%", repeats=4)
     # 4, then 8 at a time while the pairs' median is uncertain, to at most 8 x 4 pairs
     assert calls == [4, 8, 8, 8]
@@ -348,15 +348,18 @@ def test_a_prediction_apart_from_the_measurement_is_made_again_from_a_second_pro
         "\n", " ")
 
 
-def test_auto_profiles_again_exactly_when_its_first_prediction_is_apart_from_the_measurement(
+def test_auto_profiles_again_exactly_when_its_first_prediction_is_off_the_measurement(
     report: AutoReport,
 ) -> None:
-    from remat.benchmarking.main_job import _apart
+    from remat.benchmarking.main_job import AGAIN_GAP, _apart
 
     data = report.to_dict()
     assert (data["first_attempt"] is None) == ("again_s" not in data["timings_s"])
-    if report.first_attempt is None:  # the one prediction was within the measured range
+    first = report.first_attempt
+    if first is None:  # the one prediction was within the measured range and the gap
         assert report.prediction_disagrees is False
+        assert report.predicted_overhead is not None
+        assert abs(report.overhead - report.predicted_overhead) <= AGAIN_GAP
     else:
-        first = report.first_attempt
-        assert _apart(first.overhead_range, first.prediction)
+        assert (abs(first.overhead - first.prediction.overhead) > AGAIN_GAP
+                or _apart(first.overhead_range, first.prediction))
