@@ -51,3 +51,30 @@ def test_twin_options_get_one_set_of_figures_and_the_plan_names_the_first() -> N
     budget = (least + prof.measured_peak_bytes) // 2
     plan = steadiest(prof, solvers.optimal(problem, budget))
     assert "selective:save-attention" not in plan.options, plan.options
+
+
+def test_twin_options_take_one_draw_of_their_times_and_other_options_their_own() -> None:
+    """A draw that priced save-attention below save-nothing on the same stages let the
+    steadiest-plan rule name save-attention x3 on mlp-hetero (noise_stability, 14:50)."""
+    import random
+
+    from remat.core.profile_format import FixedBytes, Profile, StageProfile
+    from remat.core.solve.uncertainty import _random, with_times
+
+    nothing, attention, matmuls = ("selective:save-nothing", "selective:save-attention",
+                                   "selective:save-matmuls")
+    stage = StageProfile(
+        "b", 1, 1, {"keep": 8, nothing: 0, attention: 0, matmuls: 4}, fwd_s=0.02, bwd_s=0.04,
+        rebuild_s=0.02, extra_bwd_s={nothing: 0.02, attention: 0.02, matmuls: 0.025},
+        time_spread={f"extra_bwd_s.{nothing}": (0.010, 0.030),
+                     f"extra_bwd_s.{attention}": (0.010, 0.030),
+                     f"extra_bwd_s.{matmuls}": (0.015, 0.035)})
+    prof = Profile(model="m", batch_size=1, stages=(stage,),
+                   fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
+    rng = random.Random(0)
+    drawn = [with_times(prof, _random(rng)).stages[0] for _ in range(20)]
+    for s in drawn:  # the twins: one draw
+        assert s.extra_bwd_s[nothing] == s.extra_bwd_s[attention]
+        assert 0.010 <= s.extra_bwd_s[nothing] <= 0.030
+    # save-matmuls, with figures of its own, is drawn on its own
+    assert len({round(s.extra_bwd_s[matmuls] - s.extra_bwd_s[nothing], 9) for s in drawn}) > 1

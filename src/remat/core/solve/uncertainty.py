@@ -102,16 +102,22 @@ class PlanUncertainty:
 def with_times(profile: Profile, draw: Draw) -> Profile:
     """``profile`` with every time that has a measured range replaced by ``draw(what, low,
     median, high)``; identical stages (``same_as``) take their group's first stage's
-    draw, the region's fixed cost is drawn as ``region_overhead_s``."""
-    drawn: dict[tuple[int, str], float] = {}
+    draw, the region's fixed cost is drawn as ``region_overhead_s``. A stage's twin
+    options (remat.profiling.twins: one computation under two names, given the same
+    median and range) take one draw: drawn apart, one of them won a draw that the other,
+    identical on every figure, lost, and the steadiest-plan rule then named save-attention
+    x3 over save-nothing x3 on mlp-hetero in 2 of 5 runs (noise_stability, 14:50 UTC)."""
+    drawn: dict[tuple[object, ...], float] = {}
 
     def value(group: int, what: str, mid: float, spread: dict[str, tuple[float, float]]
               ) -> float:
         if what not in spread:
             return mid
-        key = (group, what)
+        low, high = spread[what]
+        # twins: the same figures, bit for bit (pooled from the same samples)
+        key: tuple[object, ...] = ((group, "extra_bwd_s", mid, low, high)
+                                   if what.startswith("extra_bwd_s.") else (group, what))
         if key not in drawn:
-            low, high = spread[what]
             drawn[key] = max(0.0, draw(what, low, mid, high))
         return drawn[key]
 
