@@ -327,8 +327,9 @@ def test_a_prediction_apart_from_the_measurement_is_made_again_from_a_second_pro
 
     monkeypatch.setattr(auto_module, "profile", spell_then_usual)
     out = tmp_path / "auto.json"
+    folder = tmp_path / "out"
     code = main(["auto", "--model", "gpt", *TINY_SETS, "--budget", "75%", "--repeats", "4",
-                 "--json", str(out)])
+                 "--json", str(out), "--out", str(folder)])
     assert code in (0, 1)
     assert len(made) == 2  # profiled again, once
     data = json.loads(out.read_text())
@@ -340,6 +341,12 @@ def test_a_prediction_apart_from_the_measurement_is_made_again_from_a_second_pro
     assert first["overhead"] > data["predicted_overhead"] + 0.3
     assert first["overhead_low"] <= first["overhead"] <= first["overhead_high"]
     assert data["timings_s"]["again_s"] > 0
+    # the folder's profile.json is the plan's (made_for names it); the second is beside it
+    saved = Plan.load(folder / "plan.json")
+    assert saved.made_for is not None
+    assert saved.made_for.profile_sha256 == Profile.load(folder / "profile.json").digest()
+    assert Profile.load(folder / "profile.json").digest() == made[0].digest()
+    assert Profile.load(folder / "profile.again.json").digest() == made[1].digest()
     # the pairs were timed again: the report's overhead is the second measurement's
     again = data["first_attempt"]
     assert len(again["overhead_pairs"]) >= 4 and data["overhead_pairs"] != again["overhead_pairs"]

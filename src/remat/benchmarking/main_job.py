@@ -335,6 +335,8 @@ class FirstAttempt:
 
     prediction: PlanUncertainty
     overhead_pairs: tuple[float, ...]
+    # the first profile, which the plan was made from (its made_for names its digest)
+    profile: Profile | None = field(default=None, repr=False, compare=False)
 
     @property
     def overhead(self) -> float:
@@ -699,7 +701,7 @@ def _auto(
             second_range = plan_uncertainty(again, plan, slots=problem.slots)
             if second is not None and second_range is not None:
                 first_attempt = FirstAttempt(replace(uncertainty, overhead=predicted_overhead),
-                                             tuple(_overheads(times)))
+                                             tuple(_overheads(times)), prof)
                 prof, predicted_overhead = again, second
                 uncertainty = _covering(second_range, second)
                 with step("measuring again", diagnose=diagnose):

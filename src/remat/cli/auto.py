@@ -55,7 +55,8 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the run (default: torch's own)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="write auto.json, plan.json, profile.json and auto.md here")
+                   help="write auto.json, plan.json, profile.json and auto.md here (and "
+                        "profile.again.json when auto profiled a second time)")
     p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,
                    help="under torchrun: each rank runs the job on its shard of the batch "
                    "under DDP or FSDP2 and reports its own peaks (docs/distributed.md)")
@@ -194,7 +195,15 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
         paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         report.plan.save(paths[1])
         paths[2].write_text(f"# remat auto: {report.model}\n\n```text\n{text}```\n")
-        if report.profile is not None:
+        first = report.first_attempt
+        if first is not None and first.profile is not None:
+            # Note [Profiling again]: profile.json is the plan's (its made_for names it)
+            paths.append(target / "profile.json")
+            first.profile.save(paths[-1])
+            if report.profile is not None:
+                paths.append(target / "profile.again.json")
+                report.profile.save(paths[-1])
+        elif report.profile is not None:
             paths.append(target / "profile.json")
             report.profile.save(paths[-1])
     except OSError as err:
