@@ -238,7 +238,7 @@ def _spread(times: dict[str, list[float]]) -> float:
     ratios = _pair_ratios(times)
     if len(ratios) < 4:
         return 0.0
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    q1, q3 = _interquartile(ratios)
     return q3 - q1
 
 
@@ -266,7 +266,25 @@ AGAIN_GAP = 0.05
 
 def _try_again(overheads: Sequence[float], predicted: float, u: PlanUncertainty) -> bool:
     """Whether the measured ``overheads`` and the prediction disagree enough to make both
-    again: their medians more than :data:`AGAIN_GAP` apart, or their ranges apart."""
+    again: their medians more than :data:`AGAIN_GAP` apart, or their ranges apart.
+
+    Note [Profiling again]: a measurement whose overheads lie apart from the prediction's
+    range within the timing noise saw another machine than the profile did, in effect, and
+    either side may have been the odd one: one ``remat auto`` of gpt in ten profiled while
+    every rebuild took 1.3x its usual time, in all four rounds, and measured 11 s later at
+    the usual cost (Note [Machine state between phases]); one of mlp-hetero measured
+    +1.4% (quartiles -0.0%..+3.1%) where its other runs measured +5.6% to +9.9%, and a
+    second profile predicted +7.5% as the first had (+6.0%) (noise_stability, 2026-12-03
+    14:37). So ``remat auto`` makes both again, once: a second profile of a fresh plain
+    model predicts the chosen plan's overhead, the pairs are timed again, and the report
+    gives the second of each whether they agree or not, with the first kept beside them
+    (:class:`FirstAttempt`). The plan is not chosen again: it was verified and measured.
+
+    The trigger is also a gap of more than :data:`AGAIN_GAP` between the medians, ranges
+    overlapping or not: a gpt run predicted +44.3% (+37.2%..+48.0% within the noise) and
+    measured +35.7% (quartiles +33.7%..+38.4%), 8.7 points apart, where that model's runs
+    measure +36% to +40% (noise_stability, 2026-12-03 14:50). What a second attempt changes
+    is recorded: noise_stability marks each run that made one, with its first figures."""
     return (abs(statistics.median(overheads) - predicted) > AGAIN_GAP
             or _apart(_interquartile(overheads), u))
 
@@ -336,7 +354,7 @@ class FirstAttempt:
     prediction: PlanUncertainty
     overhead_pairs: tuple[float, ...]
     # the first profile, which the plan was made from (its made_for names its digest)
-    profile: Profile | None = field(default=None, repr=False, compare=False)
+    profile: Profile = field(repr=False, compare=False)
 
     @property
     def overhead(self) -> float:
@@ -548,36 +566,6 @@ def auto(
                      profile_repeats, progress, malloc, distributed, compile)
 
 
-def _profile_again(factory: Callable[[Any], Any], stages: Sequence[str] | None,
-                   optimizer: str, repeats: int, description: str,
-                   report: Callable[[str, int, int], None]) -> Profile:
-    """Note [Profiling again]: a measurement whose overheads lie apart from the prediction's
-    range within the timing noise saw another machine than the profile did, in effect, and
-    either side may have been the odd one: one ``remat auto`` of gpt in ten profiled while
-    every rebuild took 1.3x its usual time, in all four rounds, and measured 11 s later at
-    the usual cost (Note [Machine state between phases]); one of mlp-hetero measured
-    +1.4% (quartiles -0.0%..+3.1%) where its other runs measured +5.6% to +9.9%, and a
-    second profile predicted +7.5% as the first had (+6.0%) (noise_stability, 2026-12-03
-    14:37). So ``remat auto`` makes both again, once: this second profile of a fresh plain
-    model predicts the chosen plan's overhead, the pairs are timed again, and the report
-    gives the second of each whether they agree or not, with the first kept beside them
-    (``FirstAttempt``). The plan is not chosen again: it was verified and measured.
-
-    The trigger is also a gap of more than :data:`AGAIN_GAP` between the medians, ranges
-    overlapping or not: a gpt run predicted +44.3% (+37.2%..+48.0% within the noise) and
-    measured +35.7% (quartiles +33.7%..+38.4%), 8.7 points apart, where that model's runs
-    measure +36% to +40% (noise_stability, 2026-12-03 14:50). What a second attempt changes
-    is recorded: noise_stability marks each run that made one, with its first figures."""
-    net, batch, loss_fn = factory(None)
-    try:
-        return profile(net, batch, loss_fn, stages, optimizer, repeats=repeats,
-                       description=description,
-                       progress=lambda what, done, total: report(
-                           f"profiling again: {what}", done, total))
-    finally:
-        del net
-
-
 def _auto(
     model: str | Callable[..., Any],
     options: Mapping[str, Any] | None,
@@ -617,11 +605,15 @@ def _auto(
     with step("loading the model"):
         net, batch, loss_fn = factory(None)
     first_step(net, batch, loss_fn)
-    with step("profiling", diagnose=diagnose):
-        prof = profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
+    def profiled(net: Any, batch: Any, loss_fn: Callable[[Any, Any], Any],
+                 label: str) -> Profile:
+        return profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
                        description=description,
-                       progress=lambda what, done, total: report(f"profiling: {what}", done,
+                       progress=lambda what, done, total: report(f"{label}: {what}", done,
                                                                  total))
+
+    with step("profiling", diagnose=diagnose):
+        prof = profiled(net, batch, loss_fn, "profiling")
     if ranks is not None:
         prof = rank_zeros(prof)
     environment = describe_environment(
@@ -690,18 +682,18 @@ def _auto(
             steps = {"plain": plain.step, "planned": planned.step}
             times = _timed_pairs(steps, repeats, warmup, report, ranks is not None)
         timings["measure_s"] = time.perf_counter() - t
+        first = _overheads(times)
         if (ranks is None and predicted_overhead is not None and uncertainty is not None
-                and _try_again(_overheads(times), predicted_overhead, uncertainty)):
+                and _try_again(first, predicted_overhead, uncertainty)):
             # Note [Profiling again]: each instrument once more, the second of each reported
             t = time.perf_counter()
             with step("profiling again", diagnose=diagnose):
-                again = _profile_again(factory, stages, optimizer, profile_repeats,
-                                       description, report)
+                again = profiled(*factory(None), "profiling again")
             second = paired_overhead(plan, again)
             second_range = plan_uncertainty(again, plan, slots=problem.slots)
             if second is not None and second_range is not None:
                 first_attempt = FirstAttempt(replace(uncertainty, overhead=predicted_overhead),
-                                             tuple(_overheads(times)), prof)
+                                             tuple(first), prof)
                 prof, predicted_overhead = again, second
                 uncertainty = _covering(second_range, second)
                 with step("measuring again", diagnose=diagnose):
@@ -735,8 +727,7 @@ def _auto(
         baseline_step_time_s=time_stats(times["plain"]).median_s,
         step_time_s=time_stats(times["planned"]).median_s,
         overhead=ratio - 1,
-        overhead_pairs=tuple(a / b - 1 for a, b in zip(times["planned"], times["plain"],
-                                                        strict=True) if b > 0),
+        overhead_pairs=tuple(_overheads(times)),
         uncertainty=uncertainty,
         predicted_overhead=predicted_overhead,
         predicted_overhead_statistic=statistic,

@@ -195,17 +195,15 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
         paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         report.plan.save(paths[1])
         paths[2].write_text(f"# remat auto: {report.model}\n\n```text\n{text}```\n")
+        # Note [Profiling again]: profile.json is the plan's (its made_for names it), a
+        # second attempt's profile.again.json
         first = report.first_attempt
-        if first is not None and first.profile is not None:
-            # Note [Profiling again]: profile.json is the plan's (its made_for names it)
-            paths.append(target / "profile.json")
-            first.profile.save(paths[-1])
-            if report.profile is not None:
-                paths.append(target / "profile.again.json")
-                report.profile.save(paths[-1])
-        elif report.profile is not None:
-            paths.append(target / "profile.json")
-            report.profile.save(paths[-1])
+        saved = {"profile.json": report.profile if first is None else first.profile,
+                 "profile.again.json": None if first is None else report.profile}
+        for name, found in saved.items():
+            if found is not None:
+                paths.append(target / name)
+                found.save(paths[-1])
     except OSError as err:
         raise UsageError(
             f"cannot write to {folder!r} ({err.strerror}); give a writable --out"
