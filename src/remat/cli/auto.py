@@ -117,7 +117,8 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
         lines.append(
             f"note: the first profile predicted {u.overhead:+.1%} ({u.overhead_low:+.1%}.."
             f"{u.overhead_high:+.1%} within its timing noise) and the first measurement gave "
-            f"{first.overhead:+.1%} (interquartile {low:+.1%}..{high:+.1%}), apart, so remat "
+            f"{first.overhead:+.1%} (interquartile {low:+.1%}..{high:+.1%}): over 5 points or "
+            f"their ranges apart, so remat "
             f"profiled the plain model and timed the pairs again: the figures above are the "
             f"second ones, which {agrees} (the plan was chosen on the first profile)"
         )
