@@ -389,6 +389,74 @@ def test_a_region_clearly_cheaper_than_the_option_is_kept() -> None:
     assert steadiest(profile, chosen).regions == (Region(0, 1),)
 
 
+def _regions_or_nothing(region_s: float, nothing_s: float) -> Profile:
+    """Four stages of which two must be rebuilt: stages 0 and 2 cheaply, each by a region
+    over it alone (``region_s``) or by selective save-nothing (``nothing_s`` more
+    backward), known to +-0.005 s; stages 1 and 3 cost far more to rebuild either way."""
+    stages = tuple(
+        StageProfile(
+            name=f"s{i}", boundary_bytes=100, output_bytes=100,
+            saved_bytes={"keep": 1000, "selective:save-nothing": 0,
+                         "selective:save-attention": 0},  # a twin of save-nothing
+            fwd_s=1.0, bwd_s=1.0, rebuild_s=region_s if i % 2 == 0 else 5.0,
+            extra_bwd_s={o: nothing_s if i % 2 == 0 else 5.0
+                         for o in ("selective:save-nothing", "selective:save-attention")},
+            time_spread={"rebuild_s": (region_s - 0.005, region_s + 0.005),
+                         **{f"extra_bwd_s.{o}": (nothing_s - 0.005, nothing_s + 0.005)
+                            for o in ("selective:save-nothing", "selective:save-attention")}}
+            if i % 2 == 0 else {},
+        )
+        for i in range(4)
+    )
+    fixed = FixedBytes(0, 0, 0, 0, 0, 0, 0)
+    return Profile(model="regions-or-nothing", batch_size=1, stages=stages, fixed=fixed,
+                   timing_noise=TimingNoise(rounds=5, stage_spread=0.005))
+
+
+@pytest.mark.parametrize("nothing_s, steady_regions", [
+    (1.1, ()),  # 2.5 points apart: beyond the tie, within the wide tie
+    (1.2, (Region(0, 1),)),  # 2.5 points a stage: one stage traded is within the wide tie
+    (1.3, (Region(0, 1), Region(2, 3))),  # 3.75 points a stage: the regions are cheaper
+])
+def test_regions_over_single_stages_are_one_computation_with_save_nothing_on_them(
+    nothing_s: float, steady_regions: tuple[Region, ...],
+) -> None:
+    # Two single-stage regions against save-nothing on both stages: the same ops rebuilt
+    # in the same backwards, priced by two instruments whose gap moves from one profile
+    # to the next (mlp-hetero: -1.1 to +1.3 points over 20 profiles). The draws are too
+    # narrow to favour either, and trading one region at a time never reaches the other
+    # plan: both are traded at once and tie up to the wide tie, not beyond.
+    from remat.core.solve import simulate
+    from remat.core.solve.from_profile import problem_from_profile
+    from remat.core.solve.uncertainty import WIDE_TIE, _one_computation
+
+    profile = _regions_or_nothing(1.0, nothing_s)
+    problem = problem_from_profile(profile)
+    names = profile.stage_names
+    by_regions = Plan(names, (Region(0, 1), Region(2, 3)))
+    by_options = Plan(names, (), ("selective:save-nothing", "keep") * 2)
+    by_twins = Plan(names, (), ("selective:save-attention", "keep") * 2)
+    assert (_one_computation(by_regions, problem) == _one_computation(by_options, problem)
+            == _one_computation(by_twins, problem))
+    assert _one_computation(Plan(names, (Region(0, 3),)), problem) != _one_computation(
+        by_options, problem)
+    peaks = [simulate(p, problem).peak_bytes for p in (by_regions, by_options)]
+    budget = max(peaks)
+    one_fewer = Plan(names, (Region(0, 1),))
+    assert simulate(one_fewer, problem).peak_bytes > budget  # both stages must be rebuilt
+    chosen = make_plan(profile, budget)
+    assert chosen.regions == (Region(0, 1), Region(2, 3))  # cheaper on the medians
+    base = simulate(Plan(names), problem).step_time_s
+    apart = (simulate(by_options, problem).step_time_s
+             - simulate(by_regions, problem).step_time_s) / base
+    assert 0.01 < apart < WIDE_TIE if not steady_regions else apart > WIDE_TIE
+    steady = steadiest(profile, chosen)
+    assert steady.regions == steady_regions
+    traded = {r.start for r in chosen.regions} - {r.start for r in steady_regions}
+    assert steady.options == tuple("selective:save-nothing" if i in traded else "keep"
+                                   for i in range(4))
+
+
 def simulate_peak(profile: Profile, options: tuple[str, ...]) -> int:
     from remat.core.solve import simulate
     from remat.core.solve.from_profile import problem_from_profile
