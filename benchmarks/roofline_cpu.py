@@ -2,8 +2,9 @@
 
 Issue 18, item 3's check on this CPU: ``remat calibrate`` on the built-in gpt (its ops'
 rates and the cost of a call, and a reference convolutional network's ops' rates), run
-again right before each measurement (the machine's speed moves within minutes), then for
-each model, in three interleaved rounds, a real profile (one thread) and
+again right before and right after each measurement (the machine's speed moves within
+minutes; the estimate is the geometric mean of the two), then for each model, in three
+rounds, a real profile (one thread) and
 the work of one step counted (``remat.profiling.op_costs``): each stage's forward time
 as the roofline predicts it against the measured one, and the per-stage plan's overhead
 (one region per stage) with the estimated times against the measured times, both through
@@ -18,6 +19,7 @@ Prints a table and writes it to ``benchmarks/roofline_cpu.md``.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -56,6 +58,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     calibration = load_model(CALIBRATION)
     device, fit = calibrate_device(*calibration, description=CALIBRATION)
+    drifts: list[float] = []  # per round: matmul rate after the profile over before it
     lines = ["| model | stages | forward error, median | forward error, largest | "
              "per-stage overhead measured | estimated | gap (pts), median (range) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -63,17 +66,23 @@ def main() -> None:
         model, batch, loss_fn = load_model(name)
         ratios: list[list[float]] = []  # per round, per stage: estimated over measured
         gaps: list[tuple[float, float]] = []  # per round: measured and estimated overhead
+        # calibrated right before and right after each measurement (the after one is the
+        # next round's before): this shared machine's speed moves by up to 2x within
+        # minutes, a calibration holds for the minutes around it, and the two bracket the
+        # profile in time; each estimate is the geometric mean of the two calibrations',
+        # each figure the median of the rounds'
+        before, _ = calibrate_device(*calibration, description=CALIBRATION)
         for _ in range(ROUNDS):
-            # calibrated again right before each measurement: this shared machine's speed
-            # moves by up to 2x within minutes, and a calibration holds for the minutes
-            # around it; the rounds interleave the two, and each figure is their median
-            device, _ = calibrate_device(*calibration, description=CALIBRATION)
             profile = remat.profile(model, batch, loss_fn, repeats=2)
+            after, _ = calibrate_device(*calibration, description=CALIBRATION)
+            drifts.append(after.peak_flops["float32"] / before.peak_flops["float32"])
             work = count_work(model, batch, loss_fn, profile.stage_names, profile.optimizer)
-            estimated = with_estimated_times(profile, work, device)
-            ratios.append([e.fwd_s / m.fwd_s if m.fwd_s > 0 else 1.0
-                           for e, m in zip(estimated.stages, profile.stages, strict=True)])
-            gaps.append((overhead(profile), overhead(estimated)))
+            bracket = [with_estimated_times(profile, work, d) for d in (before, after)]
+            ratios.append([math.sqrt(e1.fwd_s * e2.fwd_s) / m.fwd_s if m.fwd_s > 0 else 1.0
+                           for e1, e2, m in zip(*(b.stages for b in bracket), profile.stages,
+                                                strict=True)])
+            gaps.append((overhead(profile), statistics.mean(overhead(b) for b in bracket)))
+            before = after
         errors = [statistics.median(r[i] for r in ratios) - 1 for i in range(len(ratios[0]))]
         worst = max(errors, key=abs)
         measured_o = statistics.median(m for m, _ in gaps)
@@ -98,10 +107,14 @@ def main() -> None:
         f"within {fit['median_abs_error']:.0%} (median). Forward error: the estimated stage "
         "forward time over the measured median, less 1, per stage. Overhead: one region per "
         "stage against no checkpointing, through the simulator, on measured and on "
-        f"estimated times. Each model is measured in {ROUNDS} rounds, each right after a "
-        "calibration of its own (the machine's speed moves within minutes; the figures "
-        "above are the first calibration's): a stage's error is the median of its rounds' "
-        "ratios, an overhead the median of its rounds'. One run of the script.",
+        f"estimated times. Each model is measured in {ROUNDS} rounds, each bracketed by a "
+        "calibration right before and one right after it (the machine's speed moves within "
+        "minutes; the figures above are the first calibration's), its estimates the "
+        "geometric mean of the two calibrations' (overheads: the mean): a stage's error is "
+        "the median of its rounds' ratios, an overhead the median of its rounds'. The "
+        "matmul rate moved by "
+        f"{min(drifts) - 1:+.0%} to {max(drifts) - 1:+.0%} between a round's two "
+        "calibrations. One run of the script.",
         "",
         *lines,
         "",
