@@ -161,6 +161,32 @@ def test_a_gpt_plan_on_mlp_hetero_is_refused_with_one_sentence(gpt8_plan: Plan) 
     assert_untouched(model, before)
 
 
+def test_a_plan_naming_paths_the_model_lacks_is_refused_naming_its_model(
+    gpt8_plan: Plan, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A plan made for a model whose stages live elsewhere (a UNet's down_blocks.0.resnets.0
+    # on an MLP): remat.verify had looked the paths up for its compile check before apply
+    # checked them, and `remat verify` ended in "unexpected error: AttributeError".
+    elsewhere = replace(gpt8_plan, stages=tuple(f"layers.{i}" for i in range(8)))
+    expected = ("the plan made for gpt n_layer=8 does not fit this model: it names stage "
+                "'layers.0', which HeteroMLP has no submodule at; make a plan for this model "
+                "with remat plan")
+    model, batch, loss_fn = load_model("mlp-hetero", n_blocks=8, **TINY_MLP)
+    before = snapshot(model)
+    for run in (lambda: remat.apply(model, elsewhere),
+                lambda: remat.verify(model, batch, elsewhere, loss_fn, steps=1)):
+        with pytest.raises(UsageError) as err:
+            run()
+        assert str(err.value) == expected
+        assert_untouched(model, before)
+    path = tmp_path / "plan.json"
+    elsewhere.save(path)
+    hetero = ["--model", "mlp-hetero", "--set", "n_blocks=8", "--set", "d_model=32",
+              "--set", "expansion=4", "--set", "depth=2", "--batch-size", "2"]
+    assert main(["verify", *hetero, "--plan", str(path), "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"remat verify: error: {expected}"
+
+
 def test_a_plan_for_wider_blocks_is_refused(gpt8_plan: Plan) -> None:
     model, _, _ = load_model("gpt", n_layer=8, **{**TINY_GPT, "n_embd": 64})
     before = snapshot(model)

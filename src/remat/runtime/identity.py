@@ -15,8 +15,10 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.model_identity import MadeFor, StageIdentity, fingerprint
 from remat.core.plan_format import Plan
+from remat.runtime.stages import unknown_path_message
 
-__all__ = ["check_made_for", "made_for_model", "model_stages", "plan_notes", "stage_identity"]
+__all__ = ["check_made_for", "made_for_model", "model_stages", "plan_notes", "stage_identity",
+           "stage_module"]
 
 FORCE_HINT = "pass --force-plan (force=True) to apply it anyway"
 
@@ -198,3 +200,20 @@ def plan_notes(model: nn.Module, plan: Plan, *, force: bool = False) -> tuple[st
     except AttributeError:
         return ()
     return check_made_for(model, plan, modules, force=force)
+
+
+def stage_module(model: nn.Module, plan: Plan, path: str) -> nn.Module:
+    """The plan's stage ``path`` in ``model``; UsageError when the model lacks it, naming
+    the model the plan was made for where it records one (a plan for another model names
+    paths this one does not have: that, not a typo, is the likelier cause)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        made = plan.made_for.model if plan.made_for is not None else None
+        if made:
+            raise UsageError(
+                f"the plan made for {made} does not fit this model: it names stage {path!r}, "
+                f"which {type(model).__name__} has no submodule at; make a plan for this "
+                "model with remat plan"
+            ) from None
+        raise UsageError(unknown_path_message(model, path)) from None

@@ -42,9 +42,8 @@ from remat.runtime.compiled_stages import CompiledForward, stages_compiled
 from remat.runtime.engine import Engine, StageObserver, opaque
 from remat.runtime.existing import check_apply
 from remat.runtime.fsdp_units import check_fsdp_units
-from remat.runtime.identity import check_made_for
+from remat.runtime.identity import check_made_for, stage_module
 from remat.runtime.policies import ROUTING_OPS, StagePolicy, resolve
-from remat.runtime.stages import unknown_path_message
 
 __all__ = ["Handle", "applied", "apply", "installed_hook_ids", "observe", "remove"]
 
@@ -343,10 +342,7 @@ def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
     """The plan's stage modules; UsageError for unknown, nested or already-wrapped ones."""
     modules: list[nn.Module] = []
     for path in plan.stages:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            raise UsageError(unknown_path_message(model, path)) from None
+        module = stage_module(model, plan, path)
         if module is model:
             raise UsageError(f"stage {path!r} is the model itself; stages must be submodules")
         if module in _WRAPPED:

@@ -26,6 +26,7 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.measure.step import OPTIMIZERS, make_optimizer
 from remat.runtime.compiled_stages import stages_compiled
+from remat.runtime.identity import stage_module
 from remat.runtime.install import Handle, apply, observe
 from remat.verification.compare import check_tensors
 from remat.verification.divergence import StageRecords, first_divergence
@@ -218,6 +219,8 @@ def verify(
     policy = parse_tolerance(tolerance)
     plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
     resolved = resolve_plan(plan, twin)
+    for path in resolved.stages:  # a plan for another model: one sentence, before anything
+        stage_module(twin, resolved, path)
     # Compiled stages run as graphs: no op of theirs reaches a dispatch mode, so the value
     # check and the hazard probes (which would run them eagerly) are skipped, and the
     # steps are compared as compiled (docs/compile.md).
