@@ -226,14 +226,34 @@ def _region_or_option(plan: Plan, problem: Problem) -> list[Plan]:
     return out
 
 
+def _alone(plan: Plan, problem: Problem) -> set[int]:
+    """The stages ``plan`` rebuilds by a region over that stage alone (kept inside, no
+    other region over it) where save-nothing is offered."""
+    return {r.start for r in plan.regions
+            if r.stop == r.start + 1 and plan.parsed_options[r.start].is_keep
+            and sum(q.start <= r.start < q.stop for q in plan.regions) == 1
+            and NOTHING in problem.options(r.start)}
+
+
+def _computation_tie(a: Plan, b: Plan, problem: Problem) -> float:
+    """How far apart (a share of the plain step) plans ``a`` and ``b`` tie as one
+    computation (:func:`_one_computation`): :data:`TIE` per stage rebuilt by a region in
+    one and by save-nothing in the other, at most :data:`WIDE_TIE`; 0 when they are not
+    one computation. Per stage, because each such stage is priced by two instruments, each
+    with its own error (on mlp-hetero about half a point a stage); no more, because
+    save-nothing is not free where a region is: it runs the stage's forward under the
+    selective-checkpoint dispatch mode, 2 points a stage on the README's six-block
+    residual MLP, where a wider tie chose a plan the noise check then called beaten."""
+    if _one_computation(a, problem) != _one_computation(b, problem):
+        return 0.0
+    return min(WIDE_TIE, TIE * len(_alone(a, problem) ^ _alone(b, problem)))
+
+
 def _regions_as_options(plan: Plan, problem: Problem) -> Plan:
     """``plan`` with every region over one stage alone (the stage kept inside, no other
     region over it) traded for save-nothing on that stage, which rebuilds the same ops in
     the same backward: one computation, named two ways."""
-    alone = {r.start for r in plan.regions
-             if r.stop == r.start + 1 and plan.parsed_options[r.start].is_keep
-             and sum(q.start <= r.start < q.stop for q in plan.regions) == 1
-             and NOTHING in problem.options(r.start)}
+    alone = _alone(plan, problem)
     if not alone:
         return plan
     return replace(plan,
@@ -307,9 +327,10 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     option on it and back, or every such region traded for save-nothing at once) competes
     too, where it fits the budget; a plan further than :data:`TIE` from the fastest still
     ties, up to :data:`WIDE_TIE`, where it is no slower than it under one of the draws or
-    is the same computation (:func:`_one_computation`: single-stage regions against
+    is the same computation within :func:`_computation_tie` (single-stage regions against
     save-nothing, priced by two instruments whose gap moved between -1.1 and +1.3 points
-    over 20 profiles of mlp-hetero, which the draws rarely reversed). Plans that
+    over 20 profiles of mlp-hetero, two stages traded, which the draws rarely reversed).
+    Plans that
     close are one plan as far as the timings can tell; which of them the
     medians favour changes from one profile to the next (three blocks of mlp-hetero under
     save-nothing, save-attention or save-matmuls, 0.3 points apart), so the choice among
@@ -339,18 +360,17 @@ def steadiest(profile: Profile, plan: Plan, *, slots: int = 500, draws: int = DR
     timed = [(sim, p) for sim, p in timed if sim.peak_bytes <= plan.budget_bytes]
     fastest_sim, fastest = min(timed, key=lambda sp: sp[0].step_time_s)
     drawn: list[tuple[Problem, float]] = []  # each drawn problem, fastest's time on it
-    same = _one_computation(fastest, problem)
 
     def tied(other: Plan, step_s: float) -> bool:
         """Within TIE of the fastest on the medians, or, within WIDE_TIE, the same
-        computation as it or at least as fast as it under one of the draws (made once,
-        when a plan first needs them)."""
+        computation as it (within _computation_tie) or at least as fast as it under one
+        of the draws (made once, when a plan first needs them)."""
         slower_s = step_s - fastest_sim.step_time_s
         if slower_s <= TIE * base:
             return True
         if slower_s > WIDE_TIE * base:
             return False
-        if _one_computation(other, problem) == same:
+        if slower_s <= _computation_tie(other, fastest, problem) * base:
             return True
         if not drawn:
             for d, _ in resolved:
@@ -382,13 +402,15 @@ def plan_uncertainty(profile: Profile, plan: Plan, *, slots: int = 500, draws: i
                     if resolve and plan.budget_bytes is not None
                     else [(drawn, None) for drawn in _drawn(profile, draws, seed)])
     overheads, changed, regret = [], 0, 0.0
+    problem = problem_from_profile(profile, slots=slots)
     for drawn, other in resolved:
         ours = _overhead(plan, drawn, slots)
         overheads.append(ours)
         if other is None or _same(other, plan):
             continue
         lost = ours - _overhead(other, drawn, slots)
-        if lost > TIE:
+        # the steadiest-plan rule's own tie: the same computation, named the other way
+        if lost > max(TIE, _computation_tie(plan, other, problem)):
             changed += 1
             regret = max(regret, lost)
     nominal = _overhead(plan, profile, slots)
