@@ -59,6 +59,7 @@ def main() -> None:
     calibration = load_model(CALIBRATION)
     device, fit = calibrate_device(*calibration, description=CALIBRATION)
     drifts: list[float] = []  # per round: matmul rate after the profile over before it
+    before = device
     lines = ["| model | stages | forward error, median | forward error, largest | "
              "per-stage overhead measured | estimated | gap (pts), median (range) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -67,11 +68,10 @@ def main() -> None:
         ratios: list[list[float]] = []  # per round, per stage: estimated over measured
         gaps: list[tuple[float, float]] = []  # per round: measured and estimated overhead
         # calibrated right before and right after each measurement (the after one is the
-        # next round's before): this shared machine's speed moves by up to 2x within
-        # minutes, a calibration holds for the minutes around it, and the two bracket the
-        # profile in time; each estimate is the geometric mean of the two calibrations',
-        # each figure the median of the rounds'
-        before, _ = calibrate_device(*calibration, description=CALIBRATION)
+        # next round's before, the next model's too): this shared machine's speed moves by
+        # up to 2x within minutes, a calibration holds for the minutes around it, and the
+        # two bracket the profile in time; each estimate is the geometric mean of the two
+        # calibrations', each figure the median of the rounds'
         for _ in range(ROUNDS):
             profile = remat.profile(model, batch, loss_fn, repeats=2)
             after, _ = calibrate_device(*calibration, description=CALIBRATION)

@@ -682,9 +682,9 @@ def _auto(
             steps = {"plain": plain.step, "planned": planned.step}
             times = _timed_pairs(steps, repeats, warmup, report, ranks is not None)
         timings["measure_s"] = time.perf_counter() - t
-        first = _overheads(times)
+        pairs = _overheads(times)
         if (ranks is None and predicted_overhead is not None and uncertainty is not None
-                and _try_again(first, predicted_overhead, uncertainty)):
+                and _try_again(pairs, predicted_overhead, uncertainty)):
             # Note [Profiling again]: each instrument once more, the second of each reported
             t = time.perf_counter()
             with step("profiling again", diagnose=diagnose):
@@ -693,11 +693,12 @@ def _auto(
             second_range = plan_uncertainty(again, plan, slots=problem.slots)
             if second is not None and second_range is not None:
                 first_attempt = FirstAttempt(replace(uncertainty, overhead=predicted_overhead),
-                                             tuple(first), prof)
+                                             tuple(pairs), prof)
                 prof, predicted_overhead = again, second
                 uncertainty = _covering(second_range, second)
                 with step("measuring again", diagnose=diagnose):
                     times = _timed_pairs(steps, repeats, warmup, report, False)
+                pairs = _overheads(times)
             timings["again_s"] = time.perf_counter() - t
     finally:
         planned.close()
@@ -727,7 +728,7 @@ def _auto(
         baseline_step_time_s=time_stats(times["plain"]).median_s,
         step_time_s=time_stats(times["planned"]).median_s,
         overhead=ratio - 1,
-        overhead_pairs=tuple(_overheads(times)),
+        overhead_pairs=tuple(pairs),
         uncertainty=uncertainty,
         predicted_overhead=predicted_overhead,
         predicted_overhead_statistic=statistic,

@@ -197,6 +197,14 @@ def _swaps(options: tuple[str, ...], problem: Problem) -> list[tuple[str, ...]]:
     return out
 
 
+def _single_stage_regions(plan: Plan) -> set[int]:
+    """The stages ``plan`` rebuilds by a region over that stage alone: kept inside, no
+    other region over it."""
+    return {r.start for r in plan.regions
+            if r.stop == r.start + 1 and plan.parsed_options[r.start].is_keep
+            and sum(q.start <= r.start < q.stop for q in plan.regions) == 1}
+
+
 def _region_or_option(plan: Plan, problem: Problem) -> list[Plan]:
     """The plan with one stage rebuilt the other way: a region over that stage alone (the
     stage kept inside) against a selective option on it outside any region. Both run the
@@ -204,9 +212,7 @@ def _region_or_option(plan: Plan, problem: Problem) -> list[Plan]:
     noise hides (mlp-hetero at 75%: regions [0,1) [3,4) [4,5) against save-nothing on
     those three blocks, chosen 3 and 2 times in five runs)."""
     inside = {i for r in plan.regions for i in range(r.start, r.stop)}
-    alone = {r.start for r in plan.regions
-             if r.stop == r.start + 1 and plan.parsed_options[r.start].is_keep
-             and sum(q.start <= r.start < q.stop for q in plan.regions) == 1}
+    alone = _single_stage_regions(plan)
     out = []
     for i in range(problem.n):
         selective = [o for o in problem.options(i) if o.startswith("selective:")]
@@ -227,12 +233,8 @@ def _region_or_option(plan: Plan, problem: Problem) -> list[Plan]:
 
 
 def _alone(plan: Plan, problem: Problem) -> set[int]:
-    """The stages ``plan`` rebuilds by a region over that stage alone (kept inside, no
-    other region over it) where save-nothing is offered."""
-    return {r.start for r in plan.regions
-            if r.stop == r.start + 1 and plan.parsed_options[r.start].is_keep
-            and sum(q.start <= r.start < q.stop for q in plan.regions) == 1
-            and NOTHING in problem.options(r.start)}
+    """:func:`_single_stage_regions` of ``plan`` where save-nothing is offered."""
+    return {i for i in _single_stage_regions(plan) if NOTHING in problem.options(i)}
 
 
 def _computation_tie(a: Plan, b: Plan, problem: Problem) -> float:
