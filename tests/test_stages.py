@@ -285,13 +285,39 @@ def test_diffusers_unet_chains_down_mid_and_up_blocks() -> None:
     assert down[:3] == ["down_blocks.0.resnets.0", "down_blocks.0.resnets.1",
                         "down_blocks.0.downsamplers.0"]  # fmt: skip
     assert "down_blocks.1.attentions.1" in down
+    # the mid block calls its attention between its two resnets: a stage, not glue
     assert [s for s in chain.stages if s.startswith("mid_block.")] == [
         "mid_block.resnets.0",
+        "mid_block.attentions.0",
         "mid_block.resnets.1",
     ]
     assert "up_blocks.0.attentions.2" in up and up[-1] == "up_blocks.1.resnets.2"
     assert chain.stages.index(down[-1]) < chain.stages.index("mid_block.resnets.0")
     assert chain.share > 0.8
+
+
+class MidBlock(nn.Module):
+    """diffusers' mid-block shape: a block, an attention-like module, a block, with a norm
+    before the first block and a projection after the last (neither between them)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm_in = nn.LayerNorm(d)
+        self.resnets = nn.ModuleList(TanhBlock(d) for _ in range(2))
+        self.mixers = nn.ModuleList([nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(),
+                                                   nn.Linear(2 * d, d))])
+        self.proj_out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](self.norm_in(x))
+        x = x + self.mixers[0](x)
+        return self.proj_out(self.resnets[1](x)).sum()
+
+
+def test_a_module_called_between_two_blocks_by_their_parent_is_a_stage() -> None:
+    chain = discover_chain(MidBlock(), torch.randn(4, 8))
+    assert chain.stages == ("resnets.0", "mixers.0", "resnets.1")
+    assert all(b > 0 for b in chain.stage_bytes)
 
 
 class Caller(nn.Module):

@@ -133,7 +133,7 @@ class StageRecord:
     # made them: they depend on where backward is, not on the plan.
     pending_grad_bytes: int = 0
     # Of saved_bytes, what the model's code between the previous stage and this one keeps
-    # for backward (a block the chain does not list: diffusers' mid-block attention).
+    # for backward (a block the chain does not list: a module between two stages the user named).
     link_saved_bytes: int = 0
 
     def __post_init__(self) -> None:

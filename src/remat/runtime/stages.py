@@ -16,7 +16,10 @@ holds most of the activation memory (docs/stages.md gives the rules and their re
    keeps one level. Containers on different
    branches of the module tree all contribute, so ResNet's ``layer1..layer4`` give one
    chain of eight blocks and an encoder-decoder its encoder then its decoder blocks.
-3. The stages are ordered by their call; stages whose calls overlap are dropped
+3. A module the parent of such a container calls once between two of its blocks that
+   are stages, and that saves memory, is a stage too (diffusers' mid-block attention
+   between its two resnets): inside a region it would be glue, replayed call by call.
+4. The stages are ordered by their call; stages whose calls overlap are dropped
    (the one holding less memory goes).
 
 Activation memory is what autograd saves during the forward (distinct storages,
@@ -248,7 +251,29 @@ def _choose(model: nn.Module, trace: _Trace) -> list[str]:
             return blocks
         return [p for p, _ in split]
 
-    chosen = sorted(best("", model), key=trace.start.__getitem__)
+    def interleaved(stages: list[str]) -> list[str]:
+        """What a container's parent calls between two of its blocks that are stages
+        (diffusers' mid-block attention between its two resnets, rule 3): stages too."""
+        chosen_set = set(stages)
+        extra: list[str] = []
+        for path, blocks in containers.items():
+            inside = [b for b in blocks if b in chosen_set]
+            if len(inside) < 2:
+                continue
+            first, last = min(inside, key=trace.start.__getitem__), max(
+                inside, key=trace.start.__getitem__)
+            parent = path.rpartition(".")[0]
+            for c, m in _children(parent, model.get_submodule(parent)):
+                if c == path:
+                    continue
+                extra += [p for p, _ in leftovers(c, m) if p not in chosen_set
+                          and not any(s.startswith(f"{p}.") for s in stages)
+                          and trace.end[first] < trace.start[p]
+                          and trace.end[p] < trace.start[last]]
+        return extra
+
+    found = best("", model)
+    chosen = sorted(found + interleaved(found), key=trace.start.__getitem__)
     # Calls of modules that are not nested can still overlap (one module called from
     # inside another it does not own); keep the heavier of two overlapping stages.
     result: list[str] = []
