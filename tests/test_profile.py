@@ -182,12 +182,15 @@ def test_the_toy_profile_prices_options_and_regions_from_its_timed_steps(
     assert sum(s.extra_bwd_s["selective:save-nothing"] for s in toy_profile.stages) > 0
     problem = problem_from_profile(toy_profile)
     assert problem.stages[0].extra_bwd_s == toy_profile.stages[0].extra_bwd_s
-    # Note [Links inside a region]: charged per stage rebuilt, less one per region
+    # Note [Links inside a region]: a region costs its own figure and each link inside it
     link = toy_profile.region_link_s
     assert link is not None and 0 <= link <= toy_profile.region_overhead_s
-    assert problem.region_overhead_s == pytest.approx(toy_profile.region_overhead_s - link)
+    assert problem.region_overhead_s == toy_profile.region_overhead_s
     for cost, measured in zip(problem.stages, toy_profile.stages, strict=True):
-        assert cost.rebuild_s == pytest.approx(measured.rebuild_s + link)
+        assert cost.rebuild_s == measured.rebuild_s
+    assert [s.link_s for s in problem.stages] == [link] * (problem.n - 1) + [0.0]
+    assert problem.region_s(0, problem.n) == pytest.approx(
+        toy_profile.region_overhead_s + (problem.n - 1) * link)
 
 
 def test_spanning_regions_are_the_longest_runs_no_break_divides() -> None:

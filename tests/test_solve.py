@@ -205,6 +205,8 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
                 for t, made in enumerate(draw(st.lists(st.integers(0, i), max_size=2)))
             ) if reads else (),
             held_through=draw(st.none() | st.integers(i + 1, n + 1)) if held else None,
+            # what a region holding this stage and the next pays for the link between them
+            link_s=float(draw(st.integers(0, 2))) if i + 1 < n else 0.0,
         ))
     pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
     attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads

@@ -261,7 +261,7 @@ def with_times_of(problem: Problem, timed: Problem) -> Problem:
             "chain of stages"
         )
     stages = tuple(
-        replace(s, fwd_s=t.fwd_s, bwd_s=t.bwd_s, rebuild_s=t.rebuild_s,
+        replace(s, fwd_s=t.fwd_s, bwd_s=t.bwd_s, rebuild_s=t.rebuild_s, link_s=t.link_s,
                 extra_bwd_s={o: x for o, x in t.extra_bwd_s.items()
                              if o in s.saved_bytes or Option(o).is_offload})
         for s, t in zip(problem.stages, timed.stages, strict=True)

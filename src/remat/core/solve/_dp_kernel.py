@@ -53,7 +53,7 @@ def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: A
                kbase: Any, ebase: Any, first: Any, sat: Any, M: int, early_stop: bool, q: int,
                nopt: Any, kinds: Any, t_run: Any, t_open: Any, bwd: Any, fwd_base: Any,
                hold: Any, hold_open: Any, inp: Any, a: Any, sg: Any, reb: Any, ns: Any,
-               ao_cost: Any, ao_need: Any, ovh_s: float, ob: int) -> None:
+               ao_cost: Any, ao_need: Any, opens: Any, ob: int) -> None:
     inf = np.inf
     best[:] = inf
     g = a[e] + sg[e]
@@ -117,6 +117,7 @@ def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: A
             continue
         hi_in = sh + sat[1, ri]
         inner = seg1[ri]
+        ov = opens[k, stop]
         if early_stop:
             an = ao_need[stop, e]
             if an >= 0:
@@ -124,14 +125,14 @@ def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: A
                 if lo <= M:
                     cost = ao_cost[stop, e]
                     hi = min(M, max(lo, hi_in))
-                    vmin = (ovh_s + inner[hi - sh]) + cost
+                    vmin = (ov + inner[hi - sh]) + cost
                     if vmin < best[lo]:
                         end = first_at_most(best, lo, M, vmin)
                         cnt = min(hi + 1, end) - lo
                         b = best[lo: lo + cnt]
                         x = inner[lo - sh: lo - sh + cnt]
                         for i in range(cnt):
-                            b[i] = min((ovh_s + x[i]) + cost, b[i])
+                            b[i] = min((ov + x[i]) + cost, b[i])
                         spread(best, hi, end, vmin)
             if stop == e:
                 continue
@@ -184,7 +185,7 @@ def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: A
 @numba.njit(cache=True, nogil=True)
 def fill_top(top: Any, seg1: Any, kbase: Any, first1: Any, n: int, M: int, post: int,
              after: int, gs: int, q: int, nopt: Any, t_top: Any, need_top: Any, hold0: Any,
-             hold_open0: Any, inp0: Any, ns: Any, ovh_s: float, ob: int) -> None:
+             hold_open0: Any, inp0: Any, ns: Any, opens: Any, ob: int) -> None:
     """``dp.fill_top`` compiled: the same sums in the same order, so the same floats."""
     inf = np.inf
     for m in range(M + 1):
@@ -206,8 +207,9 @@ def fill_top(top: Any, seg1: Any, kbase: Any, first1: Any, n: int, M: int, post:
             lo = max(need, sh + first1[ri], 0)
             inner = seg1[ri]
             rest = top[stop]
+            ov = opens[k, stop]
             for m in range(lo, M + 1):
-                best[m] = min((ovh_s + inner[m - sh]) + rest[m - rh], best[m])
+                best[m] = min((ov + inner[m - sh]) + rest[m - rh], best[m])
     for m in range(min(after, M + 1)):
         top[0, m] = inf  # the events after the chain
 
@@ -217,7 +219,7 @@ def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, s
          n: int, M: int, block: int, rows: int, workers: int, early_stop: bool, q: int,
          nopt: Any, kinds: Any, t_run: Any, t_open: Any, bwd: Any, fwd_base: Any, hold: Any,
          hold_open: Any, inp: Any, a: Any, sg: Any, reb: Any, ns: Any, ao_cost: Any,
-         ao_need: Any, ovh_s: float, ob: int) -> None:
+         ao_need: Any, opens: Any, ob: int) -> None:
     # Note [Table layout]: tiles of ``block`` columns e by ``rows`` starts k. Cell (k, e)
     # reads (stop, e) for every stop > k (same column, a larger k) and (k, stop) for
     # every stop < e (same row, a smaller e). So within a tile, k runs from the top and e
@@ -252,13 +254,13 @@ def fill(seg0: Any, seg1: Any, segp0: Any, kbase: Any, ebase: Any, first: Any, s
                             subproblem(k, e, h, best, seg0, seg1, segp0, kbase, ebase, first,
                                        sat, M, early_stop, q, nopt, kinds, t_run, t_open, bwd,
                                        fwd_base, hold, hold_open, inp, a, sg, reb, ns,
-                                       ao_cost, ao_need, ovh_s, ob)
+                                       ao_cost, ao_need, opens, ob)
 
 
 @numba.njit(cache=True, nogil=True)
 def flat_fill(top: Any, M: int, q: int, gs: int, ob: int, ovh_s: float, post: int, after: int,
               a: Any, g: Any, nt: Any, hold_b: Any, need_b: Any, t_b: Any, rh: Any,
-              hold_in: Any, bwd_in: Any, fb_in: Any, T: Any) -> None:
+              hold_in: Any, bwd_in: Any, fb_in: Any, T: Any, S: Any) -> None:
     """The one-level solver's ``top`` (:mod:`remat.core.solve.flat`, Note [Flat records]):
     per start a stop loop for the regions' needs, then one range minimum per slot."""
     n = top.shape[0] - 1
@@ -339,7 +341,7 @@ def flat_fill(top: Any, M: int, q: int, gs: int, ob: int, ovh_s: float, post: in
                 out_lo[nout] = max(need, r)
                 out_hi[nout] = min(nstar, M + 1)
                 nout += 1
-        cst = ovh_s - T[k]
+        cst = ovh_s - S[k]
         last = k
         for m in range(M + 1):
             if mark[m] > last:

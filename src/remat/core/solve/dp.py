@@ -231,13 +231,24 @@ class Model:
         rebuild = np.array([s.rebuild_s for s in st])
         ns = [[0] * (n + 1) for _ in range(n + 1)]
         reb_t = [[0.0] * (n + 1) for _ in range(n + 1)]
+        opens = self.opens
         for k in range(n):
             own = a[k + 1 : n + 1] + nt[k:]
             own[1:] += inside[k + 1 : n]  # (a[p] if p > k else 0) + a[p + 1] + nt[p]
             ns[k][k + 1 :] = np.maximum.accumulate(own).tolist()
             # cumsum adds left to right, as a running sum from k does
-            reb_t[k][k + 1 :] = (self.ovh_s + np.cumsum(rebuild[k:])).tolist()
+            reb_t[k][k + 1 :] = (opens[k, k + 1 :] + np.cumsum(rebuild[k:])).tolist()
         return ns, reb_t
+
+    @functools.cached_property
+    def opens(self) -> np.ndarray:
+        """``opens[k, l]``: what region ``[k, l)`` costs beyond its stages' rebuilds,
+        ``Problem.region_s(k, l)`` in the same float operations (0 where ``l <= k``)."""
+        n = self.n
+        prefix = np.array(self.problem.link_prefix)
+        out = np.zeros((n + 1, n + 1))
+        out[:, 1:] = self.ovh_s + (prefix[None, :n] - prefix[:, None])
+        return np.triu(out, 1)
 
     @functools.cached_property
     def ns_top(self) -> list[list[int]]:
@@ -448,7 +459,7 @@ def _seg_value(t: Tables, k: int, e: int, h: int, m: int, c: Choice) -> float:
     if runs and m < model.region_fwd(k, stop, h, e):
         return INF
     rh = model.hold_open(k, h)
-    cost = model.reb[k][stop] if runs else model.ovh_s
+    cost = model.reb[k][stop] if runs else model.opens[k][stop]
     return (cost + t.inner(k, stop, m - rh - model.ob)) + t.rest(c.rest, stop, e, m - rh)
 
 
@@ -472,7 +483,7 @@ def _top_value(t: Tables, k: int, m: int, c: Choice) -> float:
         return INF
     rh = model.hold_open(k, 0)
     rest = float(t.top[stop, m - rh]) if m - rh >= 0 else INF
-    return (model.ovh_s + t.inner(k, stop, m - rh - model.ob)) + rest
+    return (model.opens[k][stop] + t.inner(k, stop, m - rh - model.ob)) + rest
 
 
 def subproblems(n: int) -> Iterator[tuple[int, int, int]]:
@@ -535,6 +546,7 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
     n, M = model.n, max_slots
     ms = np.arange(M + 1)
     reb = np.array(model.reb)
+    opens = model.opens
     ns = np.array(model.ns, dtype=np.int64)
     ao_cost = np.array(model.ao_cost)
     ao_need = np.array(model.ao_need, dtype=np.int64)
@@ -575,7 +587,7 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
             if model.early_stop:
                 stops = np.arange(k + 1, last + 1)
                 ao_rest = _shift_rows(ao_cost[stops, e], ao_need[stops, e], rh, ms)
-                v2 = (model.ovh_s + rows) + ao_rest
+                v2 = (opens[k, k + 1: last + 1, None] + rows) + ao_rest
                 np.minimum(best, v2.min(axis=0), out=best)
             if run > k:
                 table = t.segp if model.early_stop else t.seg0
@@ -598,6 +610,7 @@ def fill_top(t: Tables) -> None:
     n, M = model.n, t.M
     ms = np.arange(M + 1)
     ns = np.array(model.ns_top, dtype=np.int64)
+    opens = model.opens
     t.top[n] = np.where(ms >= model.post, 0.0, INF)
     for k in range(n - 1, -1, -1):
         best = np.full(M + 1, INF)
@@ -607,7 +620,7 @@ def fill_top(t: Tables) -> None:
             np.minimum(best, np.where(ms >= need, v, INF), out=best)
         rh = model.hold_open(k, 0)
         inner = _shift(t.seg1[t.k1(k, k + 1): t.k1(k, n) + 1], rh + model.ob)
-        v2 = (model.ovh_s + inner) + _shift(t.top[k + 1:], rh)  # one row per stop
+        v2 = (opens[k, k + 1:, None] + inner) + _shift(t.top[k + 1:], rh)  # one row per stop
         needs = -(-(model.inp(k, 0) + ns[k, k + 1:]) // model.q) - model.gs
         v2[ms[None, :] < needs[:, None]] = INF
         np.minimum(best, v2.min(axis=0), out=best)

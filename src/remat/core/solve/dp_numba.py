@@ -164,7 +164,7 @@ def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
          model.early_stop, model.q, nopt, kinds, t_run, t_open, bwd, fwd_base, hold, hold_open, inp,
          np.array(model.a, dtype=np.int64), np.array(model.sg, dtype=np.int64),
          np.array(model.reb), ns,
-         np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.ovh_s, model.ob)
+         np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.opens, model.ob)
     need_top = np.full((n, width), M + 1, dtype=np.int64)
     t_top = np.zeros((n, width))
     for k in range(n):
@@ -173,7 +173,7 @@ def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
             t_top[k, j] = model.t_top[k][j]
     _kernel().fill_top(t.top, t.seg1, t.kbase, first[1], n, M, model.post, model.after, model.gs,
                        model.q, nopt, t_top, need_top, hold[:, :, 0], hold_open[:, 0], inp[:, 0],
-                       np.array(model.ns_top, dtype=np.int64), model.ovh_s, model.ob)
+                       np.array(model.ns_top, dtype=np.int64), model.opens, model.ob)
     return t
 
 
@@ -187,5 +187,5 @@ def _numba_flat(fi: FlatInputs, max_slots: int) -> np.ndarray:
     top = np.empty((fi.n + 1, max_slots + 1))
     _kernel().flat_fill(top, max_slots, fi.q, fi.gs, fi.ob, fi.ovh_s, fi.post, fi.after, fi.a,
                         fi.g, fi.nt, fi.hold_b, fi.need_b, fi.t_b, fi.rh, fi.hold_in, fi.bwd_in,
-                        fi.fb_in, fi.T)
+                        fi.fb_in, fi.T, fi.S)
     return top

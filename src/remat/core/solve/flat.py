@@ -9,9 +9,12 @@ needs, built up stage by stage as ``stop`` grows. No table is indexed by pairs o
 
 Note [Flat records]
 -------------------
-With ``T[p]`` the inside times of the stages before ``p`` summed, region ``[k, stop)``
-followed by the rest in ``m`` slots costs ``(ovh - T[k]) + V[stop, m - rh[k]]`` where
-``V[stop, m'] = T[stop] + top[stop, m']`` does not depend on ``k``. Its need is monotone
+With ``T[p]`` the inside times of the stages before ``p`` summed plus the links before
+stage ``p - 1``'s, and ``S[k]`` those times before ``k`` plus the links before ``k``'s
+(``StageCost.link_s``: a region ``[k, stop)`` holds links ``k .. stop-2``), region
+``[k, stop)`` followed by the rest in ``m`` slots costs
+``(ovh - S[k]) + V[stop, m - rh[k]]`` where ``V[stop, m'] = T[stop] + top[stop, m']``
+does not depend on ``k``. Its need is monotone
 in ``stop`` but for one term (the gradients alive at ``stop``), so for a slot ``m`` the
 stops that fit are a prefix ``k+1..L(m)``, ``L`` read off the running maximum of the needs,
 plus a few stops that fit early (their need is below the running maximum), which are
@@ -61,11 +64,11 @@ def region_need(fi: FlatInputs, k: int) -> np.ndarray:
 
 
 def region_values(fi: FlatInputs, k: int, stops: np.ndarray, rest: np.ndarray) -> np.ndarray:
-    """``(ovh - T[k]) + (T[stop] + rest)``: region ``[k, stop)`` and the rest after it
+    """``(ovh - S[k]) + (T[stop] + rest)``: region ``[k, stop)`` and the rest after it
     (``rest``: ``top`` of each stop, rows over slots or one slot each), added in the order
     the compiled kernel adds them (Note [Flat records])."""
     at_stop = fi.T[stops].reshape(-1, *(1,) * (rest.ndim - 1))
-    return (fi.ovh_s - fi.T[k]) + (at_stop + rest)
+    return (fi.ovh_s - fi.S[k]) + (at_stop + rest)
 
 
 def _bare(fi: FlatInputs, top: np.ndarray, k: int) -> np.ndarray:

@@ -41,7 +41,12 @@ class FlatInputs:
     hold_in: np.ndarray
     bwd_in: np.ndarray
     fb_in: np.ndarray
-    T: np.ndarray  # T[p]: the inside (rebuild) times of the stages before p summed
+    # T[p]: the inside (rebuild) times of the stages before p summed, plus the links
+    # before stage p - 1's (a region ending at p holds links k .. p-2); S[k]: the inside
+    # times before k plus the links before k's. Region [k, stop) then costs
+    # ovh - S[k] + T[stop] (Note [Flat records] in flat.py).
+    T: np.ndarray
+    S: np.ndarray
 
     @classmethod
     def of(cls, model: Model) -> FlatInputs:
@@ -82,7 +87,8 @@ class FlatInputs:
             bwd_in=per_h(model.bwd),
             fb_in=per_h(lambda p, j, h: model.inp(p, h) + model.a[p + 1] + model.tf[p][j])
             + _break_bytes(model.problem),
-            T=np.concatenate(([0.0], np.cumsum([model.t_run[k][keep[k]] for k in range(n)]))),
+            **_sums(np.concatenate(([0.0], np.cumsum([model.t_run[k][keep[k]]
+                                                       for k in range(n)]))), model.problem),
         )
 
 
@@ -137,8 +143,14 @@ class FlatInputs:
             hold_in=ceil(held + save),
             bwd_in=bwd_in,
             fb_in=inp + a[1:] + tf + _break_bytes(problem),
-            T=np.concatenate(([0.0], np.cumsum(t_run))),
+            **_sums(np.concatenate(([0.0], np.cumsum(t_run))), problem),
         )
+
+
+def _sums(inside: np.ndarray, problem: Problem) -> dict[str, np.ndarray]:
+    """``T`` and ``S`` from the inside times summed (``inside[p]``: stages before p)."""
+    links = np.array(problem.link_prefix)
+    return {"T": inside + np.concatenate(([0.0], links[:-1])), "S": inside + links}
 
 
 def _break_bytes(problem: Problem) -> np.ndarray:

@@ -42,10 +42,8 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     stages = profile.stages
     links = _links(profile)
     held_through, output_held = held_outside(profile)
-    # Note [Links inside a region] (remat/profiling/optimes.py): a region that rebuilds t
-    # stages costs region_overhead_s + (t - 1) * link, charged as link per stage rebuilt and
-    # region_overhead_s - link per region, so that a single-stage region costs what it
-    # was measured at and no solver needs a term of its own.
+    # Note [Links inside a region] (remat/profiling/optimes.py): a region over t stages
+    # costs region_overhead_s and the t - 1 links inside it (StageCost.link_s).
     link = min(profile.region_link_s or 0.0, profile.region_overhead_s)
     costs = []
     for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
@@ -64,7 +62,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                     # held at the top level, dropped inside a region (not at a region's
                     # first stage, where it stays outside the region: docs/cost-model.md).
                     "saved_bytes": {o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
-                    "rebuild_s": s.rebuild_s + link,
+                    "link_s": link if i + 1 < len(stages) else 0.0,
                     "extra_bwd_s": {o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
                 },
                 bwd_transient_by_option=by_option,
@@ -98,7 +96,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         post_chain_backward_bytes=backward,
         input_bytes=fixed.inputs_bytes,
         region_overhead_bytes=profile.region_overhead_bytes,
-        region_overhead_s=max(0.0, profile.region_overhead_s - link),  # rounding
+        region_overhead_s=profile.region_overhead_s,
         outside_chain_s=profile.outside_chain_s,
         measured_no_checkpoint_peak_bytes=profile.measured_peak_bytes,
         slots=slots,

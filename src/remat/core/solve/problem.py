@@ -28,6 +28,7 @@ gradients are unattributed, which is exactly how version 1 counted them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,10 +80,17 @@ class StageCost(StageRecord):
     # simulator keeps them as FSDP2 does (Note [FSDP2 units] in simulator.py).
     unit_bytes: int = 0
     reduce_bytes: int = 0
+    # What a region holding both this stage and the next costs for the link between them,
+    # beyond the stages' rebuilds: the model's code between them replayed (and recorded in
+    # forward), this stage's forward past where its own rebuild would stop. A region over
+    # stages a .. b-1 costs region_overhead_s plus the link_s of stages a .. b-2
+    # (Note [Links inside a region] in remat/profiling/optimes.py); the last stage's is 0.
+    link_s: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         where = self.where
+        object.__setattr__(self, "link_s", fields.seconds(self.link_s, f"{where} link_s"))
         for name in ("unit_bytes", "reduce_bytes", "output_held_bytes"):
             object.__setattr__(self, name, self.nbytes(getattr(self, name), name))
         for option in self.extra_bwd_s:
@@ -172,6 +180,7 @@ class StageCost(StageRecord):
             **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
             **({"unit_bytes": self.unit_bytes} if self.unit_bytes else {}),
             **({"reduce_bytes": self.reduce_bytes} if self.reduce_bytes else {}),
+            **({"link_s": self.link_s} if self.link_s else {}),
         }
 
     @classmethod
@@ -199,7 +208,7 @@ _STAGE_KEYS_V1 = (
 _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
-    "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option",
+    "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option", "link_s",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",
@@ -286,6 +295,9 @@ class Problem(JsonArtifact):
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise UsageError(f"stage {name!r} is listed twice; each stage must be distinct")
+        if stages[-1].link_s:
+            raise UsageError(f"the last stage {stages[-1].name!r} has link_s="
+                             f"{stages[-1].link_s}, but no stage follows it; give 0")
         for a, b in itertools.pairwise(stages):
             if a.output_bytes != b.boundary_bytes:
                 raise UsageError(
@@ -332,6 +344,19 @@ class Problem(JsonArtifact):
             raise UsageError(f"description={self.description!r} must be a string")
 
     # -- views ------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def link_prefix(self) -> tuple[float, ...]:
+        """``link_prefix[i]``: the ``link_s`` of stages ``0 .. i-1`` summed, left to right
+        (every solver and the simulator price the links inside a region from it, so their
+        sums are the same floats)."""
+        return tuple(itertools.accumulate((s.link_s for s in self.stages), initial=0.0))
+
+    def region_s(self, start: int, stop: int) -> float:
+        """What region ``[start, stop)`` costs beyond its stages' rebuilds: the region's own
+        cost and the links inside it (``StageCost.link_s`` of stages ``start .. stop-2``)."""
+        prefix = self.link_prefix
+        return self.region_overhead_s + (prefix[stop - 1] - prefix[start])
 
     @property
     def n(self) -> int:

@@ -51,8 +51,9 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
 * a tensor a top-level region's stages made that stages after the region read (a
   position bias passed on) outlives the region's forward: held from there to the
   backward of its first reader (``StageCost.reads`` of the readers).
-* a region's fixed cost: ``region_overhead_s`` once per step, and
-  ``region_overhead_bytes`` from its rebuild to the end of its backward.
+* a region's fixed cost: ``region_overhead_s`` once per step plus the ``link_s`` of
+  each link inside it (:meth:`Problem.region_s`), and ``region_overhead_bytes`` from its
+  rebuild to the end of its backward.
 * gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
   model's code made for tensors it passed on, waiting for backward to reach their
   maker), from the rebuilds before a stage's backward through that backward.
@@ -658,7 +659,7 @@ class _Walker:
             if item.region is None:
                 self.backward_stage(item.start)
                 continue
-            self.overhead_s += self.p.region_overhead_s
+            self.overhead_s += self.p.region_s(item.start, item.stop)
             self.pending_at(item.stop - 1)
             self.pre_backward(item.stop - 1)
             self.add(("overhead", item.region), self.p.region_overhead_bytes)

@@ -298,9 +298,10 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
 def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
     """The classic recipes, fastest first: (estimated step time, least peak, family, k).
 
-    Every stage of a recipe keeps, so each region adds its overhead and its stages'
-    rebuilds (with early stop too: each stage hands the next its output) to the time
-    without regions; the estimate differs from the simulator's only by float rounding.
+    Every stage of a recipe keeps, so each region adds its overhead, the links inside it
+    and its stages' rebuilds (with early stop too: each stage hands the next its output)
+    to the time without regions; the estimate differs from the simulator's only by float
+    rounding.
     The least peak is a lower bound: at the end of the forward every bare stage still
     holds what it saved, on top of the forward's base. Both are closed forms per family
     (``every`` alone needs a strided sum), so the regions are built (:func:`_recipe`) only
@@ -322,13 +323,27 @@ def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
                       fwd_base + all_kept - int(kept[::k].sum()), "every", k))
     # groups of k and k segments cover the chain: every stage is rebuilt, nothing kept.
     for family, counts in (("groups", -(-n // ks)), ("segments", ks)):
-        estimates = base + ovh * counts + float(rebuilt[-1])
+        estimates = base + ovh * counts + float(rebuilt[-1]) + _links_inside(problem, family)
         timed += [(float(t), fwd_base, family, int(k)) for t, k in zip(estimates, ks, strict=True)]
     block = base + ovh * ks + rebuilt  # the first k stages alone
     timed += [(float(t), fwd_base + all_kept - int(c), "block", int(k))
               for t, c, k in zip(block, kept_before, ks, strict=True)]
     timed.sort(key=lambda item: item[0])
     return timed
+
+
+def _links_inside(problem: Problem, family: str) -> np.ndarray:
+    """Per k = 1..n: the ``link_s`` of the links inside the regions of ``family``'s
+    recipe k (every stage inside a region: every link but those between two regions)."""
+    n = problem.n
+    prefix = np.array(problem.link_prefix)
+    if not prefix[-1]:
+        return np.zeros(n)
+    out = np.empty(n)
+    for k in range(1, n + 1):
+        spans = np.array(_recipe(n, family, k))
+        out[k - 1] = float((prefix[spans[:, 1] - 1] - prefix[spans[:, 0]]).sum())
+    return out
 
 
 def _recipe(n: int, family: str, k: int) -> list[tuple[int, int]]:
