@@ -25,6 +25,9 @@ from remat.measure import LiveMemoryTracker, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.models import load_model
 from remat.profiling.optimes import (
+    link_parts,
+    link_rounds,
+    link_s,
     option_extra_s,
     region_link_rounds,
     region_link_s,
@@ -188,9 +191,14 @@ def test_the_toy_profile_prices_options_and_regions_from_its_timed_steps(
     assert problem.region_overhead_s == toy_profile.region_overhead_s
     for cost, measured in zip(problem.stages, toy_profile.stages, strict=True):
         assert cost.rebuild_s == measured.rebuild_s
-    assert [s.link_s for s in problem.stages] == [link] * (problem.n - 1) + [0.0]
+    # each link timed on its own (Note [Each link its own cost])
+    measured = [s.link_s for s in toy_profile.stages]
+    assert all(t is not None and t >= 0 for t in measured) and measured[-1] == 0.0
+    assert [s.link_s for s in problem.stages] == measured
     assert problem.region_s(0, problem.n) == pytest.approx(
-        toy_profile.region_overhead_s + (problem.n - 1) * link)
+        toy_profile.region_overhead_s + sum(t or 0.0 for t in measured))
+    assert all(r.link_s is not None and len(r.link_s) == problem.n
+               for r in toy_profile.timed_rounds or ())
 
 
 def test_spanning_regions_are_the_longest_runs_no_break_divides() -> None:
@@ -219,13 +227,49 @@ def test_a_links_cost_is_the_spanning_steps_residual_per_link() -> None:
         region_link_rounds(plain, per_stage, spanning, [(0, 1)])
 
 
+def test_each_link_is_priced_by_its_own_code_and_rebuild_and_the_links_add_up() -> None:
+    def timed(step: float, rebuild: list[float], gap: list[float],
+              rebuild_gap: list[float] | None = None) -> StepTimes:
+        return StepTimes(step_s=step, fwd_s=(1.0,) * 4, bwd_s=(2.0,) * 4,
+                         rebuild_s=tuple(rebuild), gap_s=tuple(gap),
+                         rebuild_gap_s=tuple(rebuild_gap or [0.0] * 4))
+
+    # a chain of four stages; the code before stage 2 takes 0.1 in a plain forward
+    plain = timed(10.0, [0.0] * 4, [0, 0, 0.1, 0])
+    # one region per stage: (15 - 10 - 4 * 0.75) / 4 = 0.5 a region
+    per_stage = timed(15.0, [0.75] * 4, [0, 0, 0.1, 0])
+    # one region over all four: that code takes 0.4 in forward (recorded) and 0.3 in the
+    # rebuild; stage 1 runs in full in the rebuild (1.0 against its early-stopped 0.75)
+    spanning = timed(18.0, [0.75, 1.0, 0.75, 0.75], [0, 0, 0.4, 0], [0, 0, 0.3, 0])
+    parts = link_parts(plain, per_stage, spanning, [(0, 4)])
+    assert parts == pytest.approx({0: 0.0, 1: 0.25 + 0.3 + 0.3, 2: 0.0})
+    # the round's links cost 18 - 10 - 3 - 0.5 = 4.5 in all; beyond the parts (0.85), an
+    # even share of 1.2166... each, at most the ceiling given
+    (got,) = link_rounds([plain], [per_stage], [spanning], [(0, 4)], [5.0])
+    assert sum(got.values()) == pytest.approx(4.5)
+    assert got[1] - got[0] == pytest.approx(0.85) and got[2] == pytest.approx(got[0])
+    (capped,) = link_rounds([plain], [per_stage], [spanning], [(0, 4)], [0.5])
+    assert capped == pytest.approx({0: 0.5, 1: 1.35, 2: 0.5})
+    # per stage, the median over rounds, at least 0, 0 for the last stage
+    slower = {0: -0.5, 1: 2.0, 2: 1.0}
+    assert link_s([got, slower, got], 4) == pytest.approx((got[0], got[1], got[2], 0.0))
+    assert link_s([{0: -1.0, 1: 0.5, 2: 0.0}], 4) == (0.0, 0.5, 0.0, 0.0)
+    # steps timed without per-link hooks: the average link prices every link
+    bare = _steps([1.0] * 4, [2.0] * 4, step=18.0, rebuild=[0.75] * 4)
+    assert link_rounds([plain], [per_stage], [bare], [(0, 4)], [5.0]) == [{}]
+    assert link_s([{}], 4) is None
+
+
 def test_a_link_inside_a_region_is_priced_and_a_single_stage_region_is_not(
     toy_profile: Profile,
 ) -> None:
     from dataclasses import replace
 
-    priced = replace(toy_profile, region_link_s=0.25, region_overhead_s=1.0)
-    free = replace(toy_profile, region_link_s=None, region_overhead_s=1.0)
+    # the average link: stages that carry no link of their own
+    average = replace(toy_profile, stages=tuple(replace(s, link_s=None)
+                                                for s in toy_profile.stages))
+    priced = replace(average, region_link_s=0.25, region_overhead_s=1.0)
+    free = replace(average, region_link_s=None, region_overhead_s=1.0)
     names = toy_profile.stage_names
 
     def step_s(profile: Profile, *regions: tuple[int, int]) -> float:
@@ -238,6 +282,12 @@ def test_a_link_inside_a_region_is_priced_and_a_single_stage_region_is_not(
     assert step_s(priced, (0, 3)) == pytest.approx(step_s(free, (0, 3)) + 2 * 0.25)
     assert Profile.from_dict(priced.to_dict()).region_link_s == 0.25
     assert "region_link_s" not in free.to_dict()  # written only when set
+    # a link measured on its own wins over the average, for the links inside the region
+    own = replace(priced, stages=tuple(replace(s, link_s=0.5 + i)
+                                       for i, s in enumerate(priced.stages)))
+    assert step_s(own, (0, 3)) == pytest.approx(step_s(free, (0, 3)) + 0.5 + 1.5)
+    assert step_s(own, *single) == pytest.approx(step_s(free, *single))
+    assert Profile.from_dict(own.to_dict()).stages[1].link_s == 1.5
 
 
 # -- outside the chain -------------------------------------------------------------------

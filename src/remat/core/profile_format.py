@@ -140,10 +140,17 @@ class StageProfile(StageRecord):
     # rebuild as a one-stage region repeats (remat.core.collectives, measured by
     # remat.tensor_parallel.stage_comms). Written only when set.
     comms: StageComms | None = None
+    # What the link from this stage into the next costs when one region holds both,
+    # measured link by link (Note [Each link its own cost] in remat/profiling/optimes.py;
+    # 0 on the last stage and before a chain break). None: the profile's region_link_s,
+    # the average link. Written only when set.
+    link_s: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         where = self.where
+        if self.link_s is not None:
+            object.__setattr__(self, "link_s", fields.seconds(self.link_s, f"{where} link_s"))
         if self.comms is not None and not isinstance(self.comms, StageComms):
             raise UsageError(f"{where} comms must be a StageComms or null")
         for flag in ("output_kept_outside", "saves_output", "gets_previous_output"):
@@ -211,6 +218,7 @@ class StageProfile(StageRecord):
                 else {}
             ),
             **({"comms": self.comms.to_dict()} if self.comms is not None else {}),
+            **({"link_s": self.link_s} if self.link_s is not None else {}),
         }
 
     @classmethod
@@ -260,6 +268,7 @@ _OPTIONAL_STAGE_KEYS = (
     "same_as",
     "time_spread",
     "comms",
+    "link_s",
 )
 
 
@@ -420,6 +429,9 @@ class TimedRound:
     region_overhead_s: float = 0.0
     region_link_s: float | None = None
     outside_chain_s: float = 0.0
+    # per stage, the link from it into the next as this round priced it (StageProfile's
+    # link_s); None where not measured link by link
+    link_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("step_s", "region_overhead_s", "outside_chain_s"):
@@ -435,6 +447,12 @@ class TimedRound:
                                  "profile the model again")
             n = len(values)
             object.__setattr__(self, name, values)
+        if self.link_s is not None:
+            links = _seconds_list(self.link_s, "timed round link_s")
+            if len(links) != n:
+                raise UsageError(f"timed round link_s has {len(links)} stages, not {n}; "
+                                 "profile the model again")
+            object.__setattr__(self, "link_s", links)
         if not isinstance(self.extra_bwd_s, Mapping):
             raise UsageError("timed round extra_bwd_s must map options to per-stage seconds")
         extras = {}
@@ -455,12 +473,13 @@ class TimedRound:
             "region_overhead_s": self.region_overhead_s,
             "region_link_s": self.region_link_s,
             "outside_chain_s": self.outside_chain_s,
+            **({"link_s": list(self.link_s)} if self.link_s is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TimedRound:
         keys = ("step_s", "fwd_s", "bwd_s", "rebuild_s", "extra_bwd_s", "region_overhead_s",
-                "region_link_s", "outside_chain_s")
+                "region_link_s", "outside_chain_s", *(("link_s",) if "link_s" in data else ()))
         _check_keys(data, keys, "a profile's timed round")
         return cls(**{k: data[k] for k in keys})
 

@@ -30,6 +30,24 @@ region over each longest run of stages that no break divides, and the cost beyon
 single-stage figures, per link inside those regions, is the profile's
 ``region_link_s`` (:func:`region_link_s`). It is at most a region's own cost less the
 checkpoint frame's (the tiny chain's figure): the frame is paid whatever a region holds.
+
+Note [Each link its own cost]: links differ. Code between two stages runs inside a
+region through the glue recorder, which records each torch call in forward and replays
+it in the rebuild (Note [Glue between stages] in remat/runtime/glue.py): diffusers'
+mid-block attention left between two stages (0.55 ms of forward) made a region across it
+cost 3.4 ms more than the two single-stage regions beside it, where a region elsewhere in
+that UNet cost about what its single-stage figures add up to; and a stage whose own
+rebuild stops early (an upsampling conv: 0.13 ms rebuilt against 0.31 ms forward) runs
+in full before the next stage of its region. One average for every link under-priced
+the regions a plan chose across such code (measured 17 points over the prediction in 8
+runs, benchmarks/diffusers_time.md) and over-priced the rest. So the steps with spanning
+regions also time, link by link (the hooks of :mod:`.timing`), what the model's code
+before a stage took in forward (against the plain step's) and in the rebuild, and the
+previous stage's rebuild in full (against its single-stage rebuild): a link's own part
+(:func:`link_parts`). What the spanning step took beyond them all (cold memory, the
+recorder's frame) is shared evenly, so that the links of a round add up to what the
+round measured (:func:`link_rounds`); each link's figure is the median over rounds, at
+least 0.
 """
 
 from __future__ import annotations
@@ -41,6 +59,9 @@ from remat.core.errors import UsageError
 from remat.profiling.timing import StepTimes
 
 __all__ = [
+    "link_parts",
+    "link_rounds",
+    "link_s",
     "link_within",
     "option_extra_s",
     "policy_op_names",
@@ -148,3 +169,44 @@ def link_within(link_s: float, ceiling_s: float) -> float:
     """``link_s`` between 0 and ``ceiling_s`` (a region's own cost less the checkpoint
     frame's: the frame is paid whatever the region holds)."""
     return min(max(0.0, link_s), max(0.0, ceiling_s))
+
+
+def link_parts(plain: StepTimes, per_stage: StepTimes, spanning: StepTimes,
+               regions: Sequence[tuple[int, int]]) -> dict[int, float]:
+    """One round's own part of each link inside ``regions`` (by the index of the stage
+    before it, Note [Each link its own cost]): the code before the next stage in forward
+    beyond the plain step's, that code replayed in the rebuild, and the stage rebuilt in
+    full beyond its single-stage rebuild."""
+    if not spanning.gap_s or not plain.gap_s:
+        return {}
+    return {i: ((spanning.gap_s[i + 1] - plain.gap_s[i + 1]) + spanning.rebuild_gap_s[i + 1]
+                + (spanning.rebuild_s[i] - per_stage.rebuild_s[i]))
+            for start, stop in regions for i in range(start, stop - 1)}
+
+
+def link_rounds(plain: Sequence[StepTimes], per_stage: Sequence[StepTimes],
+                spanning: Sequence[StepTimes], regions: Sequence[tuple[int, int]],
+                ceiling_s: Sequence[float]) -> list[dict[int, float]]:
+    """Per round, each link inside ``regions`` priced (Note [Each link its own cost]): its
+    own part, plus an even share of what the round's spanning step took beyond all the
+    parts, that share at most ``ceiling_s[r]`` (as :func:`link_within` bounds the average
+    link). Empty dicts where the steps carry no per-link times."""
+    totals = region_link_rounds(plain, per_stage, spanning, regions)
+    found: list[dict[int, float]] = []
+    for r, (p, s, t) in enumerate(zip(plain, per_stage, spanning, strict=True)):
+        parts = link_parts(p, s, t, regions)
+        if not parts:
+            found.append({})
+            continue
+        share = min(totals[r] - sum(parts.values()) / len(parts), ceiling_s[r])
+        found.append({i: part + share for i, part in parts.items()})
+    return found
+
+
+def link_s(rounds: Sequence[dict[int, float]], n: int) -> tuple[float, ...] | None:
+    """Per stage, the median over rounds of the link from it into the next, at least 0
+    (0 where no spanning region holds that link); None without per-link times."""
+    if not rounds or not all(rounds):
+        return None
+    return tuple(max(0.0, statistics.median(r[i] for r in rounds)) if i in rounds[0] else 0.0
+                 for i in range(n))

@@ -46,8 +46,13 @@ from remat.profiling.estimated_times import with_estimated_times
 from remat.profiling.fake import fake_mode_of
 from remat.profiling.noise import timing_noise
 from remat.profiling.op_costs import count_work
-from remat.profiling.optimes import region_link_s, region_overhead_rounds, region_overhead_s
-from remat.profiling.rounds import timed_rounds
+from remat.profiling.optimes import (
+    link_s,
+    region_link_s,
+    region_overhead_rounds,
+    region_overhead_s,
+)
+from remat.profiling.rounds import measured_link_rounds, timed_rounds
 from remat.profiling.run import measure_all, part_names
 from remat.profiling.twins import merge_twin_options
 from remat.runtime.compiled_stages import compile_stages, compiled_flags
@@ -316,6 +321,10 @@ def profile(
         timing_noise=noise,
         compiled=compiled,
     )
+    links = link_s(measured_link_rounds(m), len(names))
+    if links is not None:
+        result = replace(result, stages=tuple(replace(s, link_s=t) for s, t in
+                                              zip(result.stages, links, strict=True)))
     result = merge_twin_options(calibrated(result, m), m)
     result = replace(result, timed_rounds=timed_rounds(m))
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))

@@ -16,12 +16,28 @@ from collections.abc import Sequence
 
 from remat.core.profile_format import TimedRound
 from remat.profiling.noise import option_diffs, samples
-from remat.profiling.optimes import link_within, region_link_rounds, region_overhead_rounds
+from remat.profiling.optimes import (
+    link_rounds,
+    link_within,
+    region_link_rounds,
+    region_overhead_rounds,
+)
 from remat.profiling.pooling import pool
 from remat.profiling.run import Measurements
 from remat.profiling.twins import twin_groups
 
-__all__ = ["timed_rounds"]
+__all__ = ["measured_link_rounds", "timed_rounds"]
+
+
+def measured_link_rounds(m: Measurements) -> list[dict[int, float]]:
+    """Per round, each link inside the spanning regions priced (Note [Each link its own
+    cost] in :mod:`.optimes`); empty where no region spans two stages."""
+    if not m.spanning:
+        return []
+    floor = m.overhead.time_s
+    regions = region_overhead_rounds(m.plain_steps, m.per_stage_steps)
+    return link_rounds(m.plain_steps, m.per_stage_steps, m.spanning_steps, m.spanning,
+                       [max(floor, r) - floor for r in regions])
 
 
 def _within(values: Sequence[Sequence[float]], same_as: Sequence[int]) -> tuple[float, ...]:
@@ -53,6 +69,7 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
                                 m.spanning)
              if m.spanning else None)
     bare, outside = m.plain_step_s, m.outside_rounds
+    per_link = measured_link_rounds(m)
     found = []
     for r in range(len(m.plain_steps)):
         extras = {
@@ -62,6 +79,7 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
         }
         region = max(floor, regions[r])
         link = None if links is None else link_within(links[r], region - floor)
+        by_link = per_link[r] if per_link and all(per_link) else None
         found.append(TimedRound(
             step_s=bare[r],
             fwd_s=_within([[s[r]] for s in fwd], same_as),
@@ -71,5 +89,7 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
             region_overhead_s=region,
             region_link_s=link,
             outside_chain_s=max(0.0, outside[r]),
+            link_s=None if by_link is None else tuple(max(0.0, by_link.get(i, 0.0))
+                                                     for i in range(n)),
         ))
     return tuple(found)

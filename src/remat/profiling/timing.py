@@ -5,7 +5,10 @@ runs from the moment its output's gradient is ready (a tensor hook on the output
 moment its input's gradient is ready or, for a stage whose input needs no gradient, its
 last parameter gradient is accumulated. With a plan applied whose regions each hold one
 stage, backward calls the stage's forward again to rebuild it: the forward hooks then
-time the rebuild, which torch may stop early once backward has what it needs.
+time the rebuild, which torch may stop early once backward has what it needs. The time
+from one stage's return to the next one's call (the model's code between them) is timed
+too, in forward and in a rebuild that runs both (Note [Each link its own cost] in
+:mod:`.optimes`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class StepTimes:
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]  # includes the rebuild when the stage was checkpointed
     rebuild_s: tuple[float, ...]
+    # per stage: the model's code before it, from the previous stage's return to its call,
+    # in forward and in a rebuild that ran the previous stage right before it (0: none)
+    gap_s: tuple[float, ...] = ()
+    rebuild_gap_s: tuple[float, ...] = ()
 
 
 def _in_backward() -> bool:
@@ -66,6 +73,10 @@ def timed_steps(
     n = len(modules)
     fwd = [0.0] * n
     rebuild = [0.0] * n
+    gap = [0.0] * n
+    rebuild_gap = [0.0] * n
+    # the last stage to return, and when: in forward, and in backward (its rebuild)
+    returned = {False: (-1, 0.0), True: (-1, 0.0)}
     started: dict[int, float] = {}
     bwd_start = [0.0] * n
     bwd_end = [0.0] * n
@@ -77,15 +88,22 @@ def timed_steps(
         return hook
 
     def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not _in_backward():
+        backward = _in_backward()
+        if not backward:
             x = main_input(args, kwargs)
             if x is not None and x.requires_grad:
                 x.register_hook(grad_ready(bwd_end, i))
-        started[i] = clock()
+        started[i] = now = clock()
+        last, when = returned[backward]
+        if last == i - 1 and i > 0:
+            (rebuild_gap if backward else gap)[i] += now - when
 
     def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        elapsed = clock() - started.pop(i)
-        if _in_backward():
+        now = clock()
+        elapsed = now - started.pop(i)
+        backward = _in_backward()
+        returned[backward] = (i, now)
+        if backward:
             rebuild[i] += elapsed
             return
         fwd[i] += elapsed
@@ -107,8 +125,9 @@ def timed_steps(
     try:
         with stage_hooks(modules, pre, post):
             for _ in range(steps):
-                for slot in (fwd, rebuild, bwd_start, bwd_end):
+                for slot in (fwd, rebuild, bwd_start, bwd_end, gap, rebuild_gap):
                     slot[:] = [0.0] * n
+                returned[False] = returned[True] = (-1, 0.0)
                 t0 = clock()
                 loss = loss_fn(model, batch)
                 loss.backward()
@@ -127,6 +146,8 @@ def timed_steps(
                             for s, e in zip(bwd_start, bwd_end, strict=True)
                         ),
                         rebuild_s=tuple(rebuild),
+                        gap_s=tuple(gap),
+                        rebuild_gap_s=tuple(rebuild_gap),
                     )
                 )
     finally:

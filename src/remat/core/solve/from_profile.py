@@ -62,7 +62,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                     # held at the top level, dropped inside a region (not at a region's
                     # first stage, where it stays outside the region: docs/cost-model.md).
                     "saved_bytes": {o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
-                    "link_s": link if i + 1 < len(stages) else 0.0,
+                    # measured link by link where the profile did, else the average
+                    "link_s": (0.0 if i + 1 == len(stages) else link if s.link_s is None
+                               else s.link_s),
                     "extra_bwd_s": {o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
                 },
                 bwd_transient_by_option=by_option,

@@ -35,6 +35,7 @@ def at_round(profile: Profile, timed: TimedRound) -> Profile:
             fwd_s=timed.fwd_s[i],
             bwd_s=timed.bwd_s[i],
             rebuild_s=timed.rebuild_s[i],
+            link_s=s.link_s if timed.link_s is None else timed.link_s[i],
             extra_bwd_s={o: timed.extra_bwd_s[o][i] if o in timed.extra_bwd_s else t
                          for o, t in s.extra_bwd_s.items()},
         )
