@@ -114,6 +114,19 @@ def test_profile_a_factory_that_raises_exits_3_naming_loading_the_model(
                                    "factory raised FileNotFoundError")
 
 
+@pytest.mark.parametrize("command", ["auto", "bench", "profile"])
+def test_a_factory_file_whose_import_fails_exits_3_naming_loading_the_model(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a user's factory file that imports a package this environment lacks
+    path = tmp_path / "needs_pkg.py"
+    path.write_text("import remat_no_such_package\n\ndef factory():\n    return None\n")
+    assert main([command, "--model", f"{path}:factory"]) == 3
+    assert _err(capsys).startswith(
+        f"remat {command}: error: loading the model: the model factory raised "
+        "ModuleNotFoundError: No module named 'remat_no_such_package'")
+
+
 def test_the_original_exception_stays_chained() -> None:
     with pytest.raises(remat.RematError) as info:
         remat.auto(raising, repeats=1)

@@ -585,7 +585,8 @@ def _auto(
     allocator = set_malloc(malloc)
     report = progress or (lambda _what, _done, _total: None)
     timings: dict[str, float] = {}
-    factory, _ = make_factory(model, options)
+    with step("loading the model"):  # importing a factory file runs the user's code
+        factory, _ = make_factory(model, options)
     description = describe(model, options or {})
     if compile:
         factory = compiling(factory, stages)

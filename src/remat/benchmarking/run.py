@@ -365,7 +365,8 @@ def _run(
     command: str | None,
 ) -> BenchReport:
     began = time.perf_counter()
-    factory, takes_batch = make_factory(model, options)
+    with step("loading the model"):  # importing a factory file runs the user's code
+        factory, takes_batch = make_factory(model, options)
     ranks = None
     if s.distributed is not None:
         from remat.distributed import init_from_env
