@@ -18,6 +18,7 @@ from remat.core.profile_format import TimedRound
 from remat.profiling.noise import option_diffs, samples
 from remat.profiling.optimes import (
     link_rounds,
+    link_s,
     link_within,
     region_link_rounds,
     region_overhead_rounds,
@@ -79,7 +80,6 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
         }
         region = max(floor, regions[r])
         link = None if links is None else link_within(links[r], region - floor)
-        by_link = per_link[r] if per_link and all(per_link) else None
         found.append(TimedRound(
             step_s=bare[r],
             fwd_s=_within([[s[r]] for s in fwd], same_as),
@@ -89,7 +89,6 @@ def timed_rounds(m: Measurements) -> tuple[TimedRound, ...]:
             region_overhead_s=region,
             region_link_s=link,
             outside_chain_s=max(0.0, outside[r]),
-            link_s=None if by_link is None else tuple(max(0.0, by_link.get(i, 0.0))
-                                                     for i in range(n)),
+            link_s=link_s(per_link[r:r + 1], n) if all(per_link) else None,
         ))
     return tuple(found)

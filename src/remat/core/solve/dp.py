@@ -459,7 +459,7 @@ def _seg_value(t: Tables, k: int, e: int, h: int, m: int, c: Choice) -> float:
     if runs and m < model.region_fwd(k, stop, h, e):
         return INF
     rh = model.hold_open(k, h)
-    cost = model.reb[k][stop] if runs else model.opens[k][stop]
+    cost = model.reb[k][stop] if runs else model.opens[k, stop]
     return (cost + t.inner(k, stop, m - rh - model.ob)) + t.rest(c.rest, stop, e, m - rh)
 
 
@@ -483,7 +483,7 @@ def _top_value(t: Tables, k: int, m: int, c: Choice) -> float:
         return INF
     rh = model.hold_open(k, 0)
     rest = float(t.top[stop, m - rh]) if m - rh >= 0 else INF
-    return (model.opens[k][stop] + t.inner(k, stop, m - rh - model.ob)) + rest
+    return (model.opens[k, stop] + t.inner(k, stop, m - rh - model.ob)) + rest
 
 
 def subproblems(n: int) -> Iterator[tuple[int, int, int]]:

@@ -305,7 +305,8 @@ def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
     The least peak is a lower bound: at the end of the forward every bare stage still
     holds what it saved, on top of the forward's base. Both are closed forms per family
     (``every`` alone needs a strided sum), so the regions are built (:func:`_recipe`) only
-    for the few recipes that get simulated.
+    for the few recipes that get simulated, and to sum the links inside each ``groups``
+    and ``segments`` recipe where the stages' ``link_s`` are not all 0.
     """
     n = problem.n
     if n == 0:
