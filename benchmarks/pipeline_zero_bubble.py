@@ -8,11 +8,15 @@ remat's gpt (4 blocks, hidden 64, sequence 32, batch 32, no dropout) over 2 rank
 chunks (4 virtual stages, ``remat.models.gpt.GPTPart``), 4 micro-batches; per schedule
 (``ScheduleInterleaved1F1B`` for reference, then ``ScheduleInterleavedZeroBubble``,
 ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, the last two placing chunks in a
-V), one step with no plan and one with a region per block on every chunk. Each rank's
+V), one step with no plan, one with a region per block on every chunk applied as
+usual (torch's frame), and one with the same regions applied with
+``split_backward=True`` (one rebuild for all of a backward's passes). Each rank's
 peak is the live-storage tracker's over the second ``schedule.step`` (the first warms
-up); the gradients of the planned run are compared with the plain run's. Rank 0 prints
+up); the gradients of the planned runs are compared with the plain run's. Rank 0 prints
 the table and writes it to ``--out`` (markdown) when given. Why the zero-bubble peaks
-rise: Note [Backward in passes] in ``remat/runtime/engine.py``.
+rise with torch's frame: Note [Backward in passes] in ``remat/runtime/engine.py``; what
+``split_backward`` changes: Note [One rebuild for a backward in passes] in
+``remat/runtime/rebuild_once.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ OPTS = {"n_layer": 4, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_
 SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
              "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+PLANS = ("none", "torch", "once")  # no plan; regions with torch's frame; split_backward
 
 
 def _rank(rank: int, store: str, out: str) -> None:
@@ -53,17 +58,18 @@ def _rank(rank: int, store: str, out: str) -> None:
     for name in SCHEDULES:
         n = 2 * WORLD
         ids = [rank, 2 * WORLD - 1 - rank] if name in V_SHAPED else [rank, rank + WORLD]
-        grads: dict[bool, dict[str, torch.Tensor]] = {}
-        for planned in (False, True):
+        grads: dict[str, dict[str, torch.Tensor]] = {}
+        for planned in PLANS:
             model, (idx, target), _ = gpt(**OPTS)
             parts = [GPTPart(model, s, n) for s in ids]
             stages = [pipelining.PipelineStage(part, s, n, torch.device("cpu"))
                       for s, part in zip(ids, parts, strict=True)]
-            if planned:
+            if planned != "none":
                 for stage, part in zip(stages, parts, strict=True):
                     names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
                     apply_to_stage(stage, Plan(names, tuple(Region(i, i + 1)
-                                                            for i in range(len(names)))))
+                                                            for i in range(len(names)))),
+                                   split_backward=planned == "once")
             schedule = getattr(pipelining, name)(stages, n_microbatches=MICRO,
                                                  loss_fn=logits_loss)
             first, last = any(p.first for p in parts), any(p.last for p in parts)
@@ -81,13 +87,13 @@ def _rank(rank: int, store: str, out: str) -> None:
                                                                            strict=True)
                               for k, q in part.named_parameters() if q.grad is not None}
             peak, _ = rank_step_peak(step, parts, stages, held=[idx, target])
-            rows.append({"schedule": name, "planned": planned, "peak": peak})
-            if planned:
+            same = grads["none"].keys() == grads[planned].keys() and all(
+                torch.equal(grads["none"][k], grads[planned][k]) for k in grads["none"])
+            rows.append({"schedule": name, "planned": planned, "peak": peak,
+                         "same_grads": same})
+            if planned != "none":
                 for part in parts:
                     remove(part)
-        same = grads[False].keys() == grads[True].keys() and all(
-            torch.equal(grads[False][k], grads[True][k]) for k in grads[False])
-        rows[-1]["same_grads"] = same
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -100,16 +106,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as rendezvous:
         mp.spawn(_rank, args=(os.path.join(rendezvous, "store"), out), nprocs=WORLD)
     ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    lines = ["| schedule | rank | peak, no plan (MB) | peak, a region per block (MB) | "
-             "change | gradients equal |", "|---|---|---|---|---|---|"]
+    lines = ["| schedule | rank | peak, no plan (MB) | a region per block (MB) | change | "
+             "the same, split_backward=True (MB) | change | gradients equal |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in SCHEDULES:
         for r, rows in enumerate(ranks):
-            plain, planned = (next(x for x in rows if x["schedule"] == name
-                                   and x["planned"] == p) for p in (False, True))
+            plain, torch_frame, once = (next(x for x in rows if x["schedule"] == name
+                                             and x["planned"] == p) for p in PLANS)
+            same = torch_frame["same_grads"] and once["same_grads"]
             lines.append(f"| {name} | {r} | {plain['peak'] / 1e6:.2f} | "
-                         f"{planned['peak'] / 1e6:.2f} | "
-                         f"{planned['peak'] / plain['peak'] - 1:+.0%} | "
-                         f"{'yes' if planned['same_grads'] else 'NO'} |")
+                         f"{torch_frame['peak'] / 1e6:.2f} | "
+                         f"{torch_frame['peak'] / plain['peak'] - 1:+.0%} | "
+                         f"{once['peak'] / 1e6:.2f} | "
+                         f"{once['peak'] / plain['peak'] - 1:+.0%} | "
+                         f"{'yes' if same else 'NO'} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

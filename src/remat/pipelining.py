@@ -19,9 +19,10 @@ model and drops them; :func:`dropped_checkpoints` names the stages that lost the
 and a remat plan applies to the exported stage module (same module paths) instead.
 Under interleaved 1F1B a rank holds several stages (chunks): each is profiled, given its
 buffers and its plan as its own part, and the core walks a rank's chunks together
-(``chunks=`` in :mod:`remat.core.pipeline`). Zero-bubble schedules are refused: a region
-is rebuilt in each of their backward passes (Note [Backward in passes] in
-remat.runtime.engine).
+(``chunks=`` in :mod:`remat.core.pipeline`). Under the zero-bubble schedules, whose
+backward runs as an input pass and weight passes, apply plans with
+``split_backward=True`` (Note [One rebuild for a backward in passes] in
+remat.runtime.rebuild_once); the core does not plan for those schedules yet.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def _graphs_checkpoint(root: nn.Module) -> bool:
 
 def apply_to_stage(stage: Any, plan: Plan, **options: Any) -> Any:
     """``remat.apply`` on a ``PipelineStage``'s part (or on the part itself); returns the
-    handle. The plan's stages are module paths inside the part."""
+    handle. The plan's stages are module paths inside the part; ``options`` go to
+    ``remat.apply`` (``split_backward=True`` under a zero-bubble schedule)."""
     from remat.runtime.install import apply
 
     part = getattr(stage, "submod", stage)

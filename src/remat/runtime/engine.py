@@ -182,6 +182,7 @@ from remat.runtime.policies import (
     selective_contexts,
     wants_offload,
 )
+from remat.runtime.rebuild_once import RebuildOnceFrame
 
 __all__ = ["Engine", "StageObserver", "main_input", "main_output", "opaque"]
 
@@ -240,7 +241,7 @@ class CallRecord:
 class _Entry:
     region: int
     kind: Kind
-    frame: CheckpointFrame | None  # None while REPLAYING, and for a GAP
+    frame: CheckpointFrame | RebuildOnceFrame | None  # None while REPLAYING, and for a GAP
     calls: list[CallRecord | GlueStep] = field(default_factory=list)
     hooks: Any = None  # a GAP's entered recorder
     input_slot: int = -1  # the slot of the region's input
@@ -359,6 +360,7 @@ class Engine:
         policies: Sequence[StagePolicy],
         *,
         preserve_rng_state: bool = True,
+        split_backward: bool = False,
     ) -> None:
         n = len(plan.stages)
         self.names = plan.stages
@@ -422,6 +424,10 @@ class Engine:
         self.offload_noop: dict[int, str] = {}  # stage -> device of its input
         # Debugging switches, off in normal training (Note [Observing stage calls]).
         self.preserve_rng_state = preserve_rng_state
+        # Regions rebuilt once for a backward in passes (Note [One rebuild for a backward
+        # in passes] in rebuild_once.py); apply refuses the plans it cannot run.
+        self.frames: type[CheckpointFrame] | type[RebuildOnceFrame] = (
+            RebuildOnceFrame if split_backward else CheckpointFrame)
         self.observer: StageObserver | None = None
 
     # -- installation -------------------------------------------------------------------
@@ -759,7 +765,7 @@ class Engine:
             entry.input_slot = self.tape.give(boundary, self.next_stage - 1)
             entry.first_slot = self.tape.count
         fn = functools.partial(self._rebuild, entry) if kind is Kind.OPEN else _never_rebuilt
-        entry.frame = CheckpointFrame.open(
+        entry.frame = self.frames.open(
             fn, boundary, preserve_rng_state=self.preserve_rng_state,
             context_fn=routing_contexts if self.saves_routing[k] else noop_context_fn,
         )
@@ -891,7 +897,9 @@ _OPAQUE_REASON = "remat runs its checkpoint regions eagerly; see docs/compile.md
 # step's peak was 9.5 MB against 4.7 MB with no region; torch's GraphExecGroup (one
 # rebuild per group) refuses the weight passes, which unpack tensors the input pass
 # already did (pytorch/pytorch#136766 is the same interaction). The gradients are right,
-# so this warns once per model rather than failing a step.
+# so this warns once per model rather than failing a step, and points to
+# ``split_backward=True``, which rebuilds once for all the passes (Note [One rebuild for a
+# backward in passes] in rebuild_once.py).
 def rebuilt_again(region: Any, names: Sequence[str]) -> str:
     """The warning for a region rebuilt a second time for one forward."""
     first, last = names[region.start], names[region.stop - 1]
@@ -899,8 +907,8 @@ def rebuilt_again(region: Any, names: Sequence[str]) -> str:
         f"remat: region {first if first == last else f'{first}..{last}'} was rebuilt a second "
         "time for one forward because its backward ran in several passes (torch's "
         "zero-bubble pipeline schedules split it into input and weight passes), which costs "
-        "more time and memory than the region saves; run those stages without regions or "
-        "use Schedule1F1B / ScheduleInterleaved1F1B (docs/pipeline.md)"
+        "more time and memory than the region saves; apply the plan with "
+        "split_backward=True, which rebuilds once for all the passes (docs/pipeline.md)"
     )
 
 

@@ -230,6 +230,7 @@ def apply(
     preserve_rng_state: bool = True,
     force: bool = False,
     allow_compile_mismatch: bool = False,
+    split_backward: bool = False,
 ) -> Handle:
     """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
 
@@ -250,14 +251,24 @@ def apply(
     ``preserve_rng_state=False`` is a debugging switch, never for training: rebuilds then
     draw fresh random numbers (another dropout mask), so gradients are wrong; it exists
     so that ``remat.verify`` can be shown catching exactly that.
+
+    ``split_backward=True`` is for a backward run as several passes over one forward
+    (torch's zero-bubble pipeline schedules: an input-gradient pass, then weight-gradient
+    passes): each region is then rebuilt once, at the first pass that reaches it, and its
+    rebuilt tensors stay until the pass that releases them (Note [One rebuild for a
+    backward in passes] in remat.runtime.rebuild_once). Plans with nested regions or
+    selective options are refused with it.
     """
     check_target(model, plan)
     for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force),
-                       ("allow_compile_mismatch", allow_compile_mismatch)):
+                       ("allow_compile_mismatch", allow_compile_mismatch),
+                       ("split_backward", split_backward)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
     check_free(model)
     plan.validate()  # again: a frozen dataclass can still be changed behind its back
+    if split_backward:
+        check_split_backward(plan)
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
     stages = _resolve_stages(model, plan)
@@ -296,7 +307,8 @@ def apply(
                 "stage compiled: call remat.compile_stages(model) first (--compile)")
 
     # Everything is checked: from here on nothing can fail half-way.
-    engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state)
+    engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state,
+                    split_backward=split_backward)
     previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
     for i, module in enumerate(stages):
         module.forward = engine.wrap(i, forwards[i])
@@ -309,6 +321,25 @@ def apply(
     installation = _Installation(engine, stages, previous, hooks)
     _APPLIED[model] = installation
     return Handle(model, plan, installation)
+
+
+def check_split_backward(plan: Plan) -> None:
+    """UsageError for a plan ``split_backward=True`` cannot run: a nested region, or a
+    selective option (both need torch's own frame, which rebuilds once per pass)."""
+    nested = next((r for r in plan.regions if plan.parent(r) is not None), None)
+    if nested is not None:
+        raise UsageError(
+            f"region {nested} lies inside region {plan.parent(nested)}, and with "
+            "split_backward=True remat runs one level of regions only; plan with the "
+            "segments-optimal solver (disjoint regions) or apply without split_backward")
+    selective = next((name for name, option in zip(plan.stages, plan.parsed_options,
+                                                    strict=True)
+                      if option.is_selective or option.is_partitioned), None)
+    if selective is not None:
+        raise UsageError(
+            f"stage {selective!r} has a selective option, which torch's checkpoint rebuilds "
+            "in every backward pass, so split_backward=True refuses it; use keep or a "
+            "region for that stage")
 
 
 def check_target(model: nn.Module, plan: Plan) -> None:
