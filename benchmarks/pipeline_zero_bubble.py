@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ OPTS = {"n_layer": 4, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_
 SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
              "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+ROUNDS = 7  # interleaved timed steps per run
 PLANS = ("none", "torch", "once")  # no plan; regions with torch's frame; split_backward
 
 
@@ -59,12 +62,15 @@ def _rank(rank: int, store: str, out: str) -> None:
         n = 2 * WORLD
         ids = [rank, 2 * WORLD - 1 - rank] if name in V_SHAPED else [rank, rank + WORLD]
         grads: dict[str, dict[str, torch.Tensor]] = {}
+        steps: dict[str, Any] = {}
+        applied: list[Any] = []
         for planned in PLANS:
             model, (idx, target), _ = gpt(**OPTS)
             parts = [GPTPart(model, s, n) for s in ids]
             stages = [pipelining.PipelineStage(part, s, n, torch.device("cpu"))
                       for s, part in zip(ids, parts, strict=True)]
             if planned != "none":
+                applied += parts
                 for stage, part in zip(stages, parts, strict=True):
                     names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
                     apply_to_stage(stage, Plan(names, tuple(Region(i, i + 1)
@@ -90,12 +96,26 @@ def _rank(rank: int, store: str, out: str) -> None:
             same = grads["none"].keys() == grads[planned].keys() and all(
                 torch.equal(grads["none"][k], grads[planned][k]) for k in grads["none"])
             rows.append({"schedule": name, "planned": planned, "peak": peak,
-                         "same_grads": same})
-            if planned != "none":
-                for part in parts:
-                    remove(part)
+                         "same_grads": same, "times": []})
+            steps[planned] = step
+        # step times: the three runs interleaved, each step started on both ranks at once
+        for _ in range(ROUNDS):
+            for planned in PLANS:
+                dist.barrier()
+                t0 = time.perf_counter()
+                steps[planned]()
+                took = time.perf_counter() - t0
+                next(r for r in rows if r["schedule"] == name
+                     and r["planned"] == planned)["times"].append(took)
+        for part in applied:
+            remove(part)
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def _rows(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [next(x for x in rows if x["schedule"] == name and x["planned"] == p)
+            for p in PLANS]
 
 
 def main() -> None:
@@ -111,8 +131,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|"]
     for name in SCHEDULES:
         for r, rows in enumerate(ranks):
-            plain, torch_frame, once = (next(x for x in rows if x["schedule"] == name
-                                             and x["planned"] == p) for p in PLANS)
+            plain, torch_frame, once = _rows(rows, name)
             same = torch_frame["same_grads"] and once["same_grads"]
             lines.append(f"| {name} | {r} | {plain['peak'] / 1e6:.2f} | "
                          f"{torch_frame['peak'] / 1e6:.2f} | "
@@ -120,6 +139,20 @@ def main() -> None:
                          f"{once['peak'] / 1e6:.2f} | "
                          f"{once['peak'] / plain['peak'] - 1:+.0%} | "
                          f"{'yes' if same else 'NO'} |")
+    lines += ["", f"Step time, the slower rank's, {ROUNDS} interleaved rounds: the median "
+              "step and the median of the per-round ratios to no plan's.", "",
+              "| schedule | no plan (ms) | a region per block | split_backward=True |",
+              "|---|---|---|---|"]
+    for name in SCHEDULES:
+        per_rank = [_rows(rows, name) for rows in ranks]
+        slowest = [[max(ts) for ts in zip(*(r[i]["times"] for r in per_rank), strict=True)]
+                   for i in range(len(PLANS))]
+        plain = slowest[0]
+        cells = [f"{statistics.median(plain) * 1e3:.1f}"]
+        for times in slowest[1:]:
+            ratio = statistics.median(t / b for t, b in zip(times, plain, strict=True))
+            cells.append(f"{statistics.median(times) * 1e3:.1f} ms, {ratio:.2f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)
     if args.out:
