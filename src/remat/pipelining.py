@@ -36,13 +36,15 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
-from remat.core.pipeline import SINGLE_STAGE, ScheduleBuffers, check_schedule
+from remat.core.pipeline import SINGLE_STAGE, ZERO_BUBBLE, ScheduleBuffers, check_schedule
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
+from remat.core.zero_bubble import KINDS, SplitFigures
 from remat.measure.tracker import LiveMemoryTracker, iter_tensors, storage_key
 
 __all__ = ["apply_to_stage", "dropped_checkpoints", "part_loss", "profile_part",
-           "rank_step_peak", "receive_buffers", "schedule_buffers"]
+           "rank_step_peak", "receive_buffers", "schedule_buffers", "schedule_orders",
+           "split_figures"]
 
 
 def _bytes(value: Any) -> int:
@@ -99,7 +101,9 @@ def profile_part(part: nn.Module, microbatch: Any, *, last: bool,
 
 
 def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, schedule: str,
-                     microbatches: int, first: bool, last: bool) -> ScheduleBuffers:
+                     microbatches: int, first: bool, last: bool,
+                     prev_on_rank: bool = False, next_on_rank: bool = False
+                     ) -> ScheduleBuffers:
     """What torch's ``PipelineStage`` keeps on this rank beyond ``profile``'s
     one-micro-batch step (:class:`remat.core.pipeline.ScheduleBuffers`, Note [What a
     pipeline stage keeps]). ``profile``: this rank's :func:`profile_part`."""
@@ -119,14 +123,22 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
     # - under interleaved 1F1B (torch's _PipelineScheduleRuntime) every send is waited
     #   for at the step's end: each sent output (before the last stage) and each sent
     #   input gradient (after the first) stays to the step's end.
+    #   torch's zero-bubble schedules run on that runtime too: they keep the same, but
+    #   for a neighbour on the same rank (the V-shaped ones: ``prev_on_rank``,
+    #   ``next_on_rank``), to which nothing is sent: the output goes to the next stage's
+    #   receive buffer as it is, the input gradient to the previous stage's.
+    if schedule in ZERO_BUBBLE:
+        schedule = "interleaved-1f1b"
     check_schedule(schedule, microbatches=microbatches,
                    chunks=1 if schedule in SINGLE_STAGE else 2)
     output = _bytes(_forward(part, microbatch))
     received = 0 if first else _bytes(microbatch)
     post = (profile.fixed.post_chain_forward_bytes or 0) if last else 0
     return ScheduleBuffers(
-        output_bytes=output if last or schedule == "interleaved-1f1b" else 0,
-        input_grad_bytes=received if schedule in ("gpipe", "interleaved-1f1b") else 0,
+        output_bytes=(output if last or (schedule == "interleaved-1f1b" and not next_on_rank)
+                      else 0),
+        input_grad_bytes=(received if schedule == "gpipe" or (
+            schedule == "interleaved-1f1b" and not prev_on_rank) else 0),
         persistent_bytes=(microbatches - 1) * received + (0 if last else microbatches * output),
         held_bytes=post - received,
     )
@@ -224,3 +236,121 @@ def apply_to_stage(stage: Any, plan: Plan, **options: Any) -> Any:
     if not isinstance(part, nn.Module):
         raise UsageError(f"expected a PipelineStage or its module, got {type(stage).__name__}")
     return apply(part, plan, **options)
+
+
+def schedule_orders(schedule: Any) -> dict[int, list[tuple[str, int, int]]]:
+    """Every rank's compute ops in the order a built torch schedule runs them, as
+    ``(kind, stage, micro-batch)`` with kind ``F``, ``I``, ``W`` or ``B``
+    (:mod:`remat.core.zero_bubble`): read off its ``pipeline_order``; an op that overlaps
+    a forward and a backward (``ScheduleDualPipeV``) counts as the two in turn."""
+    table = getattr(schedule, "pipeline_order", None)
+    if not isinstance(table, dict):
+        raise UsageError(f"{type(schedule).__name__} has no pipeline_order to read; give a "
+                         "schedule from torch.distributed.pipelining with several stages "
+                         "per rank")
+    orders: dict[int, list[tuple[str, int, int]]] = {}
+
+    def add(rank: int, action: Any) -> None:
+        subs = getattr(action, "sub_actions", None)
+        if subs:
+            for sub in subs:
+                add(rank, sub)
+            return
+        kind = str(getattr(action.computation_type, "value", action.computation_type))
+        if kind in KINDS and action.microbatch_index is not None:
+            orders[rank].append((kind, int(action.stage_index), int(action.microbatch_index)))
+
+    for rank, actions in sorted(table.items()):
+        orders[int(rank)] = []
+        for action in actions:
+            if action is not None:
+                add(int(rank), action)
+    return orders
+
+
+def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
+                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  target: Any = None, rounds: int = 3) -> SplitFigures:
+    """``part``'s backward as torch's zero-bubble schedules run it, an input pass and then
+    the weight passes (torch's own ``stage_backward_input`` and ``stage_backward_weight``),
+    for two micro-batches in turn without a plan, under the live-storage tracker
+    (:class:`remat.core.zero_bubble.SplitFigures`; Note [A backward in passes, on paper]).
+    ``microbatch`` as for :func:`profile_part`: it must require grad, as a receive buffer
+    does (the first rank's input pass is empty and needs no figures)."""
+    import time
+
+    # torch's own two functions, so that the graph is kept and freed exactly as the
+    # schedules keep and free it
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    from remat.runtime.install import applied
+
+    if applied(part):
+        raise UsageError("split_figures measures the part without a plan; remove it first "
+                         "(remat.remove)")
+    if not isinstance(microbatch, torch.Tensor) or not microbatch.requires_grad:
+        raise UsageError("split_figures needs the micro-batch a later rank receives, a "
+                         "tensor that requires grad; the first rank runs no input pass")
+    if last and (loss_fn is None or target is None):
+        raise UsageError("the last pipeline rank's passes start from its real loss; give "
+                         "loss_fn=(output, target) -> loss and the micro-batch's target")
+    params = list(part.parameters())
+
+    def forward(x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        out = part(x)
+        if last:
+            assert loss_fn is not None
+            return [loss_fn(out, target)], None
+        return [out], [torch.ones_like(out)]
+
+    def passes(tracker: LiveMemoryTracker | None, marks: list[int]) -> tuple[float, float]:
+        x = microbatch.detach().requires_grad_(True)
+        outputs, grads = forward(x)
+        if tracker is not None:
+            marks.append(tracker.live_bytes)
+            tracker.reset_peak()
+        t0 = time.perf_counter()
+        _, groups = stage_backward_input(outputs, grads, [x], iter(params))
+        t1 = time.perf_counter()
+        del outputs, grads
+        if tracker is not None:
+            marks += [tracker.peak_bytes, tracker.live_bytes]
+            tracker.reset_peak()
+        t2 = time.perf_counter()
+        stage_backward_weight(iter(params), groups)
+        t3 = time.perf_counter()
+        del groups
+        if tracker is not None:
+            marks += [tracker.peak_bytes, tracker.live_bytes]
+        return t1 - t0, t3 - t2
+
+    part.zero_grad(set_to_none=True)
+    gc.collect()
+    tracker = LiveMemoryTracker()
+    tracker.register_existing(part)
+    tracker.register_existing([microbatch, target] if target is not None else [microbatch])
+    marks: list[int] = []
+    with tracker:
+        base = tracker.live_bytes
+        passes(tracker, marks)  # no gradients yet
+        first = marks[:]
+        marks.clear()
+        passes(tracker, marks)  # the gradients there from the start
+    _, input_peak, held, weight_peak, _ = first
+    later_weight_peak = marks[3]
+    shares = []
+    for _ in range(max(1, rounds)):
+        t_input, t_weight = passes(None, [])
+        shares.append(t_weight / (t_input + t_weight) if t_input + t_weight > 0 else 0.5)
+    part.zero_grad(set_to_none=True)
+    shares.sort()
+    return SplitFigures(
+        input_peak_bytes=max(0, input_peak - base),
+        held_bytes=max(0, held - base),
+        weight_peak_bytes=max(0, weight_peak - base),
+        later_weight_peak_bytes=max(0, later_weight_peak - base),
+        weight_share=shares[len(shares) // 2],
+    )

@@ -1,0 +1,164 @@
+"""Each rank's peak under torch's zero-bubble schedules: predicted against measured.
+
+Run from the repository root (spawns the gloo processes itself)::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/pipeline_zero_bubble_peaks.py \\
+        [--ranks 2] [--microbatches 4 8] [--out FILE]
+
+remat's gpt (2 blocks per stage, hidden 64, sequence 32, batch 32, no dropout) over
+``--ranks`` gloo processes with two stages each (``remat.models.gpt.GPTPart``), under
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``,
+with no plan and with a region per block on every stage (``split_backward=True``).
+Predicted: :func:`remat.core.zero_bubble.split_pipeline_step` from every stage's
+profile (``remat.pipelining.profile_part``), its two passes measured once without a plan
+(``split_figures``), what the schedule keeps for it (``schedule_buffers``) and the
+schedule's own order (``schedule_orders``). Measured: the live-storage tracker over a
+schedule step and an AdamW step after one warm-up step (``rank_step_peak``). Rank 0
+prints the table and writes it to ``--out`` (markdown) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+BLOCKS_PER_STAGE = 2
+OPTS = {"n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32, "dropout": 0.0}
+SCHEDULES = {"ScheduleInterleavedZeroBubble": "interleaved-zero-bubble",
+             "ScheduleZBVZeroBubble": "zbv-zero-bubble", "ScheduleDualPipeV": "dualpipev"}
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> None:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from remat.core.plan_format import Plan, Region
+    from remat.core.planner import to_problem
+    from remat.core.solve.problem import Problem
+    from remat.core.zero_bubble import SplitFigures, split_pipeline_step
+    from remat.models.gpt import GPTPart, gpt, logits_loss
+    from remat.pipelining import (
+        apply_to_stage,
+        profile_part,
+        rank_step_peak,
+        schedule_buffers,
+        schedule_orders,
+        split_figures,
+    )
+    from remat.runtime.install import remove
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    n = 2 * world
+    opts = {**OPTS, "n_layer": n * BLOCKS_PER_STAGE}
+    rows = []
+    for micro in counts:
+        for name, core_name in SCHEDULES.items():
+            ids = [rank, n - 1 - rank] if name in V_SHAPED else [rank, rank + world]
+            for planned in (False, True):
+                model, (idx, target), _ = gpt(**opts)
+                mb = opts["batch_size"] // micro
+                mine = {}
+                for s in ids:
+                    part = GPTPart(model, s, n)
+                    torch.manual_seed(1)
+                    x = (idx[:mb] if part.first else
+                         torch.randn(mb, opts["block_size"], opts["n_embd"], requires_grad=True))
+                    names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+                    prof = profile_part(part, x, last=part.last, loss_fn=logits_loss,
+                                        target=target[:mb], stages=names, repeats=1)
+                    plan = (Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
+                            if planned else Plan(names))
+                    buffers = schedule_buffers(prof, part, x, schedule=core_name,
+                                               microbatches=micro, first=part.first,
+                                               last=part.last, prev_on_rank=s - 1 in ids,
+                                               next_on_rank=s + 1 in ids)
+                    split = (SplitFigures(0, 0, 0, 0) if part.first else
+                             split_figures(part, x, last=part.last, loss_fn=logits_loss,
+                                           target=target[:mb]))
+                    mine[s] = (plan, to_problem(prof).to_dict(), buffers, split)
+                shared: list[Any] = [None] * world
+                dist.all_gather_object(shared, mine)
+                every = {s: v for d in shared for s, v in d.items()}
+                # a fresh copy runs: profiling took optimizer steps on the first
+                model = gpt(**opts)[0]
+                parts = [GPTPart(model, s, n) for s in ids]
+                stages = [pipelining.PipelineStage(part, s, n, torch.device("cpu"))
+                          for s, part in zip(ids, parts, strict=True)]
+                if planned:
+                    for stage, s in zip(stages, ids, strict=True):
+                        apply_to_stage(stage, every[s][0], split_backward=True)
+                schedule = getattr(pipelining, name)(stages, n_microbatches=micro,
+                                                     loss_fn=logits_loss)
+                peaks, _ = split_pipeline_step(
+                    [every[s][0] for s in range(n)],
+                    [Problem.from_dict(every[s][1]) for s in range(n)],
+                    [every[s][3] for s in range(n)], schedule_orders(schedule),
+                    [every[s][2] for s in range(n)])
+                opt = torch.optim.AdamW([q for p in parts for q in p.parameters()], lr=1e-3)
+                first, last = any(p.first for p in parts), any(p.last for p in parts)
+
+                def step(schedule: Any = schedule, first: bool = first, last: bool = last,
+                         idx: Any = idx, target: Any = target, opt: Any = opt) -> None:
+                    kwargs = {"target": target, "losses": []} if last else {}
+                    if first:
+                        schedule.step(idx, **kwargs)
+                    else:
+                        schedule.step(**kwargs)
+                    opt.step()
+
+                step()
+                measured, _ = rank_step_peak(step, parts, stages, held=[idx, target],
+                                             optimizer=opt)
+                rows.append({"microbatches": micro, "schedule": name, "planned": planned,
+                             "measured": measured, "predicted": peaks[rank]})
+                if planned:
+                    for part in parts:
+                        remove(part)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    out = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as rendezvous:
+        mp.spawn(_rank, args=(args.ranks, os.path.join(rendezvous, "store"), out,
+                              args.microbatches), nprocs=args.ranks)
+    ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    lines = ["| schedule | micro-batches | plan | rank | predicted (MB) | measured (MB) | "
+             "error |", "|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for i, row in enumerate(ranks[0]):
+        for r, rows in enumerate(ranks):
+            x = rows[i]
+            error = x["predicted"] / x["measured"] - 1
+            worst = max(worst, abs(error))
+            lines.append(f"| {row['schedule']} | {row['microbatches']} | "
+                         f"{'a region per block' if row['planned'] else 'none'} | {r} | "
+                         f"{x['predicted'] / 1e6:.2f} | {x['measured'] / 1e6:.2f} | "
+                         f"{error:+.1%} |")
+    lines.append(f"\nLargest error: {worst:.1%}.")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

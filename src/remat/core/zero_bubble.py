@@ -1,0 +1,244 @@
+"""Zero-bubble pipeline schedules on paper: each rank's peak and the step time (torch-free).
+
+Note [A backward in passes, on paper]
+-------------------------------------
+torch's zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``) run a stage's backward of a micro-batch as an input pass ``I``
+(the input's gradient, sent on at once, the graph kept) and later a weight pass ``W``
+(the parameters' gradients), to fill the bubble; some ops stay a full backward ``B``.
+The first stage, whose input needs no gradient, does nothing in ``I`` and its whole
+backward in ``W``. Their orders are built by torch and differ by schedule, rank and
+micro-batch count, so this module takes them as given (``remat.pipelining.schedule_orders``
+reads them off a built schedule): per rank, its ops in order as ``(kind, stage, i)``.
+
+With the regions run by ``split_backward=True`` (Note [One rebuild for a backward in
+passes] in remat.runtime.rebuild_once) a micro-batch on a stage holds, between ``F`` and
+``I``, what its plan keeps (``Simulation.kept_bytes``, as under 1F1B), and between ``I``
+and ``W`` what the input pass left for the weight pass: the rebuilt tensors, kept with the
+graph, so the same for every plan (measured on the test gpt's second half: 3,885 KB
+after the input pass with no plan, a region per block and one region over both blocks;
+the input pass's peak 4,082 KB for all three). So a stage's plan sets its forward's peak
+and what a micro-batch keeps until ``I``; the input pass's peak, what it leaves and the
+weight pass's peak are the stage's own, measured once without a plan
+(:class:`SplitFigures`, ``remat.pipelining.split_figures``). Time: ``I`` is the
+backward's input share plus the plan's rebuilds (they run at the first pass that needs
+them); ``W`` the rest of the backward.
+
+A rank's live bytes at an op are its op's own (the forward's peak, the input pass's, the
+weight pass's, or a full backward's as in Note [Pipeline rank peak]) plus, per stage it
+holds, each other micro-batch between ``F`` and ``I`` (kept), each between ``I`` and ``W``
+(held), its gradients once its first ``W`` or ``B`` ran, and the schedule's buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from remat.core.errors import UsageError
+from remat.core.pipeline import ScheduleBuffers, _Chunk, _figures, rank_cost
+from remat.core.plan_format import Plan
+from remat.core.solve.problem import Problem
+
+__all__ = ["KINDS", "SplitFigures", "split_pipeline_step", "split_step_time"]
+
+#: The ops of a rank's order: forward, input pass, weight pass, full backward.
+KINDS = ("F", "I", "W", "B")
+
+
+@dataclass(frozen=True)
+class SplitFigures:
+    """A stage's backward as two passes, for one micro-batch without a plan (Note [A
+    backward in passes, on paper]). Bytes are above the stage's parameters, optimizer
+    state and input, as the simulator's ``kept_bytes``; ``weight_share`` is the weight
+    pass's share of the backward's time (the rest, and the rebuilds, run in the input
+    pass)."""
+
+    input_peak_bytes: int  # the input pass's peak, the micro-batch's forward state included
+    held_bytes: int  # what it leaves for the weight pass
+    weight_peak_bytes: int  # the first weight pass's peak (no gradients before it)
+    later_weight_peak_bytes: int  # a later one's, the gradients there from the start
+    weight_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("input_peak_bytes", "held_bytes", "weight_peak_bytes",
+                     "later_weight_peak_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"SplitFigures.{name}={value!r} must be a whole number >= 0")
+        if not 0.0 <= self.weight_share <= 1.0:
+            raise UsageError(f"SplitFigures.weight_share={self.weight_share!r} must be "
+                             "between 0 and 1")
+
+
+Order = Sequence[tuple[str, int, int]]
+
+
+def _placement(orders: Mapping[int, Order], n: int) -> list[int]:
+    """The rank of each stage, from the orders; UsageError for an order that is not one."""
+    rank_of: dict[int, int] = {}
+    for rank, order in orders.items():
+        for op in order:
+            if len(op) != 3 or op[0] not in KINDS:
+                raise UsageError(f"rank {rank}'s order has {op!r}; give (kind, stage, "
+                                 f"micro-batch) with kind one of {', '.join(KINDS)}")
+            _, s, _ = op
+            if not 0 <= s < n:
+                raise UsageError(f"rank {rank}'s order names stage {s}, outside 0..{n - 1}")
+            if rank_of.setdefault(s, rank) != rank:
+                raise UsageError(f"stage {s} appears in the orders of ranks {rank_of[s]} "
+                                 f"and {rank}; each stage runs on one rank")
+    missing = [s for s in range(n) if s not in rank_of]
+    if missing:
+        raise UsageError(f"no rank's order runs stage {missing[0]}")
+    return [rank_of[s] for s in range(n)]
+
+
+def split_step_time(forward_s: Sequence[float], backward_s: Sequence[float],
+                    rebuild_s: Sequence[float], outside_s: Sequence[float],
+                    splits: Sequence[SplitFigures], orders: Mapping[int, Order],
+                    send_s: float = 0.0) -> float:
+    """The step under ``orders``: each op starts when its rank is free and what it needs
+    is done (``F`` the previous stage's ``F``; ``I`` and ``B`` the stage's ``F`` and the
+    next stage's ``I`` or ``B``; ``W`` the stage's ``I``, or on the first stage as ``B``),
+    a send between ranks taking ``send_s``. Per stage: the forward, the backward without
+    rebuilds, the rebuilds, and the once-a-step work."""
+    n = len(forward_s)
+    rank_of = _placement(orders, n)
+    ranks = sorted(orders)
+    done: dict[tuple[str, int, int], float] = {}
+    free = dict.fromkeys(ranks, 0.0)
+    nxt = dict.fromkeys(ranks, 0)
+    remaining = sum(len(orders[r]) for r in ranks)
+
+    def back_done(s: int, i: int) -> tuple[str, int, int] | None:
+        for kind in ("I", "B") if s > 0 else ("W", "B"):
+            if (kind, s, i) in done:
+                return (kind, s, i)
+        return None
+
+    while remaining:
+        progressed = False
+        for r in ranks:
+            order = orders[r]
+            while nxt[r] < len(order):
+                kind, s, i = order[nxt[r]]
+                needs: list[tuple[str, int, int] | None]
+                if kind == "F":
+                    needs = [("F", s - 1, i)] if s > 0 else []
+                    took = forward_s[s]
+                elif kind == "W" and s > 0:
+                    needs = [("I", s, i)]
+                    took = backward_s[s] * splits[s].weight_share
+                elif kind == "I" and s == 0:  # the first stage's input pass is empty
+                    needs = [("F", s, i)]
+                    took = 0.0
+                else:  # I, B, and the first stage's W (its whole backward)
+                    needs = [("F", s, i)]
+                    if s < n - 1:
+                        needs.append(back_done(s + 1, i))
+                    share = 1.0 if kind != "I" else 1.0 - splits[s].weight_share
+                    took = backward_s[s] * share + rebuild_s[s]
+                if any(x is None or x not in done for x in needs):
+                    break
+                ready = max([free[r], *(done[x] + (send_s if rank_of[x[1]] != r else 0.0)
+                                        for x in needs if x is not None)])
+                free[r] = done[(kind, s, i)] = ready + took
+                nxt[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise UsageError("the orders deadlock: an op waits for one no rank runs first")
+    return max(free[r] + sum(outside_s[s] for s in range(n) if rank_of[s] == r)
+               for r in ranks)
+
+
+def split_pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem],
+                        splits: Sequence[SplitFigures], orders: Mapping[int, Order],
+                        buffers: Sequence[ScheduleBuffers] | None = None,
+                        send_s: float = 0.0) -> tuple[dict[int, int], float]:
+    """Each rank's peak and the step time under a zero-bubble order (Note [A backward in
+    passes, on paper]): per stage ``s``, ``plans[s]`` (one level of regions, as
+    ``split_backward=True`` runs) on ``problems[s]``, ``splits[s]`` its two passes,
+    ``buffers[s]`` what the schedule keeps for it (``remat.core.pipeline.ScheduleBuffers``);
+    ``orders``: rank -> its ops ``(kind, stage, micro-batch)`` in order."""
+    n = len(plans)
+    if not n or len(problems) != n or len(splits) != n:
+        raise UsageError("give one plan, problem and SplitFigures per stage")
+    buffers = list(buffers) if buffers is not None else [ScheduleBuffers()] * n
+    if len(buffers) != n or not all(isinstance(b, ScheduleBuffers) for b in buffers):
+        raise UsageError("give one ScheduleBuffers per stage")
+    rank_of = _placement(orders, n)
+    for plan in plans:
+        nested = next((r for r in plan.regions if plan.parent(r) is not None), None)
+        if nested is not None:
+            raise UsageError(f"region {nested} lies inside another: zero-bubble schedules "
+                             "run one level of regions (split_backward=True)")
+    figures = [_figures(plan, problem, b)
+               for plan, problem, b in zip(plans, problems, buffers, strict=True)]
+    peaks = {r: _split_walk(n, figures, splits, rank_of, r, orders[r]) for r in orders}
+    costs = [cost for cost, _ in figures]
+    rebuild = [cost.backward_s - base for cost, base in
+               zip(costs, (_bare_backward(p) for p in problems), strict=True)]
+    step = split_step_time([c.forward_s for c in costs],
+                           [c.backward_s - rb for c, rb in zip(costs, rebuild, strict=True)],
+                           rebuild, [c.outside_s for c in costs], splits, orders, send_s)
+    return peaks, step
+
+
+def _bare_backward(problem: Problem) -> float:
+    return rank_cost(Plan(problem.stage_names), problem).backward_s
+
+
+def _split_walk(n: int, figures: Sequence[tuple[object, _Chunk]],
+                splits: Sequence[SplitFigures], rank_of: Sequence[int], rank: int,
+                order: Order) -> int:
+    mine = [s for s in range(n) if rank_of[s] == rank]
+    chunks = {s: figures[s][1] for s in mine}
+    before_i = dict.fromkeys(mine, 0)  # micro-batches between F and I (or W, B)
+    before_w = dict.fromkeys(mine, 0)  # between I and W
+    done = dict.fromkeys(mine, 0)  # backwards finished (W or B): gradients exist after one
+    sent = dict.fromkeys(mine, 0)  # input gradients sent (I or B): the schedule's buffers
+
+    def holds(s: int) -> int:
+        k = chunks[s]
+        return (before_i[s] * k.kept + before_w[s] * splits[s].held_bytes
+                + (k.grads if done[s] else 0) + k.extras(sent[s]))
+
+    def others(s: int) -> int:
+        return sum(chunks[t].idle + holds(t) for t in mine if t != s)
+
+    peak = 0
+    for kind, s, _ in order:
+        if s not in chunks:
+            raise UsageError(f"rank {rank}'s order runs stage {s}, which another rank holds")
+        if kind == "I" and s == 0:  # nothing runs; the micro-batch waits for its W
+            continue
+        k, sp = chunks[s], splits[s]
+        grads = k.grads if done[s] else 0
+        # the op's own bytes (its micro-batch's state included) and the stage's other
+        # micro-batches; then the counts move on
+        if kind == "F":
+            live = k.forward + grads + before_i[s] * k.kept
+            before_i[s] += 1
+        elif kind == "I":
+            before_i[s] -= 1
+            live = k.idle + sp.input_peak_bytes + grads + before_i[s] * k.kept
+        elif kind == "W" and s > 0:
+            before_w[s] -= 1
+            own = sp.later_weight_peak_bytes if done[s] else sp.weight_peak_bytes
+            live = k.idle + own + before_i[s] * k.kept
+        else:  # B, or the first stage's W: a whole backward
+            before_i[s] -= 1
+            live = (k.later_backward if done[s] else k.first_backward) + before_i[s] * k.kept
+        peak = max(peak, live + before_w[s] * sp.held_bytes + k.extras(sent[s]) + others(s))
+        if kind == "I":
+            before_w[s] += 1
+            sent[s] += 1
+        elif kind == "W" and s > 0:
+            done[s] += 1
+        elif kind != "F":
+            done[s] += 1
+            sent[s] += 1
+    return max([peak, *(chunks[s].tail + chunks[s].extras(sent[s]) + others(s)
+                        for s in mine)])
