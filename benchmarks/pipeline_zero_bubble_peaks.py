@@ -8,7 +8,10 @@ Run from the repository root (spawns the gloo processes itself)::
 remat's gpt (2 blocks per stage, hidden 64, sequence 32, batch 32, no dropout) over
 ``--ranks`` gloo processes with two stages each (``remat.models.gpt.GPTPart``), under
 ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``,
-with no plan and with a region per block on every stage (``split_backward=True``).
+with no plan, with a region per block on every stage and with
+:func:`remat.core.zero_bubble.plan_split_pipeline`'s per-stage plans at a budget halfway
+between the per-block plan's largest predicted rank peak and no plan's largest (all with
+``split_backward=True``).
 Predicted: :func:`remat.core.zero_bubble.split_pipeline_step` from every stage's
 profile (``remat.pipelining.profile_part``), its two passes measured once without a plan
 (``split_figures``), what the schedule keeps for it (``schedule_buffers``) and the
@@ -35,6 +38,7 @@ OPTS = {"n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32, "dr
 SCHEDULES = {"ScheduleInterleavedZeroBubble": "interleaved-zero-bubble",
              "ScheduleZBVZeroBubble": "zbv-zero-bubble", "ScheduleDualPipeV": "dualpipev"}
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+PLANS = ("none", "a region per block", "remat")
 
 
 def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> None:
@@ -44,7 +48,11 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
     from remat.core.plan_format import Plan, Region
     from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
-    from remat.core.zero_bubble import SplitFigures, split_pipeline_step
+    from remat.core.zero_bubble import (
+        SplitFigures,
+        plan_split_pipeline,
+        split_pipeline_step,
+    )
     from remat.models.gpt import GPTPart, gpt, logits_loss
     from remat.pipelining import (
         apply_to_stage,
@@ -54,7 +62,7 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
         schedule_orders,
         split_figures,
     )
-    from remat.runtime.install import remove
+    from remat.runtime.install import applied, remove
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -66,46 +74,59 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
     for micro in counts:
         for name, core_name in SCHEDULES.items():
             ids = [rank, n - 1 - rank] if name in V_SHAPED else [rank, rank + world]
-            for planned in (False, True):
-                model, (idx, target), _ = gpt(**opts)
-                mb = opts["batch_size"] // micro
-                mine = {}
-                for s in ids:
-                    part = GPTPart(model, s, n)
-                    torch.manual_seed(1)
-                    x = (idx[:mb] if part.first else
-                         torch.randn(mb, opts["block_size"], opts["n_embd"], requires_grad=True))
-                    names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
-                    prof = profile_part(part, x, last=part.last, loss_fn=logits_loss,
-                                        target=target[:mb], stages=names, repeats=1)
-                    plan = (Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
-                            if planned else Plan(names))
-                    buffers = schedule_buffers(prof, part, x, schedule=core_name,
-                                               microbatches=micro, first=part.first,
-                                               last=part.last, prev_on_rank=s - 1 in ids,
-                                               next_on_rank=s + 1 in ids)
-                    split = (SplitFigures(0, 0, 0, 0) if part.first else
-                             split_figures(part, x, last=part.last, loss_fn=logits_loss,
-                                           target=target[:mb]))
-                    mine[s] = (plan, to_problem(prof).to_dict(), buffers, split)
-                shared: list[Any] = [None] * world
-                dist.all_gather_object(shared, mine)
-                every = {s: v for d in shared for s, v in d.items()}
-                # a fresh copy runs: profiling took optimizer steps on the first
-                model = gpt(**opts)[0]
+            model, (idx, target), _ = gpt(**opts)
+            mb = opts["batch_size"] // micro
+            mine = {}
+            for s in ids:  # each stage's profile, buffers and two passes, once
+                part = GPTPart(model, s, n)
+                torch.manual_seed(1)
+                x = (idx[:mb] if part.first else
+                     torch.randn(mb, opts["block_size"], opts["n_embd"], requires_grad=True))
+                names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+                prof = profile_part(part, x, last=part.last, loss_fn=logits_loss,
+                                    target=target[:mb], stages=names, repeats=1)
+                buffers = schedule_buffers(prof, part, x, schedule=core_name,
+                                           microbatches=micro, first=part.first,
+                                           last=part.last, prev_on_rank=s - 1 in ids,
+                                           next_on_rank=s + 1 in ids)
+                split = (SplitFigures(0, 0, 0, 0) if part.first else
+                         split_figures(part, x, last=part.last, loss_fn=logits_loss,
+                                       target=target[:mb]))
+                mine[s] = (to_problem(prof).to_dict(), buffers, split)
+            shared: list[Any] = [None] * world
+            dist.all_gather_object(shared, mine)
+            every = {s: v for d in shared for s, v in d.items()}
+            problems = [Problem.from_dict(every[s][0]) for s in range(n)]
+            buffers_all = [every[s][1] for s in range(n)]
+            splits = [every[s][2] for s in range(n)]
+            variants: dict[str, list[Plan]] = {
+                "none": [Plan(p.stage_names) for p in problems],
+                "a region per block": [Plan(p.stage_names, tuple(
+                    Region(i, i + 1) for i in range(p.n))) for p in problems]}
+            budget = 0
+            for label in PLANS:
+                model, (idx, target), _ = gpt(**opts)  # fresh: profiling stepped the other
                 parts = [GPTPart(model, s, n) for s in ids]
                 stages = [pipelining.PipelineStage(part, s, n, torch.device("cpu"))
                           for s, part in zip(ids, parts, strict=True)]
-                if planned:
-                    for stage, s in zip(stages, ids, strict=True):
-                        apply_to_stage(stage, every[s][0], split_backward=True)
                 schedule = getattr(pipelining, name)(stages, n_microbatches=micro,
                                                      loss_fn=logits_loss)
-                peaks, _ = split_pipeline_step(
-                    [every[s][0] for s in range(n)],
-                    [Problem.from_dict(every[s][1]) for s in range(n)],
-                    [every[s][3] for s in range(n)], schedule_orders(schedule),
-                    [every[s][2] for s in range(n)])
+                orders = schedule_orders(schedule)
+                if label == "remat":
+                    # halfway between per-block's largest rank and no plan's largest
+                    plain = split_pipeline_step(variants["none"], problems, splits, orders,
+                                                buffers_all)[0]
+                    uniform = split_pipeline_step(variants["a region per block"], problems,
+                                                  splits, orders, buffers_all)[0]
+                    budget = (max(uniform.values()) + max(plain.values())) // 2
+                    variants[label] = plan_split_pipeline(problems, splits, orders, budget,
+                                                          buffers_all)[0]
+                plans = variants[label]
+                for stage, s in zip(stages, ids, strict=True):
+                    if plans[s].regions:
+                        apply_to_stage(stage, plans[s], split_backward=True)
+                peaks, step_s = split_pipeline_step(plans, problems, splits, orders,
+                                                    buffers_all)
                 opt = torch.optim.AdamW([q for p in parts for q in p.parameters()], lr=1e-3)
                 first, last = any(p.first for p in parts), any(p.last for p in parts)
 
@@ -121,10 +142,15 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
                 step()
                 measured, _ = rank_step_peak(step, parts, stages, held=[idx, target],
                                              optimizer=opt)
-                rows.append({"microbatches": micro, "schedule": name, "planned": planned,
-                             "measured": measured, "predicted": peaks[rank]})
-                if planned:
-                    for part in parts:
+                rows.append({"microbatches": micro, "schedule": name, "plan": label,
+                             "regions": " / ".join(
+                                 " ".join(str(r) for r in plans[s].regions) or "-"
+                                 for s in ids),
+                             "budget": budget if label == "remat" else None,
+                             "measured": measured, "predicted": peaks[rank],
+                             "step_s": step_s})
+                for part in parts:
+                    if applied(part):
                         remove(part)
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -141,18 +167,21 @@ def main() -> None:
         mp.spawn(_rank, args=(args.ranks, os.path.join(rendezvous, "store"), out,
                               args.microbatches), nprocs=args.ranks)
     ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
-    lines = ["| schedule | micro-batches | plan | rank | predicted (MB) | measured (MB) | "
-             "error |", "|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | micro-batches | plan | rank | regions (its stages) | "
+             "predicted (MB) | measured (MB) | error | within budget | predicted step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     worst = 0.0
     for i, row in enumerate(ranks[0]):
         for r, rows in enumerate(ranks):
             x = rows[i]
             error = x["predicted"] / x["measured"] - 1
             worst = max(worst, abs(error))
-            lines.append(f"| {row['schedule']} | {row['microbatches']} | "
-                         f"{'a region per block' if row['planned'] else 'none'} | {r} | "
-                         f"{x['predicted'] / 1e6:.2f} | {x['measured'] / 1e6:.2f} | "
-                         f"{error:+.1%} |")
+            fits = "" if x["budget"] is None else (
+                f"{x['budget'] / 1e6:.2f}: {'yes' if x['measured'] <= x['budget'] else 'NO'}")
+            lines.append(f"| {row['schedule']} | {row['microbatches']} | {row['plan']} | "
+                         f"{r} | {x['regions']} | {x['predicted'] / 1e6:.2f} | "
+                         f"{x['measured'] / 1e6:.2f} | {error:+.1%} | {fits} | "
+                         f"{x['step_s'] * 1e3:.1f} ms |")
     lines.append(f"\nLargest error: {worst:.1%}.")
     text = "\n".join(lines)
     print(text)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.core.errors import UsageError
+from remat.core.errors import CheckFailed, UsageError
 from remat.core.pipeline import ScheduleBuffers, pipeline_step, schedule_order
 from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
@@ -114,3 +114,49 @@ def test_bad_orders_and_plans_are_refused_in_one_sentence() -> None:
         split_pipeline_step([nested, nested], problems, [NONE] * 2, good)
     with pytest.raises(UsageError, match="weight_share"):
         SplitFigures(0, 0, 0, 0, weight_share=1.5)
+
+
+def _order(text: str) -> list[tuple[str, int, int]]:
+    return [(op[1], int(op[0]), int(op[2:])) for op in text.split()]
+
+
+#: torch 2.13's ScheduleInterleavedZeroBubble, 2 ranks x 2 stages, 4 micro-batches
+#: (remat.pipelining.schedule_orders of the built schedule)
+INTERLEAVED_ZB = {
+    0: _order("0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 "
+              "2I3 2W3 0I2 0W2 0I3 0W3"),
+    1: _order("1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 "
+              "3W2 1I2 3W3 1I3 1W2 1W3"),
+}
+
+
+def test_zero_bubble_plans_fit_every_rank_and_are_no_slower_than_uniform_per_stage() -> None:
+    from remat.core.solve import simulate
+    from remat.core.zero_bubble import plan_split_pipeline
+
+    problem = _problem()
+    kept = simulate(Plan(problem.stage_names), problem).kept_bytes
+    split = SplitFigures(input_peak_bytes=kept + kept // 10, held_bytes=kept,
+                         weight_peak_bytes=kept + kept // 20,
+                         later_weight_peak_bytes=kept + kept // 20 + problem.grads_bytes,
+                         weight_share=0.4)
+    splits = [NONE, split, split, split]
+    plain, plain_step = split_pipeline_step([Plan(problem.stage_names)] * 4, [problem] * 4,
+                                            splits, INTERLEAVED_ZB)
+    uniform, uniform_step = split_pipeline_step([_per_stage(problem)] * 4, [problem] * 4,
+                                                splits, INTERLEAVED_ZB)
+    assert all(uniform[r] < plain[r] for r in (0, 1)) and uniform_step > plain_step
+    budget = (max(uniform.values()) + min(plain.values())) // 2
+    plans, peaks, step = plan_split_pipeline([problem] * 4, splits, INTERLEAVED_ZB, budget)
+    assert peaks == split_pipeline_step(plans, [problem] * 4, splits, INTERLEAVED_ZB)[0]
+    assert all(peak <= budget for peak in peaks.values())
+    assert step <= uniform_step + 1e-12
+    assert any(plan.regions for plan in plans)
+    assert all(plan.parent(r) is None for plan in plans for r in plan.regions)
+    # with room for no plan anywhere, no plan is the fastest
+    roomy, _, roomy_step = plan_split_pipeline([problem] * 4, splits, INTERLEAVED_ZB,
+                                               max(plain.values()))
+    assert roomy_step == pytest.approx(plain_step)
+    assert not any(plan.regions for plan in roomy)
+    with pytest.raises(CheckFailed, match="no one-level plan of pipeline rank"):
+        plan_split_pipeline([problem] * 4, splits, INTERLEAVED_ZB, min(uniform.values()) // 2)

@@ -299,23 +299,26 @@ def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
                          "loss_fn=(output, target) -> loss and the micro-batch's target")
     params = list(part.parameters())
 
-    def forward(x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
+                                          list[torch.Tensor] | None]:
         out = part(x)
         if last:
             assert loss_fn is not None
-            return [loss_fn(out, target)], None
-        return [out], [torch.ones_like(out)]
+            return out, [loss_fn(out, target)], None
+        return out, [out], [torch.ones_like(out)]
 
     def passes(tracker: LiveMemoryTracker | None, marks: list[int]) -> tuple[float, float]:
         x = microbatch.detach().requires_grad_(True)
-        outputs, grads = forward(x)
+        # the stage keeps its output until the input pass (the last one's for the merged
+        # output, counted after it as a schedule buffer): so does this
+        out, outputs, grads = forward(x)
         if tracker is not None:
             marks.append(tracker.live_bytes)
             tracker.reset_peak()
         t0 = time.perf_counter()
         _, groups = stage_backward_input(outputs, grads, [x], iter(params))
         t1 = time.perf_counter()
-        del outputs, grads
+        del out, outputs, grads
         if tracker is not None:
             marks += [tracker.peak_bytes, tracker.live_bytes]
             tracker.reset_peak()

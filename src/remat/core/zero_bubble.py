@@ -32,15 +32,25 @@ holds, each other micro-batch between ``F`` and ``I`` (kept), each between ``I``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.core.errors import UsageError
-from remat.core.pipeline import ScheduleBuffers, _Chunk, _figures, rank_cost
-from remat.core.plan_format import Plan
+from remat.core.errors import CheckFailed, UsageError
+from remat.core.pipeline import (
+    COMBINATIONS,
+    RankCost,
+    ScheduleBuffers,
+    _Chunk,
+    _figures,
+    _thin,
+    rank_cost,
+)
+from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
 
-__all__ = ["KINDS", "SplitFigures", "split_pipeline_step", "split_step_time"]
+__all__ = ["KINDS", "SplitFigures", "plan_split_pipeline", "split_pipeline_step",
+           "split_step_time"]
 
 #: The ops of a rank's order: forward, input pass, weight pass, full backward.
 KINDS = ("F", "I", "W", "B")
@@ -242,3 +252,116 @@ def _split_walk(n: int, figures: Sequence[tuple[object, _Chunk]],
             sent[s] += 1
     return max([peak, *(chunks[s].tail + chunks[s].extras(sent[s]) + others(s)
                         for s in mine)])
+
+
+# -- choosing every stage's plan -------------------------------------------------------
+
+#: One-micro-batch budgets tried per stage for its flat plans, between the least and none.
+BUDGET_STEPS = 12
+
+
+def _flat_ladder(problem: Problem) -> list[Plan]:
+    """The stage's candidates: no plan, a region per stage, one region over all, and the
+    fastest flat plan (``segments-optimal``) at a ladder of one-micro-batch budgets."""
+    from remat.core.solve import simulate, solvers
+
+    names, n = problem.stage_names, problem.n
+    plans = [Plan(names), Plan(names, tuple(Region(i, i + 1) for i in range(n))),
+             Plan(names, (Region(0, n),))]
+    peaks = [simulate(plan, problem).peak_bytes for plan in plans]
+    least, most = min(peaks), max(peaks)
+    for k in range(BUDGET_STEPS + 1):
+        try:
+            plans.append(solvers.segments_optimal(problem,
+                                                  least + (most - least) * k // BUDGET_STEPS))
+        except CheckFailed:
+            continue
+    found: dict[tuple[tuple[int, int], ...], Plan] = {}
+    for plan in plans:
+        found.setdefault(tuple((r.start, r.stop) for r in plan.regions), plan)
+    return list(found.values())
+
+
+def plan_split_pipeline(problems: Sequence[Problem], splits: Sequence[SplitFigures],
+                        orders: Mapping[int, Order], budget: int,
+                        buffers: Sequence[ScheduleBuffers] | None = None,
+                        send_s: float = 0.0) -> tuple[list[Plan], dict[int, int], float]:
+    """Every stage's plan for the step time under ``budget`` bytes per rank, under a
+    zero-bubble order (arguments as for :func:`split_pipeline_step`); returns the plans,
+    each rank's peak and the step.
+
+    Per stage, the candidates are one-level plans (:func:`_flat_ladder`: what
+    ``split_backward=True`` runs); per rank, the combinations of its stages' candidates
+    whose peak under the order fits ``budget``, less those another fitting one beats in
+    every stage's time; then, from every rank's fastest, each rank in turn takes the
+    combination that shortens the step most, until none does. Raises CheckFailed when a
+    rank has no combination that fits."""
+    n = len(problems)
+    if not n or len(splits) != n:
+        raise UsageError("give one problem and SplitFigures per stage")
+    buffers = list(buffers) if buffers is not None else [ScheduleBuffers()] * n
+    if len(buffers) != n:
+        raise UsageError("give one ScheduleBuffers per stage")
+    rank_of = _placement(orders, n)
+    bare = [_bare_backward(problem) for problem in problems]
+    ladders = [[(plan, *_figures(plan, problem, buffers[s])) for plan in _flat_ladder(problem)]
+               for s, problem in enumerate(problems)]
+    choices: dict[int, list[tuple[int, ...]]] = {}
+    for r in sorted(orders):
+        stages = [s for s in range(n) if rank_of[s] == r]
+        per = max(2, int(COMBINATIONS ** (1 / len(stages))))
+        ids = [_thin(list(range(len(ladders[s]))), per) for s in stages]
+
+        def peak(combo: tuple[int, ...], stages: list[int] = stages, r: int = r) -> int:
+            figures: list[tuple[object, _Chunk]] = [ladders[s][0][1:] for s in range(n)]
+            for s, i in zip(stages, combo, strict=True):
+                figures[s] = ladders[s][i][1:]
+            return _split_walk(n, figures, splits, rank_of, r, orders[r])
+
+        fitting = [combo for combo in itertools.product(*ids) if peak(combo) <= budget]
+        if not fitting:
+            raise CheckFailed(
+                f"no one-level plan of pipeline rank {r} fits {budget} bytes under this "
+                "zero-bubble order (what a micro-batch holds between its input and weight "
+                "passes does not shrink with regions); raise the budget, or use fewer or "
+                "smaller micro-batches")
+
+        def times(combo: tuple[int, ...], stages: list[int] = stages) -> tuple[float, ...]:
+            return tuple(t for s, i in zip(stages, combo, strict=True)
+                         for t in (ladders[s][i][1].forward_s, ladders[s][i][1].backward_s))
+
+        timed = {combo: times(combo) for combo in fitting}
+        front = [a for a in fitting
+                 if not any(b != a and timed[b] != timed[a]
+                            and all(x <= y for x, y in zip(timed[b], timed[a], strict=True))
+                            for b in fitting)]
+        choices[r] = sorted(front, key=lambda combo: sum(timed[combo]))
+
+    def picked(chosen: Mapping[int, int]) -> list[int]:
+        out = [0] * n
+        for r, k in chosen.items():
+            stages = [s for s in range(n) if rank_of[s] == r]
+            for s, i in zip(stages, choices[r][k], strict=True):
+                out[s] = i
+        return out
+
+    def time_of(chosen: Mapping[int, int]) -> float:
+        costs: list[RankCost] = [ladders[s][i][1] for s, i in enumerate(picked(chosen))]
+        return split_step_time([c.forward_s for c in costs], bare,
+                               [c.backward_s - b for c, b in zip(costs, bare, strict=True)],
+                               [c.outside_s for c in costs], splits, orders, send_s)
+
+    chosen = dict.fromkeys(choices, 0)
+    best = time_of(chosen)
+    improved = True
+    while improved:
+        improved = False
+        for r in sorted(choices):
+            for k in range(len(choices[r])):
+                trial = {**chosen, r: k}
+                t = time_of(trial)
+                if t < best - 1e-12:
+                    best, chosen, improved = t, trial, True
+    plans = [ladders[s][i][0] for s, i in enumerate(picked(chosen))]
+    peaks, step = split_pipeline_step(plans, problems, splits, orders, buffers, send_s)
+    return plans, peaks, step
