@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ SCHEDULES = {"ScheduleInterleavedZeroBubble": "interleaved-zero-bubble",
              "ScheduleZBVZeroBubble": "zbv-zero-bubble", "ScheduleDualPipeV": "dualpipev"}
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 PLANS = ("none", "a region per block", "remat")
+ROUNDS = 7  # interleaved timed steps per configuration
 
 
 def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> None:
@@ -104,6 +107,8 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
                 "a region per block": [Plan(p.stage_names, tuple(
                     Region(i, i + 1) for i in range(p.n))) for p in problems]}
             budget = 0
+            steps: dict[str, Any] = {}
+            applied_parts: list[Any] = []
             for label in PLANS:
                 model, (idx, target), _ = gpt(**opts)  # fresh: profiling stepped the other
                 parts = [GPTPart(model, s, n) for s in ids]
@@ -142,16 +147,25 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
                 step()
                 measured, _ = rank_step_peak(step, parts, stages, held=[idx, target],
                                              optimizer=opt)
+                steps[label] = step
+                applied_parts += parts
                 rows.append({"microbatches": micro, "schedule": name, "plan": label,
                              "regions": " / ".join(
                                  " ".join(str(r) for r in plans[s].regions) or "-"
                                  for s in ids),
                              "budget": budget if label == "remat" else None,
                              "measured": measured, "predicted": peaks[rank],
-                             "step_s": step_s})
-                for part in parts:
-                    if applied(part):
-                        remove(part)
+                             "step_s": step_s, "times": []})
+            # measured steps: the three plans interleaved, started on every rank at once
+            for _ in range(ROUNDS):
+                for k, label in enumerate(PLANS):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    steps[label]()
+                    rows[-len(PLANS) + k]["times"].append(time.perf_counter() - t0)
+            for part in applied_parts:
+                if applied(part):
+                    remove(part)
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -183,6 +197,22 @@ def main() -> None:
                          f"{x['measured'] / 1e6:.2f} | {error:+.1%} | {fits} | "
                          f"{x['step_s'] * 1e3:.1f} ms |")
     lines.append(f"\nLargest error: {worst:.1%}.")
+    lines += ["", f"Step time, {ROUNDS} interleaved rounds, the slowest rank's per round: "
+              "the median step, the predicted one, and each plan's ratio to per-block's "
+              "(measured: the median of the per-round ratios).", "",
+              "| schedule | micro-batches | plan | measured step (ms) | predicted step (ms) | "
+              "measured ratio | predicted ratio |", "|---|---|---|---|---|---|---|"]
+    for i in range(0, len(ranks[0]), len(PLANS)):
+        slowest = [[max(ts) for ts in zip(*(rows[i + k]["times"] for rows in ranks),
+                                          strict=True)] for k in range(len(PLANS))]
+        uniform = slowest[PLANS.index("a region per block")]
+        for k, label in enumerate(PLANS):
+            row = ranks[0][i + k]
+            ratio = statistics.median(t / u for t, u in zip(slowest[k], uniform, strict=True))
+            predicted = row["step_s"] / ranks[0][i + PLANS.index("a region per block")]["step_s"]
+            lines.append(f"| {row['schedule']} | {row['microbatches']} | {label} | "
+                         f"{statistics.median(slowest[k]) * 1e3:.1f} | "
+                         f"{row['step_s'] * 1e3:.1f} | {ratio:.2f} | {predicted:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:
