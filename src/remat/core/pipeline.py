@@ -45,9 +45,8 @@ __all__ = ["SCHEDULES", "ZERO_BUBBLE", "PipelineStep", "RankCost", "ScheduleBuff
            "step_time"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-#: torch's schedules that split each backward into input and weight passes: a checkpointed
-#: region is rebuilt in each pass there (Note [Backward in passes] in remat.runtime.engine),
-#: so remat does not plan regions for them.
+#: torch's schedules that split each backward into input and weight passes, in orders torch
+#: builds: remat.core.zero_bubble plans them from those orders, not this module.
 ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 #: Schedules that run one stage per rank (the others take ``chunks``).
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -59,10 +58,11 @@ def check_schedule(schedule: str, ranks: int = 1, microbatches: int = 1,
     schedule does not take."""
     if schedule in ZERO_BUBBLE:
         raise UsageError(
-            f"schedule {schedule!r} splits each backward into an input pass and weight passes, "
-            "and a checkpointed region is rebuilt in every pass (measured: twice the peak of "
-            "no region), so remat does not plan for it; use 1f1b or interleaved-1f1b, or run "
-            "those stages without regions")
+            f"schedule {schedule!r} splits each backward into an input pass and weight passes "
+            "in an order torch builds, so it is planned from that order: use "
+            "remat.core.zero_bubble.split_pipeline_step / plan_split_pipeline with "
+            "remat.pipelining.schedule_orders(schedule), and apply the plans with "
+            "split_backward=True")
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r} is not known; choose one of "
                          f"{', '.join(SCHEDULES)}")
