@@ -366,7 +366,7 @@ def test_a_backward_in_passes_rebuilds_each_region_again_and_remat_says_so() -> 
     for name, grad in plain.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
     for schedule in ZERO_BUBBLE:
-        with pytest.raises(UsageError, match="weight passes.*plan_split_pipeline"):
+        with pytest.raises(UsageError, match=r"weight passes.*plan_split_pipeline"):
             check_schedule(schedule, 2, 4, 2)
 
 
