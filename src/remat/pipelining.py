@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -270,11 +271,12 @@ def schedule_orders(schedule: Any) -> dict[int, list[tuple[str, int, int]]]:
 
 def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                  target: Any = None, rounds: int = 3) -> SplitFigures:
+                  target: Any = None, rounds: int = 5) -> SplitFigures:
     """``part``'s backward as torch's zero-bubble schedules run it, an input pass and then
     the weight passes (torch's own ``stage_backward_input`` and ``stage_backward_weight``),
-    for two micro-batches in turn without a plan, under the live-storage tracker
-    (:class:`remat.core.zero_bubble.SplitFigures`; Note [A backward in passes, on paper]).
+    for two micro-batches in turn without a plan, under the live-storage tracker, then
+    ``rounds`` more timed (:class:`remat.core.zero_bubble.SplitFigures`; Note [A backward
+    in passes, on paper]).
     ``microbatch`` as for :func:`profile_part`: it must require grad, as a receive buffer
     does (the first rank's input pass is empty and needs no figures)."""
     import time
@@ -344,16 +346,19 @@ def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
         passes(tracker, marks)  # the gradients there from the start
     _, input_peak, held, weight_peak, _ = first
     later_weight_peak = marks[3]
-    shares = []
+    inputs, weights = [], []
     for _ in range(max(1, rounds)):
         t_input, t_weight = passes(None, [])
-        shares.append(t_weight / (t_input + t_weight) if t_input + t_weight > 0 else 0.5)
+        inputs.append(t_input)
+        weights.append(t_weight)
     part.zero_grad(set_to_none=True)
-    shares.sort()
+    t_input, t_weight = statistics.median(inputs), statistics.median(weights)
     return SplitFigures(
         input_peak_bytes=max(0, input_peak - base),
         held_bytes=max(0, held - base),
         weight_peak_bytes=max(0, weight_peak - base),
         later_weight_peak_bytes=max(0, later_weight_peak - base),
-        weight_share=shares[len(shares) // 2],
+        weight_share=t_weight / (t_input + t_weight) if t_input + t_weight > 0 else 0.5,
+        input_s=t_input,
+        weight_s=t_weight,
     )
