@@ -49,22 +49,10 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
     from torch.distributed import pipelining
 
     from remat.core.plan_format import Plan, Region
-    from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
-    from remat.core.zero_bubble import (
-        SplitFigures,
-        plan_split_pipeline,
-        split_pipeline_step,
-    )
+    from remat.core.zero_bubble import plan_split_pipeline, split_pipeline_step
     from remat.models.gpt import GPTPart, gpt, logits_loss
-    from remat.pipelining import (
-        apply_to_stage,
-        profile_part,
-        rank_step_peak,
-        schedule_buffers,
-        schedule_orders,
-        split_figures,
-    )
+    from remat.pipelining import apply_to_stage, rank_step_peak, schedule_orders, split_stage
     from remat.runtime.install import applied, remove
 
     torch.set_num_threads(1)
@@ -80,22 +68,17 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
             model, (idx, target), _ = gpt(**opts)
             mb = opts["batch_size"] // micro
             mine = {}
-            for s in ids:  # each stage's profile, buffers and two passes, once
+            for s in ids:  # each stage's problem, buffers and two passes, once
                 part = GPTPart(model, s, n)
                 torch.manual_seed(1)
                 x = (idx[:mb] if part.first else
                      torch.randn(mb, opts["block_size"], opts["n_embd"], requires_grad=True))
-                names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
-                prof = profile_part(part, x, last=part.last, loss_fn=logits_loss,
-                                    target=target[:mb], stages=names, repeats=1)
-                buffers = schedule_buffers(prof, part, x, schedule=core_name,
-                                           microbatches=micro, first=part.first,
-                                           last=part.last, prev_on_rank=s - 1 in ids,
-                                           next_on_rank=s + 1 in ids)
-                split = (SplitFigures(0, 0, 0, 0) if part.first else
-                         split_figures(part, x, last=part.last, loss_fn=logits_loss,
-                                       target=target[:mb]))
-                mine[s] = (to_problem(prof).to_dict(), buffers, split)
+                problem, buffers, split = split_stage(
+                    part, x, schedule=core_name, microbatches=micro, first=part.first,
+                    last=part.last, prev_on_rank=s - 1 in ids, next_on_rank=s + 1 in ids,
+                    loss_fn=logits_loss, target=target[:mb],
+                    stages=tuple(f"blocks.{i}" for i in range(len(part.blocks))), repeats=1)
+                mine[s] = (problem.to_dict(), buffers, split)
             shared: list[Any] = [None] * world
             dist.all_gather_object(shared, mine)
             every = {s: v for d in shared for s, v in d.items()}

@@ -157,17 +157,9 @@ def _zero_bubble_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
-    from remat.core.zero_bubble import SplitFigures, split_pipeline_step
-    from remat.pipelining import (
-        apply_to_stage,
-        profile_part,
-        rank_step_peak,
-        schedule_buffers,
-        schedule_orders,
-        split_figures,
-    )
+    from remat.core.zero_bubble import split_pipeline_step
+    from remat.pipelining import apply_to_stage, rank_step_peak, schedule_orders, split_stage
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -180,21 +172,18 @@ def _zero_bubble_rank(rank: int, store: str, out: str) -> None:
     for mode in ("none", "once"):
         model, (idx, target), _ = gpt(**ZB_OPTS)
         mine = {}
-        for s in ids:  # each stage's profile, buffers and two passes (no plan)
+        for s in ids:  # each stage's problem, buffers and two passes (no plan)
             part = GPTPart(model, s, n)
             torch.manual_seed(1)
             x = (idx[:mb] if part.first else torch.randn(
                 mb, ZB_OPTS["block_size"], ZB_OPTS["n_embd"], requires_grad=True))
             names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
-            prof = profile_part(part, x, last=part.last, loss_fn=logits_loss,
-                                target=target[:mb], stages=names, repeats=1)
-            buffers = schedule_buffers(prof, part, x, schedule="interleaved-zero-bubble",
-                                       microbatches=MICRO, first=part.first, last=part.last)
-            split = (SplitFigures(0, 0, 0, 0) if part.first else
-                     split_figures(part, x, last=part.last, loss_fn=logits_loss,
-                                   target=target[:mb]))
+            problem, buffers, split = split_stage(
+                part, x, schedule="interleaved-zero-bubble", microbatches=MICRO,
+                first=part.first, last=part.last, loss_fn=logits_loss, target=target[:mb],
+                stages=names, repeats=1)
             plan = _per_block(part) if mode == "once" else Plan(names)
-            mine[s] = (plan, to_problem(prof).to_dict(), buffers, split)
+            mine[s] = (plan, problem.to_dict(), buffers, split)
         shared: list[Any] = [None] * WORLD
         dist.all_gather_object(shared, mine)
         every = {s: v for d in shared for s, v in d.items()}

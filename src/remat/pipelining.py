@@ -40,12 +40,13 @@ from remat.core.errors import UsageError
 from remat.core.pipeline import SINGLE_STAGE, ZERO_BUBBLE, ScheduleBuffers, check_schedule
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
+from remat.core.solve.problem import Problem
 from remat.core.zero_bubble import KINDS, SplitFigures
 from remat.measure.tracker import LiveMemoryTracker, iter_tensors, storage_key
 
 __all__ = ["apply_to_stage", "dropped_checkpoints", "part_loss", "profile_part",
            "rank_step_peak", "receive_buffers", "schedule_buffers", "schedule_orders",
-           "split_figures"]
+           "split_figures", "split_stage"]
 
 
 def _bytes(value: Any) -> int:
@@ -362,3 +363,26 @@ def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
         input_s=t_input,
         weight_s=t_weight,
     )
+
+
+def split_stage(part: nn.Module, microbatch: Any, *, schedule: str, microbatches: int,
+                first: bool, last: bool, prev_on_rank: bool = False,
+                next_on_rank: bool = False,
+                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                target: Any = None, stages: Sequence[str] | None = None,
+                repeats: int = 2) -> tuple[Problem, ScheduleBuffers, SplitFigures]:
+    """What :mod:`remat.core.zero_bubble` needs of one pipeline stage, before its
+    ``PipelineStage`` is built: its problem (:func:`profile_part`), what the schedule keeps
+    for it (:func:`schedule_buffers`) and its two passes (:func:`split_figures`; zeros on
+    the first stage, whose input pass is empty). ``prev_on_rank`` / ``next_on_rank``: its
+    neighbour stages run on this rank (the V-shaped schedules)."""
+    from remat.core.planner import to_problem
+
+    profile = profile_part(part, microbatch, last=last, loss_fn=loss_fn, target=target,
+                           stages=stages, repeats=repeats)
+    buffers = schedule_buffers(profile, part, microbatch, schedule=schedule,
+                               microbatches=microbatches, first=first, last=last,
+                               prev_on_rank=prev_on_rank, next_on_rank=next_on_rank)
+    split = (SplitFigures(0, 0, 0, 0) if first else
+             split_figures(part, microbatch, last=last, loss_fn=loss_fn, target=target))
+    return to_problem(profile), buffers, split
