@@ -31,7 +31,7 @@ that chunk's first backward, and its micro-batches in flight. Torch-free.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from remat.core.errors import CheckFailed, UsageError
@@ -40,7 +40,7 @@ from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import Simulation, simulate
 
 __all__ = ["SCHEDULES", "ZERO_BUBBLE", "PipelineStep", "RankCost", "ScheduleBuffers",
-           "check_schedule", "chunked_rank_peak", "in_flight",
+           "check_schedule", "chunked_rank_peak", "descend", "in_flight",
            "pipeline_step", "plan_pipeline", "rank_cost", "rank_peak", "schedule_order",
            "step_time"]
 
@@ -427,6 +427,23 @@ def _rank_choices(ladders: Sequence[Sequence[tuple[Plan, RankCost, _Chunk]]], bu
     return sorted(front, key=lambda combo: sum(timed[combo]))
 
 
+def descend(counts: Sequence[int], time_of: Callable[[Sequence[int]], float]) -> list[int]:
+    """From every rank's first (fastest) choice, each rank in turn takes the choice among
+    its ``counts[r]`` that shortens ``time_of`` most, until none does."""
+    chosen = [0] * len(counts)
+    best = time_of(chosen)
+    improved = True
+    while improved:
+        improved = False
+        for r, count in enumerate(counts):
+            for k in range(count):
+                trial = [*chosen[:r], k, *chosen[r + 1:]]
+                t = time_of(trial)
+                if t < best - 1e-12:
+                    best, chosen, improved = t, trial, True
+    return chosen
+
+
 def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
                   microbatches: int, send_s: float = 0.0,
                   buffers: Sequence[ScheduleBuffers] | None = None,
@@ -481,18 +498,7 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
         return step_time([cost for _, cost, _ in picked(choice)], schedule, microbatches,
                          send_s, chunks)
 
-    chosen = [0] * p
-    best = time_of(chosen)
-    improved = True
-    while improved:
-        improved = False
-        for r in range(p):
-            for k in range(len(choices[r])):
-                trial = list(chosen)
-                trial[r] = k
-                t = time_of(trial)
-                if t < best - 1e-12:
-                    best, chosen, improved = t, trial, True
+    chosen = descend([len(c) for c in choices], time_of)
     plans = [plan for plan, _, _ in picked(chosen)]
     return plans, pipeline_step(plans, problems, schedule, microbatches, send_s, buffers,
                                 chunks)

@@ -44,6 +44,7 @@ from remat.core.pipeline import (
     _Chunk,
     _figures,
     _thin,
+    descend,
     rank_cost,
 )
 from remat.core.plan_format import Plan, Region
@@ -363,31 +364,23 @@ def plan_split_pipeline(problems: Sequence[Problem], splits: Sequence[SplitFigur
                             for b in fitting)]
         choices[r] = sorted(front, key=lambda combo: sum(timed[combo]))
 
-    def picked(chosen: Mapping[int, int]) -> list[int]:
+    ranks = sorted(choices)
+
+    def picked(chosen: Sequence[int]) -> list[int]:
         out = [0] * n
-        for r, k in chosen.items():
+        for r, k in zip(ranks, chosen, strict=True):
             stages = [s for s in range(n) if rank_of[s] == r]
             for s, i in zip(stages, choices[r][k], strict=True):
                 out[s] = i
         return out
 
-    def time_of(chosen: Mapping[int, int]) -> float:
+    def time_of(chosen: Sequence[int]) -> float:
         costs: list[RankCost] = [ladders[s][i][1] for s, i in enumerate(picked(chosen))]
         return split_step_time([c.forward_s for c in costs], bare,
                                [c.backward_s - b for c, b in zip(costs, bare, strict=True)],
                                [c.outside_s for c in costs], splits, orders, send_s)
 
-    chosen = dict.fromkeys(choices, 0)
-    best = time_of(chosen)
-    improved = True
-    while improved:
-        improved = False
-        for r in sorted(choices):
-            for k in range(len(choices[r])):
-                trial = {**chosen, r: k}
-                t = time_of(trial)
-                if t < best - 1e-12:
-                    best, chosen, improved = t, trial, True
+    chosen = descend([len(choices[r]) for r in ranks], time_of)
     plans = [ladders[s][i][0] for s, i in enumerate(picked(chosen))]
     peaks, step = split_pipeline_step(plans, problems, splits, orders, buffers, send_s)
     return plans, peaks, step
