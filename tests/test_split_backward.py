@@ -321,3 +321,51 @@ def test_split_backward_on_batch_norm_blocks_updates_the_statistics_once() -> No
     for (name, a), b in zip(model.named_buffers(), twin.buffers(), strict=True):
         assert torch.equal(a, b), name
     remove(twin)
+
+
+class _Residual(torch.nn.Module):
+    """``for b in blocks: x = x + b(x)``, and a switch that raises inside the third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4))
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = x + block(x)
+            if self.fail and i == 2:
+                raise ValueError("boom")
+        return x.sum()
+
+
+def test_split_backward_keeps_a_retained_graph_and_survives_a_forward_that_raises() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = _Residual()
+    plain = copy.deepcopy(model)
+    names = tuple(f"blocks.{i}" for i in range(4))
+    handle = apply(model, Plan(names, (Region(0, 2), Region(2, 4))), split_backward=True)
+    x = torch.randn(8, 16)
+    # a graph kept for a second backward: the rebuilt tensors stay with it, one rebuild
+    for m in (model, plain):
+        loss = m(x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert handle._installation.engine.rebuilds == 2
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    # a forward that raises inside the second region leaves no hooks behind
+    model.fail = True
+    with pytest.raises(ValueError, match="boom"):
+        model(x)
+    model.fail = False
+    for m in (model, plain):
+        m.zero_grad()
+        m(x).backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    remove(model)
+    assert all("forward" not in block.__dict__ for block in model.blocks)
