@@ -3,10 +3,12 @@
 Run from the repository root (spawns the gloo processes itself)::
 
     PYTHONPATH=src .venv/bin/python benchmarks/pipeline_zero_bubble_peaks.py \\
-        [--ranks 2] [--microbatches 4 8] [--out FILE]
+        [--ranks 2] [--microbatches 4 8] [--model gpt|llama] [--out FILE]
 
-remat's gpt (2 blocks per stage, hidden 64, sequence 32, batch 32, no dropout) over
-``--ranks`` gloo processes with two stages each (``remat.models.gpt.GPTPart``), under
+remat's gpt (2 blocks per stage, hidden 64, sequence 32, batch 32, no dropout;
+``remat.models.gpt.GPTPart``) or transformers' ``LlamaForCausalLM`` (``hf:llama``'s
+config, one decoder layer per stage, batch 8; :class:`LlamaPart`) over ``--ranks`` gloo
+processes with two stages each, under
 ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``,
 with no plan, with a region per block on every stage and with
 :func:`remat.core.zero_bubble.plan_split_pipeline`'s per-stage plans at a budget halfway
@@ -41,17 +43,70 @@ SCHEDULES = {"ScheduleInterleavedZeroBubble": "interleaved-zero-bubble",
              "ScheduleZBVZeroBubble": "zbv-zero-bubble", "ScheduleDualPipeV": "dualpipev"}
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 PLANS = ("none", "a region per block", "remat")
+
+
+class LlamaPart(torch.nn.Module):
+    """Pipeline stage ``stage`` of ``stages`` of a transformers ``LlamaForCausalLM``: the
+    embedding on the first, its share of the decoder layers, the norm and head on the
+    last (a manual split, as ``GPTPart``); the rotary embedding is computed on each."""
+
+    def __init__(self, model: Any, stage: int, stages: int) -> None:
+        super().__init__()
+        inner = model.model
+        n = len(inner.layers)
+        lo, hi = stage * n // stages, (stage + 1) * n // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.embed_tokens = inner.embed_tokens
+        self.layers = torch.nn.ModuleList(inner.layers[lo:hi])
+        self.rotary_emb = inner.rotary_emb
+        if self.last:
+            self.norm, self.lm_head = inner.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rotary = self.rotary_emb(x, positions)
+        for layer in self.layers:
+            out = layer(x, position_embeddings=rotary)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.lm_head(self.norm(x)) if self.last else x
+
+
+def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
+
+
+def _model(kind: str, stages: int) -> tuple[Any, Any, Any, Any, int, Any]:
+    """``(model, ids, target, part(model, stage, stages), hidden size, loss)``."""
+    if kind == "llama":
+        from remat.models import load_model
+
+        model, batch, _ = load_model("hf:llama", batch_size=8, num_hidden_layers=stages)
+        return (model, batch["input_ids"], batch["labels"], LlamaPart,
+                model.config.hidden_size, _next_token_loss)
+    from remat.models.gpt import GPTPart, gpt, logits_loss
+
+    model, (idx, target), _ = gpt(**{**OPTS, "n_layer": stages * BLOCKS_PER_STAGE})
+    return model, idx, target, GPTPart, OPTS["n_embd"], logits_loss
 ROUNDS = 7  # interleaved timed steps per configuration
 
 
-def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> None:
+def _blocks(part: Any) -> tuple[str, ...]:
+    """The part's blocks as module paths: its stages."""
+    name = "blocks" if hasattr(part, "blocks") else "layers"
+    return tuple(f"{name}.{i}" for i in range(len(getattr(part, name))))
+
+
+def _rank(rank: int, world: int, store: str, out: str, counts: list[int], kind: str) -> None:
     import torch.distributed as dist
     from torch.distributed import pipelining
 
     from remat.core.plan_format import Plan, Region
     from remat.core.solve.problem import Problem
     from remat.core.zero_bubble import plan_split_pipeline, split_pipeline_step
-    from remat.models.gpt import GPTPart, gpt, logits_loss
     from remat.pipelining import apply_to_stage, rank_step_peak, schedule_orders, split_stage
     from remat.runtime.install import applied, remove
 
@@ -60,24 +115,23 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     n = 2 * world
-    opts = {**OPTS, "n_layer": n * BLOCKS_PER_STAGE}
     rows = []
     for micro in counts:
         for name, core_name in SCHEDULES.items():
             ids = [rank, n - 1 - rank] if name in V_SHAPED else [rank, rank + world]
-            model, (idx, target), _ = gpt(**opts)
-            mb = opts["batch_size"] // micro
+            model, idx, target, part_of, hidden, loss = _model(kind, n)
+            mb = idx.shape[0] // micro
             mine = {}
             for s in ids:  # each stage's problem, buffers and two passes, once
-                part = GPTPart(model, s, n)
+                part = part_of(model, s, n)
                 torch.manual_seed(1)
                 x = (idx[:mb] if part.first else
-                     torch.randn(mb, opts["block_size"], opts["n_embd"], requires_grad=True))
+                     torch.randn(mb, idx.shape[1], hidden, requires_grad=True))
                 problem, buffers, split = split_stage(
                     part, x, schedule=core_name, microbatches=micro, first=part.first,
                     last=part.last, prev_on_rank=s - 1 in ids, next_on_rank=s + 1 in ids,
-                    loss_fn=logits_loss, target=target[:mb],
-                    stages=tuple(f"blocks.{i}" for i in range(len(part.blocks))), repeats=1)
+                    loss_fn=loss, target=target[:mb],
+                    stages=_blocks(part), repeats=1)
                 mine[s] = (problem.to_dict(), buffers, split)
             shared: list[Any] = [None] * world
             dist.all_gather_object(shared, mine)
@@ -93,12 +147,12 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int]) -> Non
             steps: dict[str, Any] = {}
             applied_parts: list[Any] = []
             for label in PLANS:
-                model, (idx, target), _ = gpt(**opts)  # fresh: profiling stepped the other
-                parts = [GPTPart(model, s, n) for s in ids]
+                model, idx, target, _, _, _ = _model(kind, n)  # fresh: profiling stepped
+                parts = [part_of(model, s, n) for s in ids]
                 stages = [pipelining.PipelineStage(part, s, n, torch.device("cpu"))
                           for s, part in zip(ids, parts, strict=True)]
                 schedule = getattr(pipelining, name)(stages, n_microbatches=micro,
-                                                     loss_fn=logits_loss)
+                                                     loss_fn=loss)
                 orders = schedule_orders(schedule)
                 if label == "remat":
                     # halfway between per-block's largest rank and no plan's largest
@@ -157,12 +211,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="remat's gpt (2 blocks a stage) or transformers' LlamaForCausalLM "
+                             "(hf:llama, one decoder layer a stage)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     out = tempfile.mkdtemp()
     with tempfile.TemporaryDirectory() as rendezvous:
         mp.spawn(_rank, args=(args.ranks, os.path.join(rendezvous, "store"), out,
-                              args.microbatches), nprocs=args.ranks)
+                              args.microbatches, args.model), nprocs=args.ranks)
     ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
     lines = ["| schedule | micro-batches | plan | rank | regions (its stages) | "
              "predicted (MB) | measured (MB) | error | within budget | predicted step |",
