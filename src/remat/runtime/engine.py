@@ -859,10 +859,12 @@ class Engine:
             return contextlib.nullcontext(), _RecomputeContext(record)
 
         replay = functools.partial(_call_with, orig, kwargs)
-        frame = CheckpointFrame.open(
+        # a selective stage outside regions may run in the rebuild-once frame (apply
+        # refuses one inside a region with split_backward: that frame does not nest)
+        own = self.frames.open(
             replay, *args, context_fn=context_fn, preserve_rng_state=self.preserve_rng_state
         )
-        return _run_in(frame, orig, args, kwargs)
+        return _run_in(own, orig, args, kwargs)
 
     def _order_error(self, i: int) -> UsageError:
         name = self.names[i]
@@ -923,7 +925,8 @@ def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _run_in(
-    frame: CheckpointFrame, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    frame: CheckpointFrame | RebuildOnceFrame, orig: Callable[..., Any],
+    args: tuple[Any, ...], kwargs: Any
 ) -> Any:
     try:
         out = orig(*args, **kwargs)

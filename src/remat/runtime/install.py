@@ -256,8 +256,8 @@ def apply(
     (torch's zero-bubble pipeline schedules: an input-gradient pass, then weight-gradient
     passes): each region is then rebuilt once, at the first pass that reaches it, and its
     rebuilt tensors stay until the pass that releases them (Note [One rebuild for a
-    backward in passes] in remat.runtime.rebuild_once). Plans with nested regions or
-    selective options are refused with it.
+    backward in passes] in remat.runtime.rebuild_once). Plans with nested regions or a
+    selective option inside a region are refused with it.
     """
     check_target(model, plan)
     for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force),
@@ -325,21 +325,23 @@ def apply(
 
 def check_split_backward(plan: Plan) -> None:
     """UsageError for a plan ``split_backward=True`` cannot run: a nested region, or a
-    selective option (both need torch's own frame, which rebuilds once per pass)."""
+    selective option inside a region or on a compiled stage (each nests a checkpoint,
+    which the rebuild-once frame does not)."""
     nested = next((r for r in plan.regions if plan.parent(r) is not None), None)
     if nested is not None:
         raise UsageError(
             f"region {nested} lies inside region {plan.parent(nested)}, and with "
             "split_backward=True remat runs one level of regions only; plan with the "
             "segments-optimal solver (disjoint regions) or apply without split_backward")
-    selective = next((name for name, option in zip(plan.stages, plan.parsed_options,
-                                                    strict=True)
-                      if option.is_selective or option.is_partitioned), None)
+    inside = {i for r in plan.regions for i in range(r.start, r.stop)}
+    selective = next((name for i, (name, option) in enumerate(zip(
+        plan.stages, plan.parsed_options, strict=True))
+        if option.is_partitioned or (option.is_selective and i in inside)), None)
     if selective is not None:
         raise UsageError(
-            f"stage {selective!r} has a selective option, which torch's checkpoint rebuilds "
-            "in every backward pass, so split_backward=True refuses it; use keep or a "
-            "region for that stage")
+            f"stage {selective!r} has a selective option inside a region (or a compiled "
+            "one), which would nest a checkpoint in the region's, and split_backward=True "
+            "runs one level; keep it outside regions or use keep for it")
 
 
 def check_target(model: nn.Module, plan: Plan) -> None:

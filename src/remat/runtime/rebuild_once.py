@@ -26,8 +26,10 @@ re-entered as the forward had it, a rebuild stops at the last placeholder still 
 (torch's early stop), a rebuilt tensor of another shape, dtype or device than the one
 saved is an error, and so is an input changed in place after the forward. What it does
 not do is nest: regions inside regions need torch's frame, which saves a child's input
-through its parent's hooks, so remat refuses nested regions and selective options where
-this frame is asked for (``remat.apply(..., split_backward=True)``).
+through its parent's hooks, so remat refuses nested regions, and selective options inside
+regions (a selective stage is a checkpoint of its own), where this frame is asked for
+(``remat.apply(..., split_backward=True)``). A selective stage outside regions runs in
+this frame with its selective-checkpoint contexts (``context_fn``), rebuilt once too.
 """
 
 from __future__ import annotations
