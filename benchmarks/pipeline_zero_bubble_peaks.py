@@ -10,7 +10,8 @@ remat's gpt (2 blocks per stage, hidden 64, sequence 32, batch 32, no dropout;
 config, one decoder layer per stage, batch 8; :class:`LlamaPart`) over ``--ranks`` gloo
 processes with two stages each, under
 ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``,
-with no plan, with a region per block on every stage and with
+with no plan, with a region per block on every stage, with
+``selective:save-matmuls`` on every block (no region), and with
 :func:`remat.core.zero_bubble.plan_split_pipeline`'s per-stage plans at a budget halfway
 between the per-block plan's largest predicted rank peak and no plan's largest (all with
 ``split_backward=True``).
@@ -42,7 +43,7 @@ OPTS = {"n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32, "dr
 SCHEDULES = {"ScheduleInterleavedZeroBubble": "interleaved-zero-bubble",
              "ScheduleZBVZeroBubble": "zbv-zero-bubble", "ScheduleDualPipeV": "dualpipev"}
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-PLANS = ("none", "a region per block", "remat")
+PLANS = ("none", "a region per block", "save-matmuls", "remat")
 
 
 class LlamaPart(torch.nn.Module):
@@ -94,6 +95,12 @@ def _model(kind: str, stages: int) -> tuple[Any, Any, Any, Any, int, Any]:
 ROUNDS = 7  # interleaved timed steps per configuration
 
 
+def _describe(plan: Any) -> str:
+    """A stage's plan in a cell: its regions, and its options other than keep."""
+    options = sorted({str(o) for o in plan.parsed_options if not o.is_keep})
+    return " ".join([*(str(r) for r in plan.regions), *options]) or "-"
+
+
 def _blocks(part: Any) -> tuple[str, ...]:
     """The part's blocks as module paths: its stages."""
     name = "blocks" if hasattr(part, "blocks") else "layers"
@@ -142,7 +149,9 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int], kind: 
             variants: dict[str, list[Plan]] = {
                 "none": [Plan(p.stage_names) for p in problems],
                 "a region per block": [Plan(p.stage_names, tuple(
-                    Region(i, i + 1) for i in range(p.n))) for p in problems]}
+                    Region(i, i + 1) for i in range(p.n))) for p in problems],
+                "save-matmuls": [Plan(p.stage_names, (), options=(
+                    "selective:save-matmuls",) * p.n) for p in problems]}
             budget = 0
             steps: dict[str, Any] = {}
             applied_parts: list[Any] = []
@@ -165,7 +174,7 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int], kind: 
                                                           buffers_all)[0]
                 plans = variants[label]
                 for stage, s in zip(stages, ids, strict=True):
-                    if plans[s].regions:
+                    if not plans[s].checkpoints_nothing:
                         apply_to_stage(stage, plans[s], split_backward=True)
                 peaks, step_s = split_pipeline_step(plans, problems, splits, orders,
                                                     buffers_all)
@@ -187,9 +196,7 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int], kind: 
                 steps[label] = step
                 applied_parts += parts
                 rows.append({"microbatches": micro, "schedule": name, "plan": label,
-                             "regions": " / ".join(
-                                 " ".join(str(r) for r in plans[s].regions) or "-"
-                                 for s in ids),
+                             "regions": " / ".join(_describe(plans[s]) for s in ids),
                              "budget": budget if label == "remat" else None,
                              "measured": measured, "predicted": peaks[rank],
                              "step_s": step_s, "times": []})
@@ -221,7 +228,7 @@ def main() -> None:
         mp.spawn(_rank, args=(args.ranks, os.path.join(rendezvous, "store"), out,
                               args.microbatches, args.model), nprocs=args.ranks)
     ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
-    lines = ["| schedule | micro-batches | plan | rank | regions (its stages) | "
+    lines = ["| schedule | micro-batches | plan | rank | regions, options (its stages) | "
              "predicted (MB) | measured (MB) | error | within budget | predicted step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     worst = 0.0

@@ -288,13 +288,19 @@ BUDGET_STEPS = 12
 
 
 def _flat_ladder(problem: Problem) -> list[Plan]:
-    """The stage's candidates: no plan, a region per stage, one region over all, and the
-    fastest flat plan (``segments-optimal``) at a ladder of one-micro-batch budgets."""
+    """The stage's candidates: no plan, a region per stage, one region over all, each
+    selective option every stage has measured on every stage (outside regions, which
+    ``split_backward=True`` runs), and the fastest flat plan (``segments-optimal``) at a
+    ladder of one-micro-batch budgets."""
     from remat.core.solve import simulate, solvers
 
     names, n = problem.stage_names, problem.n
     plans = [Plan(names), Plan(names, tuple(Region(i, i + 1) for i in range(n))),
              Plan(names, (Region(0, n),))]
+    shared = set.intersection(*(set(stage.saved_bytes) for stage in problem.stages))
+    for option in sorted(shared):
+        if option.startswith("selective:") and not option.startswith("selective:budget"):
+            plans.append(Plan(names, (), options=(option,) * n))
     peaks = [simulate(plan, problem).peak_bytes for plan in plans]
     least, most = min(peaks), max(peaks)
     for k in range(BUDGET_STEPS + 1):
@@ -303,9 +309,10 @@ def _flat_ladder(problem: Problem) -> list[Plan]:
                                                   least + (most - least) * k // BUDGET_STEPS))
         except CheckFailed:
             continue
-    found: dict[tuple[tuple[int, int], ...], Plan] = {}
+    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], Plan] = {}
     for plan in plans:
-        found.setdefault(tuple((r.start, r.stop) for r in plan.regions), plan)
+        found.setdefault((tuple((r.start, r.stop) for r in plan.regions),
+                          tuple(plan.options)), plan)
     return list(found.values())
 
 
