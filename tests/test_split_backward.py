@@ -31,11 +31,12 @@ def _per_block(part: GPTPart) -> Plan:
     return Plan(names, tuple(Region(i, i + 1) for i in range(len(names))))
 
 
-def _step(mode: str, passes: bool) -> dict[str, Any]:
+def _step(mode: str, passes: bool, option: str | None = None) -> dict[str, Any]:
     """One micro-batch through the second half of a gpt (dropout on): ``mode`` "none"
     (no plan), "torch" (a region per block, torch's frame) or "once"
-    (``split_backward=True``); the backward as torch's zero-bubble schedules run it
-    (``passes``) or as one ``backward()``."""
+    (``split_backward=True``), or with ``option`` on every block and no region instead;
+    the backward as torch's zero-bubble schedules run it (``passes``) or as one
+    ``backward()``."""
     from torch.distributed.pipelining._backward import (
         stage_backward_input,
         stage_backward_weight,
@@ -45,50 +46,10 @@ def _step(mode: str, passes: bool) -> dict[str, Any]:
     part = GPTPart(model, 1, 2)
     handle = None
     if mode != "none":
-        handle = apply(part, _per_block(part), split_backward=mode == "once")
-    torch.manual_seed(0)
-    x = torch.randn(OPTS["batch_size"], OPTS["block_size"], OPTS["n_embd"],
-                    requires_grad=True)
-    params = list(part.parameters())
-    tracker = LiveMemoryTracker()
-    tracker.register_existing(part)
-    tracker.register_existing([x, target])
-    with warnings.catch_warnings(record=True) as caught, tracker:
-        warnings.simplefilter("always")
-        torch.manual_seed(1)  # the dropout masks
-        loss = logits_loss(part(x), target)
-        after_forward = tracker.live_bytes
-        if passes:
-            _, groups = stage_backward_input([loss], None, [x], iter(params))
-            del loss
-            stage_backward_weight(iter(params), groups)
-            del groups
-        else:
-            loss.backward()
-            del loss
-    rebuilds = handle._installation.engine.rebuilds if handle is not None else 0
-    if handle is not None:
-        remove(part)
-    return {"peak": tracker.peak_bytes, "after_forward": after_forward,
-            "grads": {n: p.grad for n, p in part.named_parameters()} | {"x": x.grad},
-            "warnings": [str(w.message) for w in caught
-                         if str(w.message).startswith("remat:")],
-            "rebuilds": rebuilds, "regions": len(part.blocks)}
-
-
-def _selective_step(split: bool) -> dict[str, Any]:
-    """Half a gpt with ``selective:save-matmuls`` on both blocks (no region), one
-    micro-batch's backward through torch's two passes."""
-    from torch.distributed.pipelining._backward import (
-        stage_backward_input,
-        stage_backward_weight,
-    )
-
-    model, (_, target), _ = gpt(**OPTS)
-    part = GPTPart(model, 1, 2)
-    names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
-    apply(part, Plan(names, (), options=("selective:save-matmuls",) * len(names)),
-          split_backward=split)
+        names = tuple(f"blocks.{i}" for i in range(len(part.blocks)))
+        plan = (_per_block(part) if option is None
+                else Plan(names, (), options=(option,) * len(names)))
+        handle = apply(part, plan, split_backward=mode == "once")
     torch.manual_seed(0)
     x = torch.randn(OPTS["batch_size"], OPTS["block_size"], OPTS["n_embd"],
                     requires_grad=True)
@@ -97,18 +58,28 @@ def _selective_step(split: bool) -> dict[str, Any]:
     tracker.register_existing(part)
     tracker.register_existing([x, target])
     try:
-        with tracker:
-            torch.manual_seed(1)
+        with warnings.catch_warnings(record=True) as caught, tracker:
+            warnings.simplefilter("always")
+            torch.manual_seed(1)  # the dropout masks
             loss = logits_loss(part(x), target)
             after_forward = tracker.live_bytes
-            _, groups = stage_backward_input([loss], None, [x], iter(params))
-            del loss
-            stage_backward_weight(iter(params), groups)
-            del groups
+            if passes:
+                _, groups = stage_backward_input([loss], None, [x], iter(params))
+                del loss
+                stage_backward_weight(iter(params), groups)
+                del groups
+            else:
+                loss.backward()
+                del loss
     finally:
-        remove(part)
+        if handle is not None:
+            remove(part)
     return {"peak": tracker.peak_bytes, "after_forward": after_forward,
-            "grads": {n: p.grad for n, p in part.named_parameters()} | {"x": x.grad}}
+            "grads": {n: p.grad for n, p in part.named_parameters()} | {"x": x.grad},
+            "warnings": [str(w.message) for w in caught
+                         if str(w.message).startswith("remat:")],
+            "rebuilds": handle._installation.engine.rebuilds if handle is not None else 0,
+            "regions": len(part.blocks)}
 
 
 def test_selective_options_outside_regions_run_in_passes_with_split_backward() -> None:
@@ -118,8 +89,8 @@ def test_selective_options_outside_regions_run_in_passes_with_split_backward() -
     # forward against 3.85 MB, the same peak)
     plain = _step("none", passes=True)
     with pytest.raises(RuntimeError, match="backward an extra time"):
-        _selective_step(split=False)
-    once = _selective_step(split=True)
+        _step("torch", passes=True, option="selective:save-matmuls")
+    once = _step("once", passes=True, option="selective:save-matmuls")
     _assert_same_grads(once["grads"], plain["grads"])
     assert once["after_forward"] < 0.8 * plain["after_forward"]
     assert once["peak"] <= plain["peak"]
