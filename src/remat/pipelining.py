@@ -22,7 +22,8 @@ buffers and its plan as its own part, and the core walks a rank's chunks togethe
 (``chunks=`` in :mod:`remat.core.pipeline`). Under the zero-bubble schedules, whose
 backward runs as an input pass and weight passes, apply plans with
 ``split_backward=True`` (Note [One rebuild for a backward in passes] in
-remat.runtime.rebuild_once); the core does not plan for those schedules yet.
+remat.runtime.rebuild_once); :mod:`remat.core.zero_bubble` predicts and plans them from
+the schedule's own order (:func:`schedule_orders`, with :func:`split_stage` per stage).
 """
 
 from __future__ import annotations

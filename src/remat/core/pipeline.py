@@ -41,8 +41,8 @@ from remat.core.solve.simulator import Simulation, simulate
 
 __all__ = ["SCHEDULES", "ZERO_BUBBLE", "PipelineStep", "RankCost", "ScheduleBuffers",
            "check_schedule", "chunked_rank_peak", "descend", "in_flight",
-           "pipeline_step", "plan_pipeline", "rank_cost", "rank_peak", "schedule_order",
-           "step_time"]
+           "pipeline_step", "plan_pipeline", "rank_choices", "rank_cost", "rank_peak",
+           "schedule_order", "step_time", "with_ladder"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 #: torch's schedules that split each backward into input and weight passes, in orders torch
@@ -387,10 +387,18 @@ def _ladder(problem: Problem) -> list[Plan]:
     least = solvers.minimum_budget(problem)
     most = simulate(Plan(problem.stage_names), problem).peak_bytes
     per_stage = Plan(problem.stage_names, tuple(Region(i, i + 1) for i in range(problem.n)))
-    plans = [per_stage, solvers.min_peak(problem)]
+    return with_ladder([per_stage, solvers.min_peak(problem)],
+                       lambda budget: solvers.optimal(problem, budget), least, most)
+
+
+def with_ladder(plans: list[Plan], solve: Callable[[int], Plan], least: int, most: int
+                ) -> list[Plan]:
+    """``plans`` and ``solve(budget)``'s plans at :data:`BUDGET_STEPS` + 1 budgets from
+    ``least`` to ``most`` (those it finds none for left out), without repeats."""
+    plans = list(plans)
     for k in range(BUDGET_STEPS + 1):
         try:
-            plans.append(solvers.optimal(problem, least + (most - least) * k // BUDGET_STEPS))
+            plans.append(solve(least + (most - least) * k // BUDGET_STEPS))
         except CheckFailed:
             continue
     found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], Plan] = {}
@@ -406,15 +414,16 @@ def _thin(items: list[int], keep: int) -> list[int]:
     return sorted({items[round(k * (len(items) - 1) / (keep - 1))] for k in range(keep)})
 
 
-def _rank_choices(ladders: Sequence[Sequence[tuple[Plan, RankCost, _Chunk]]], budget: int,
-                  order: Sequence[tuple[str, int, int]]) -> list[tuple[int, ...]]:
-    """The rank's combinations of its chunks' candidates that fit ``budget`` under the
-    schedule and that no other fitting one beats in every chunk's time, fastest first."""
+def rank_choices(ladders: Sequence[Sequence[tuple[Plan, RankCost, _Chunk]]], budget: int,
+                 peak_of: Callable[[list[_Chunk]], int]) -> list[tuple[int, ...]]:
+    """The rank's combinations of its chunks' candidates whose peak (``peak_of`` the
+    chosen candidates' figures, in the rank's chunk order) fits ``budget`` and that no
+    other fitting one beats in every chunk's time, fastest first."""
     v = len(ladders)
     per = max(2, int(COMBINATIONS ** (1 / v)))
     ids = [_thin(list(range(len(ladder))), per) for ladder in ladders]
     fitting = [combo for combo in itertools.product(*ids)
-               if _walk([ladders[c][i][2] for c, i in enumerate(combo)], order) <= budget]
+               if peak_of([ladders[c][i][2] for c, i in enumerate(combo)]) <= budget]
 
     def times(combo: tuple[int, ...]) -> tuple[float, ...]:
         return tuple(t for c, i in enumerate(combo)
@@ -473,8 +482,12 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
     choices = []
     for r in range(p):
         stages = [c * p + r for c in range(chunks)]
-        found = _rank_choices([ladders[s] for s in stages], budget,
-                              schedule_order(schedule, r, p, microbatches, chunks))
+        order = schedule_order(schedule, r, p, microbatches, chunks)
+
+        def peak_of(figures: list[_Chunk], order: list[tuple[str, int, int]] = order) -> int:
+            return _walk(figures, order)
+
+        found = rank_choices([ladders[s] for s in stages], budget, peak_of)
         if not found:
             count = in_flight(schedule, r, p, microbatches, chunks)
             kept = sum(buffers[s].persistent_bytes + microbatches * buffers[s].output_bytes

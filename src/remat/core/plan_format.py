@@ -324,6 +324,10 @@ class Plan(JsonArtifact):
                 best = r
         return best
 
+    def first_nested(self) -> Region | None:
+        """The first region that lies inside another, or None for a one-level plan."""
+        return next((r for r in self.regions if self.parent(r) is not None), None)
+
     def children(self, region: Region | None = None) -> tuple[Region, ...]:
         """The maximal regions strictly inside ``region`` (``None``: the top-level regions)."""
         if region is not None:

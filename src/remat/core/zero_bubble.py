@@ -32,20 +32,19 @@ holds, each other micro-batch between ``F`` and ``I`` (kept), each between ``I``
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.pipeline import (
-    COMBINATIONS,
     RankCost,
     ScheduleBuffers,
     _Chunk,
     _figures,
-    _thin,
     descend,
+    rank_choices,
     rank_cost,
+    with_ladder,
 )
 from remat.core.plan_format import Plan, Region
 from remat.core.solve.problem import Problem
@@ -207,19 +206,16 @@ def split_pipeline_step(plans: Sequence[Plan], problems: Sequence[Problem],
         raise UsageError("give one ScheduleBuffers per stage")
     rank_of = _placement(orders, n)
     for plan in plans:
-        nested = next((r for r in plan.regions if plan.parent(r) is not None), None)
+        nested = plan.first_nested()
         if nested is not None:
             raise UsageError(f"region {nested} lies inside another: zero-bubble schedules "
                              "run one level of regions (split_backward=True)")
     figures = [_figures(plan, problem, b)
                for plan, problem, b in zip(plans, problems, buffers, strict=True)]
-    peaks = {r: _split_walk(n, figures, splits, rank_of, r, orders[r]) for r in orders}
-    costs = [cost for cost, _ in figures]
-    rebuild = [cost.backward_s - base for cost, base in
-               zip(costs, (_bare_backward(p) for p in problems), strict=True)]
-    step = split_step_time([c.forward_s for c in costs],
-                           [c.backward_s - rb for c, rb in zip(costs, rebuild, strict=True)],
-                           rebuild, [c.outside_s for c in costs], splits, orders, send_s)
+    peaks = {r: _split_walk({s: figures[s][1] for s in range(n) if rank_of[s] == r},
+                            splits, r, orders[r]) for r in orders}
+    step = _step_time([cost for cost, _ in figures], [_bare_backward(p) for p in problems],
+                      splits, orders, send_s)
     return peaks, step
 
 
@@ -227,11 +223,21 @@ def _bare_backward(problem: Problem) -> float:
     return rank_cost(Plan(problem.stage_names), problem).backward_s
 
 
-def _split_walk(n: int, figures: Sequence[tuple[object, _Chunk]],
-                splits: Sequence[SplitFigures], rank_of: Sequence[int], rank: int,
+def _step_time(costs: Sequence[RankCost], bare: Sequence[float],
+               splits: Sequence[SplitFigures], orders: Mapping[int, Order],
+               send_s: float) -> float:
+    """:func:`split_step_time` of plans whose costs are ``costs``; ``bare``: each stage's
+    backward with no plan (a plan's backward beyond it is its rebuilds)."""
+    return split_step_time([c.forward_s for c in costs], bare,
+                           [c.backward_s - b for c, b in zip(costs, bare, strict=True)],
+                           [c.outside_s for c in costs], splits, orders, send_s)
+
+
+def _split_walk(chunks: Mapping[int, _Chunk], splits: Sequence[SplitFigures], rank: int,
                 order: Order) -> int:
-    mine = [s for s in range(n) if rank_of[s] == rank]
-    chunks = {s: figures[s][1] for s in mine}
+    """Rank ``rank``'s peak over ``order``; ``chunks``: the figures of the stages it
+    holds, by stage."""
+    mine = list(chunks)
     before_i = dict.fromkeys(mine, 0)  # micro-batches between F and I (or W, B)
     before_w = dict.fromkeys(mine, 0)  # between I and W
     done = dict.fromkeys(mine, 0)  # backwards finished (W or B): gradients exist after one
@@ -283,9 +289,6 @@ def _split_walk(n: int, figures: Sequence[tuple[object, _Chunk]],
 
 # -- choosing every stage's plan -------------------------------------------------------
 
-#: One-micro-batch budgets tried per stage for its flat plans, between the least and none.
-BUDGET_STEPS = 12
-
 
 def _flat_ladder(problem: Problem) -> list[Plan]:
     """The stage's candidates: no plan, a region per stage, one region over all, each
@@ -302,18 +305,8 @@ def _flat_ladder(problem: Problem) -> list[Plan]:
         if option.startswith("selective:") and not option.startswith("selective:budget"):
             plans.append(Plan(names, (), options=(option,) * n))
     peaks = [simulate(plan, problem).peak_bytes for plan in plans]
-    least, most = min(peaks), max(peaks)
-    for k in range(BUDGET_STEPS + 1):
-        try:
-            plans.append(solvers.segments_optimal(problem,
-                                                  least + (most - least) * k // BUDGET_STEPS))
-        except CheckFailed:
-            continue
-    found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], Plan] = {}
-    for plan in plans:
-        found.setdefault((tuple((r.start, r.stop) for r in plan.regions),
-                          tuple(plan.options)), plan)
-    return list(found.values())
+    return with_ladder(plans, lambda budget: solvers.segments_optimal(problem, budget),
+                       min(peaks), max(peaks))
 
 
 def plan_split_pipeline(problems: Sequence[Problem], splits: Sequence[SplitFigures],
@@ -340,52 +333,32 @@ def plan_split_pipeline(problems: Sequence[Problem], splits: Sequence[SplitFigur
     bare = [_bare_backward(problem) for problem in problems]
     ladders = [[(plan, *_figures(plan, problem, buffers[s])) for plan in _flat_ladder(problem)]
                for s, problem in enumerate(problems)]
+    ranks = sorted(orders)
+    stages_of = {r: [s for s in range(n) if rank_of[s] == r] for r in ranks}
     choices: dict[int, list[tuple[int, ...]]] = {}
-    for r in sorted(orders):
-        stages = [s for s in range(n) if rank_of[s] == r]
-        per = max(2, int(COMBINATIONS ** (1 / len(stages))))
-        ids = [_thin(list(range(len(ladders[s]))), per) for s in stages]
+    for r in ranks:
+        def peak_of(figures: list[_Chunk], r: int = r) -> int:
+            return _split_walk(dict(zip(stages_of[r], figures, strict=True)), splits, r,
+                               orders[r])
 
-        def peak(combo: tuple[int, ...], stages: list[int] = stages, r: int = r) -> int:
-            figures: list[tuple[object, _Chunk]] = [ladders[s][0][1:] for s in range(n)]
-            for s, i in zip(stages, combo, strict=True):
-                figures[s] = ladders[s][i][1:]
-            return _split_walk(n, figures, splits, rank_of, r, orders[r])
-
-        fitting = [combo for combo in itertools.product(*ids) if peak(combo) <= budget]
-        if not fitting:
+        choices[r] = rank_choices([ladders[s] for s in stages_of[r]], budget, peak_of)
+        if not choices[r]:
             raise CheckFailed(
                 f"no one-level plan of pipeline rank {r} fits {budget} bytes under this "
                 "zero-bubble order (what a micro-batch holds between its input and weight "
                 "passes does not shrink with regions); raise the budget, or use fewer or "
                 "smaller micro-batches")
 
-        def times(combo: tuple[int, ...], stages: list[int] = stages) -> tuple[float, ...]:
-            return tuple(t for s, i in zip(stages, combo, strict=True)
-                         for t in (ladders[s][i][1].forward_s, ladders[s][i][1].backward_s))
-
-        timed = {combo: times(combo) for combo in fitting}
-        front = [a for a in fitting
-                 if not any(b != a and timed[b] != timed[a]
-                            and all(x <= y for x, y in zip(timed[b], timed[a], strict=True))
-                            for b in fitting)]
-        choices[r] = sorted(front, key=lambda combo: sum(timed[combo]))
-
-    ranks = sorted(choices)
-
     def picked(chosen: Sequence[int]) -> list[int]:
         out = [0] * n
         for r, k in zip(ranks, chosen, strict=True):
-            stages = [s for s in range(n) if rank_of[s] == r]
-            for s, i in zip(stages, choices[r][k], strict=True):
+            for s, i in zip(stages_of[r], choices[r][k], strict=True):
                 out[s] = i
         return out
 
     def time_of(chosen: Sequence[int]) -> float:
-        costs: list[RankCost] = [ladders[s][i][1] for s, i in enumerate(picked(chosen))]
-        return split_step_time([c.forward_s for c in costs], bare,
-                               [c.backward_s - b for c, b in zip(costs, bare, strict=True)],
-                               [c.outside_s for c in costs], splits, orders, send_s)
+        return _step_time([ladders[s][i][1] for s, i in enumerate(picked(chosen))], bare,
+                          splits, orders, send_s)
 
     chosen = descend([len(choices[r]) for r in ranks], time_of)
     plans = [ladders[s][i][0] for s, i in enumerate(picked(chosen))]

@@ -327,7 +327,7 @@ def check_split_backward(plan: Plan) -> None:
     """UsageError for a plan ``split_backward=True`` cannot run: a nested region, or a
     selective option inside a region or on a compiled stage (each nests a checkpoint,
     which the rebuild-once frame does not)."""
-    nested = next((r for r in plan.regions if plan.parent(r) is not None), None)
+    nested = plan.first_nested()
     if nested is not None:
         raise UsageError(
             f"region {nested} lies inside region {plan.parent(nested)}, and with "
