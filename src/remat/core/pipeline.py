@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan, Region
+from remat.core.solve.in_flight import InFlight, fastest_kept_capped
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import Simulation, simulate
 
@@ -318,6 +319,54 @@ def _walk(chunks: Sequence[_Chunk], order: Sequence[tuple[str, int, int]]) -> in
     return max([peak, *(k.tail + k.extras(done[c]) + others(c) for c, k in enumerate(chunks))])
 
 
+def schedule_terms(order: Sequence[tuple[str, int, int]], buffers: ScheduleBuffers
+                   ) -> InFlight:
+    """What a one-stage rank's schedule adds to each phase of its one-micro-batch step, as
+    :func:`_walk` adds it (for :func:`remat.core.solve.in_flight.fastest_kept_capped`)."""
+    terms: dict[str, list[tuple[int, int]]] = {"F0": [], "FG": [], "B1": [], "BL": []}
+    held = done = 0
+    for kind, _, _ in order:
+        extras = buffers.persistent_bytes + (buffers.output_bytes
+                                             + buffers.input_grad_bytes) * done
+        if kind == "F":
+            held += 1
+            count, which = held - 1, "FG" if done else "F0"
+        else:
+            held -= 1
+            count, which = held, "BL" if done else "B1"
+            done += 1
+        # the others keep the plan's kept bytes plus the schedule's held bytes each
+        terms[which].append((count, extras + count * buffers.held_bytes))
+    def phase(kind: str) -> tuple[tuple[int, int], ...]:
+        return tuple(sorted(set(terms[kind])))
+
+    return InFlight(phase("F0"), phase("FG"), phase("B1"), phase("BL"),
+                    output_bytes=buffers.output_bytes)
+
+
+def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, ranks: int,
+                      microbatches: int, buffers: ScheduleBuffers = ScheduleBuffers(),
+                      *, path: str = "auto") -> Plan | None:
+    """The fastest plan of a one-stage rank (GPipe, 1F1B) whose peak under the schedule
+    fits ``budget``, exact where the optimal tables are (Note [Capping what a plan
+    keeps]); None where none fits."""
+    if schedule not in SINGLE_STAGE:
+        raise UsageError(f"fastest_rank_plan takes {' or '.join(SINGLE_STAGE)}; "
+                         "plan_pipeline chooses the chunks of an interleaved rank together")
+    check_schedule(schedule, ranks, microbatches)
+    order = schedule_order(schedule, rank, ranks, microbatches)
+
+    def fits(plan: Plan) -> bool:
+        return _walk([_figures(plan, problem, buffers)[1]], order) <= budget
+
+    # what follows the rank's last backward (the optimizer step, every micro-batch's
+    # buffers) is the same under every plan: no plan fits where it does not
+    bare = _figures(Plan(problem.stage_names), problem, buffers)[1]
+    if bare.tail + bare.extras(sum(kind == "B" for kind, _, _ in order)) > budget:
+        return None
+    return fastest_kept_capped(problem, budget, schedule_terms(order, buffers), fits, path=path)
+
+
 def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int,
               microbatches: int, buffers: ScheduleBuffers = ScheduleBuffers()) -> int:
     """Rank ``rank``'s peak over its ops in schedule order (Note [Pipeline rank peak]),
@@ -469,6 +518,13 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
     from every rank's fastest, each rank in turn takes the combination that shortens the
     pipeline's step most, until none does: a rank off the critical path may keep a
     slower plan. Raises CheckFailed when a rank has no plan that fits.
+
+    With one stage a rank (GPipe, 1F1B) each rank's candidates also hold its fastest
+    plan that fits (:func:`fastest_rank_plan`, exact where the optimal tables are): a
+    rank's forward and once-a-step work are the same under every plan and the step never
+    shortens when a backward grows, so every rank taking that plan is the fastest choice
+    over all ranks' plans together. With several chunks a rank (interleaved) the chunks'
+    plans are chosen from their candidates as above.
     """
     n = len(problems)
     p = _ranks_of(n, chunks)
@@ -479,6 +535,13 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
         raise UsageError("give one ScheduleBuffers per stage")
     ladders = [[(plan, *_figures(plan, problem, buffers[s])) for plan in _ladder(problem)]
                for s, problem in enumerate(problems)]
+    if chunks == 1:
+        # one stage a rank: its fastest plan that fits is exact (Note [Capping what a plan
+        # keeps]), and with the forwards plan-independent no slower plan shortens the step
+        for r, problem in enumerate(problems):
+            exact = fastest_rank_plan(problem, budget, schedule, r, p, microbatches, buffers[r])
+            if exact is not None:
+                ladders[r].insert(0, (exact, *_figures(exact, problem, buffers[r])))
     choices = []
     for r in range(p):
         stages = [c * p + r for c in range(chunks)]

@@ -169,7 +169,7 @@ def min_peak(problem: Problem, budget: Budget = None) -> Plan:
     return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0)
 
 
-def _fill(path: str) -> Callable[[dp.Model, int], dp.Tables]:
+def table_filler(path: str) -> Callable[[dp.Model, int], dp.Tables]:
     if path == "auto":
         from remat.core.solve import dp_numba
 
@@ -242,7 +242,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     limit = _budget(budget, problem)
     if limit is None:
         raise UsageError("the optimal solver needs a budget; give one such as 6GiB or 50%")
-    fill = _fill(path)
+    fill = table_filler(path)
     if _unlimited(problem, limit):
         return _finish(problem, [], None, "optimal", limit, t0)
 
