@@ -170,6 +170,27 @@ def test_the_schedule_buffers_add_to_the_ranks_that_keep_them() -> None:
         pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers[:1])
 
 
+def test_a_micro_batchs_output_held_through_its_backward_counts_only_there() -> None:
+    # Measured (1F1B, 2 gloo ranks, 8 micro-batches): torch's stage keeps a micro-batch's
+    # output in its forward cache through that micro-batch's backward; rank 0's later
+    # backwards read one output over the prediction until it was counted.
+    from remat.core.pipeline import ScheduleBuffers, rank_peak
+
+    problem = Problem.load(FIXTURES / "chain_uniform_8.json")
+    plan = Plan(problem.stage_names)
+    huge = 10 * simulate_peak(plan, problem)  # large enough that a backward holds the peak
+    peaks = [rank_peak(plan, problem, "1f1b", 0, 2, 4, ScheduleBuffers(backward_output_bytes=b))
+             for b in (0, huge, 2 * huge)]
+    assert peaks[1] > peaks[0]
+    assert peaks[2] - peaks[1] == huge  # once: the backward running, not one per done
+
+
+def simulate_peak(plan: Plan, problem: Problem) -> int:
+    from remat.core.solve import simulate
+
+    return simulate(plan, problem).peak_bytes
+
+
 def test_per_rank_plans_fit_every_rank_and_are_no_slower_than_uniform_per_layer() -> None:
     """1F1B over 2 ranks with 4 micro-batches: the first rank holds 2, the last 1, so at
     a budget the last fits without checkpointing the first must checkpoint; the plans fit

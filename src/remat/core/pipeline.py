@@ -228,6 +228,9 @@ class ScheduleBuffers:
     # per other micro-batch in flight, beyond what its plan keeps (may be negative:
     # what the plan keeps counts the rank's input, a receive buffer)
     held_bytes: int = 0
+    # per micro-batch, during its own backward only: its output, which torch's stage keeps
+    # for that backward (its forward cache) where nothing keeps it to the step's end
+    backward_output_bytes: int = 0
 
 
 def _without_grads(problem: Problem) -> Problem:
@@ -282,7 +285,8 @@ def _chunk(sim: Simulation, plan: Plan, problem: Problem, buffers: ScheduleBuffe
 
     def backward(live: Sequence[int], more: int) -> int:
         return max(max((live[i] for i in post), default=0),
-                   max((live[i] for i in rest), default=0) + buffers.output_bytes) + more
+                   max((live[i] for i in rest), default=0) + buffers.output_bytes
+                   + buffers.backward_output_bytes) + more
 
     return _Chunk(
         forward=max(sim.live[:first_b]),
@@ -341,7 +345,7 @@ def schedule_terms(order: Sequence[tuple[str, int, int]], buffers: ScheduleBuffe
         return tuple(sorted(set(terms[kind])))
 
     return InFlight(phase("F0"), phase("FG"), phase("B1"), phase("BL"),
-                    output_bytes=buffers.output_bytes)
+                    output_bytes=buffers.output_bytes + buffers.backward_output_bytes)
 
 
 def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, ranks: int,
