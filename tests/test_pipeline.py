@@ -170,19 +170,22 @@ def test_the_schedule_buffers_add_to_the_ranks_that_keep_them() -> None:
         pipeline_step([plan, plan], [problem, problem], "gpipe", 4, buffers=buffers[:1])
 
 
-def test_a_micro_batchs_output_held_through_its_backward_counts_only_there() -> None:
-    # Measured (1F1B, 2 gloo ranks, 8 micro-batches): torch's stage keeps a micro-batch's
-    # output in its forward cache through that micro-batch's backward; rank 0's later
-    # backwards read one output over the prediction until it was counted.
+def test_what_a_rank_holds_from_its_first_backward_on_counts_once_and_only_after_it() -> None:
+    # Measured (1F1B, 2 gloo ranks, 8 micro-batches, a per-op trace): rank 0's first
+    # backward within 32 bytes of its prediction, every op after it one output over.
     from remat.core.pipeline import ScheduleBuffers, rank_peak
 
+    buffers = ScheduleBuffers(persistent_bytes=5, output_bytes=2, after_first_backward_bytes=7)
+    assert buffers.extras(0) == 5
+    assert buffers.extras(3) == 5 + 3 * 2 + 7
     problem = Problem.load(FIXTURES / "chain_uniform_8.json")
     plan = Plan(problem.stage_names)
-    huge = 10 * simulate_peak(plan, problem)  # large enough that a backward holds the peak
-    peaks = [rank_peak(plan, problem, "1f1b", 0, 2, 4, ScheduleBuffers(backward_output_bytes=b))
+    huge = 10 * simulate_peak(plan, problem)  # large enough that an op after it holds the peak
+    peaks = [rank_peak(plan, problem, "1f1b", 0, 2, 4,
+                       ScheduleBuffers(after_first_backward_bytes=b))
              for b in (0, huge, 2 * huge)]
     assert peaks[1] > peaks[0]
-    assert peaks[2] - peaks[1] == huge  # once: the backward running, not one per done
+    assert peaks[2] - peaks[1] == huge  # once, not once per backward done
 
 
 def simulate_peak(plan: Plan, problem: Problem) -> int:

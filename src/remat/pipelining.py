@@ -120,11 +120,13 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
     #   profile's post-chain forward bytes (gpt: the head's saved input, the logits, the
     #   loss's log-softmax);
     # - on the last rank every micro-batch's output stays to the step's end
-    #   (``output_chunks``, for the merged output); on the others (GPipe, 1F1B) the
-    #   output stays in the stage's forward cache through its own backward, where the
-    #   one-micro-batch step let it go after the post-chain's backward (a per-op trace,
-    #   1F1B, 2 ranks, 8 micro-batches: rank 0's later backwards 32,752 bytes over the
-    #   prediction, one output);
+    #   (``output_chunks``, for the merged output);
+    # - on the others (GPipe, 1F1B), from the end of the first backward on, one tensor of
+    #   the output's size more than the profile counts: a per-op trace (1F1B, 2 ranks, 8
+    #   micro-batches, no plan) had rank 0's first backward within 32 bytes of its
+    #   prediction and every op after it 32,752 bytes over, forwards and backwards
+    #   alike; which tensor it is was not identified (a received output gradient held
+    #   to the next is one candidate);
     # - under GPipe, after the first rank, each input gradient stays to the step's end
     #   (the backward sends are waited for after the last backward; 1F1B waits for each);
     # - under interleaved 1F1B (torch's _PipelineScheduleRuntime) every send is waited
@@ -148,7 +150,7 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
             schedule == "interleaved-1f1b" and not prev_on_rank) else 0),
         persistent_bytes=(microbatches - 1) * received + (0 if last else microbatches * output),
         held_bytes=post - received,
-        backward_output_bytes=output if schedule in SINGLE_STAGE and not last else 0,
+        after_first_backward_bytes=output if schedule in SINGLE_STAGE and not last else 0,
     )
 
 

@@ -228,9 +228,15 @@ class ScheduleBuffers:
     # per other micro-batch in flight, beyond what its plan keeps (may be negative:
     # what the plan keeps counts the rank's input, a receive buffer)
     held_bytes: int = 0
-    # per micro-batch, during its own backward only: its output, which torch's stage keeps
-    # for that backward (its forward cache) where nothing keeps it to the step's end
-    backward_output_bytes: int = 0
+    # from the end of the rank's first backward on (measured, not identified: one more
+    # tensor of the output's size on GPipe and 1F1B ranks before the last)
+    after_first_backward_bytes: int = 0
+
+    def extras(self, done_b: int) -> int:
+        """What the schedule holds beyond the micro-batches in flight once ``done_b``
+        backwards have run."""
+        return (self.persistent_bytes + (self.output_bytes + self.input_grad_bytes) * done_b
+                + (self.after_first_backward_bytes if done_b else 0))
 
 
 def _without_grads(problem: Problem) -> Problem:
@@ -253,8 +259,7 @@ class _Chunk:
     buffers: ScheduleBuffers
 
     def extras(self, done_b: int) -> int:
-        b = self.buffers
-        return b.persistent_bytes + (b.output_bytes + b.input_grad_bytes) * done_b
+        return self.buffers.extras(done_b)
 
 
 def _figures(plan: Plan, problem: Problem, buffers: ScheduleBuffers
@@ -285,8 +290,7 @@ def _chunk(sim: Simulation, plan: Plan, problem: Problem, buffers: ScheduleBuffe
 
     def backward(live: Sequence[int], more: int) -> int:
         return max(max((live[i] for i in post), default=0),
-                   max((live[i] for i in rest), default=0) + buffers.output_bytes
-                   + buffers.backward_output_bytes) + more
+                   max((live[i] for i in rest), default=0) + buffers.output_bytes) + more
 
     return _Chunk(
         forward=max(sim.live[:first_b]),
@@ -330,8 +334,7 @@ def schedule_terms(order: Sequence[tuple[str, int, int]], buffers: ScheduleBuffe
     terms: dict[str, list[tuple[int, int]]] = {"F0": [], "FG": [], "B1": [], "BL": []}
     held = done = 0
     for kind, _, _ in order:
-        extras = buffers.persistent_bytes + (buffers.output_bytes
-                                             + buffers.input_grad_bytes) * done
+        extras = buffers.extras(done)
         if kind == "F":
             held += 1
             count, which = held - 1, "FG" if done else "F0"
@@ -345,7 +348,7 @@ def schedule_terms(order: Sequence[tuple[str, int, int]], buffers: ScheduleBuffe
         return tuple(sorted(set(terms[kind])))
 
     return InFlight(phase("F0"), phase("FG"), phase("B1"), phase("BL"),
-                    output_bytes=buffers.output_bytes + buffers.backward_output_bytes)
+                    output_bytes=buffers.output_bytes)
 
 
 def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, ranks: int,
