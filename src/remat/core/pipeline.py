@@ -355,8 +355,9 @@ def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, r
                       microbatches: int, buffers: ScheduleBuffers = ScheduleBuffers(),
                       *, path: str = "auto") -> Plan | None:
     """The fastest plan of a one-stage rank (GPipe, 1F1B) whose peak under the schedule
-    fits ``budget``, exact where the optimal tables are (Note [Capping what a plan
-    keeps]); None where none fits."""
+    fits ``budget``, exact where the optimal tables are, in slots (Note [Capping what a
+    plan keeps]), and never slower than the optimal plans at a ladder of one-micro-batch
+    budgets that fit; None where none fits."""
     if schedule not in SINGLE_STAGE:
         raise UsageError(f"fastest_rank_plan takes {' or '.join(SINGLE_STAGE)}; "
                          "plan_pipeline chooses the chunks of an interleaved rank together")
@@ -371,7 +372,14 @@ def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, r
     bare = _figures(Plan(problem.stage_names), problem, buffers)[1]
     if bare.tail + bare.extras(sum(kind == "B" for kind, _, _ in order)) > budget:
         return None
-    return fastest_kept_capped(problem, budget, schedule_terms(order, buffers), fits, path=path)
+    found = fastest_kept_capped(problem, budget, schedule_terms(order, buffers), fits, path=path)
+    # The tables are exact in slots: each held quantity is charged whole slots, so near the
+    # budget they can miss a plan that fits in bytes (as the optimal solver's recipes
+    # beside its tables, Note [Recipes beside the tables]); the ladder's plans, each solved
+    # at its own budget, are scored beside it, so the plan is never slower than theirs.
+    candidates = ([found] if found is not None else []) + [
+        plan for plan in _ladder(problem) if fits(plan)]
+    return min(candidates, key=lambda plan: simulate(plan, problem).step_time_s, default=None)
 
 
 def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int,
@@ -453,8 +461,11 @@ def with_ladder(plans: list[Plan], solve: Callable[[int], Plan], least: int, mos
     ``least`` to ``most`` (those it finds none for left out), without repeats."""
     plans = list(plans)
     for k in range(BUDGET_STEPS + 1):
+        budget = least + (most - least) * k // BUDGET_STEPS
+        if budget < 1:
+            continue  # nothing to plan: a chain of no bytes at all
         try:
-            plans.append(solve(least + (most - least) * k // BUDGET_STEPS))
+            plans.append(solve(budget))
         except CheckFailed:
             continue
     found: dict[tuple[tuple[tuple[int, int], ...], tuple[str, ...]], Plan] = {}
