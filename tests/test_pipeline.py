@@ -175,9 +175,10 @@ def test_what_a_rank_holds_from_its_first_backward_on_counts_once_and_only_after
     # backward within 32 bytes of its prediction, every op after it one output over.
     from remat.core.pipeline import ScheduleBuffers, rank_peak
 
-    buffers = ScheduleBuffers(persistent_bytes=5, output_bytes=2, after_first_backward_bytes=7)
+    buffers = ScheduleBuffers(persistent_bytes=5, output_bytes=2, after_first_backward_bytes=7,
+                              after_backward_bytes=3)
     assert buffers.extras(0) == 5
-    assert buffers.extras(3) == 5 + 3 * 2 + 7
+    assert buffers.extras(3) == 5 + 3 * (2 + 3) + 7
     problem = Problem.load(FIXTURES / "chain_uniform_8.json")
     plan = Plan(problem.stage_names)
     huge = 10 * simulate_peak(plan, problem)  # large enough that an op after it holds the peak

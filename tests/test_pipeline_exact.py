@@ -37,7 +37,8 @@ def ranks(draw: st.DrawFn) -> tuple[str, int, int, int, ScheduleBuffers]:
                               input_grad_bytes=draw(st.integers(0, 3)),
                               persistent_bytes=draw(st.integers(0, 5)),
                               held_bytes=draw(st.integers(-2, 3)),
-                              after_first_backward_bytes=draw(st.integers(0, 3)))
+                              after_first_backward_bytes=draw(st.integers(0, 3)),
+                              after_backward_bytes=draw(st.integers(0, 2)))
     return schedule, p, draw(st.integers(0, p - 1)), m, buffers
 
 

@@ -121,12 +121,16 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
     #   loss's log-softmax);
     # - on the last rank every micro-batch's output stays to the step's end
     #   (``output_chunks``, for the merged output);
-    # - on the others (GPipe, 1F1B), from the end of the first backward on, one tensor of
-    #   the output's size more than the profile counts: a per-op trace (1F1B, 2 ranks, 8
-    #   micro-batches, no plan) had rank 0's first backward within 32 bytes of its
-    #   prediction and every op after it 32,752 bytes over, forwards and backwards
-    #   alike; which tensor it is was not identified (a received output gradient held
-    #   to the next is one candidate);
+    # - on the others, tensors of the output's size the profile does not count, found by
+    #   per-op traces (2 ranks, 8 micro-batches, each op's peak against the walk's) and
+    #   not identified (received output gradients held on are one candidate): under
+    #   1F1B one from the end of the first backward on (rank 0: first backward within
+    #   32 bytes, every later op 32,752 bytes over, forwards and backwards alike); under
+    #   GPipe one more after each backward, to the step's end (rank 0: backward k
+    #   32,776 x (k - 1) bytes over with one counted, with no plan, per-block regions or
+    #   one region over the part); and under 1F1B after the first rank, one input
+    #   gradient from the end of the first backward on (the last of 2 ranks: every later
+    #   backward 32,768 bytes over beside what follows);
     # - under GPipe, after the first rank, each input gradient stays to the step's end
     #   (the backward sends are waited for after the last backward; 1F1B waits for each);
     # - under interleaved 1F1B (torch's _PipelineScheduleRuntime) every send is waited
@@ -150,7 +154,9 @@ def schedule_buffers(profile: Profile, part: nn.Module, microbatch: Any, *, sche
             schedule == "interleaved-1f1b" and not prev_on_rank) else 0),
         persistent_bytes=(microbatches - 1) * received + (0 if last else microbatches * output),
         held_bytes=post - received,
-        after_first_backward_bytes=output if schedule in SINGLE_STAGE and not last else 0,
+        after_first_backward_bytes=((0 if last else output) + received
+                                    if schedule == "1f1b" else 0),
+        after_backward_bytes=output if schedule == "gpipe" and not last else 0,
     )
 
 

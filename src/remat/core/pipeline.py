@@ -229,13 +229,17 @@ class ScheduleBuffers:
     # what the plan keeps counts the rank's input, a receive buffer)
     held_bytes: int = 0
     # from the end of the rank's first backward on (measured, not identified: one more
-    # tensor of the output's size on GPipe and 1F1B ranks before the last)
+    # tensor of the output's size on 1F1B ranks before the last)
     after_first_backward_bytes: int = 0
+    # per micro-batch, from its backward to the step's end (measured, not identified: one
+    # tensor of the output's size per backward on GPipe ranks before the last)
+    after_backward_bytes: int = 0
 
     def extras(self, done_b: int) -> int:
         """What the schedule holds beyond the micro-batches in flight once ``done_b``
         backwards have run."""
-        return (self.persistent_bytes + (self.output_bytes + self.input_grad_bytes) * done_b
+        return (self.persistent_bytes
+                + (self.output_bytes + self.input_grad_bytes + self.after_backward_bytes) * done_b
                 + (self.after_first_backward_bytes if done_b else 0))
 
 
