@@ -362,6 +362,21 @@ def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, r
     fits ``budget``, exact where the optimal tables are, in slots (Note [Capping what a
     plan keeps]), and never slower than the optimal plans at a ladder of one-micro-batch
     budgets that fit; None where none fits."""
+    found, fits = _capped_rank_plan(problem, budget, schedule, rank, ranks, microbatches,
+                                    buffers, path)
+    # The tables are exact in slots: each held quantity is charged whole slots, so near the
+    # budget they can miss a plan that fits in bytes (as the optimal solver's recipes
+    # beside its tables, Note [Recipes beside the tables]); the ladder's plans, each solved
+    # at its own budget, are scored beside it, so the plan is never slower than theirs.
+    candidates = ([found] if found is not None else []) + [
+        plan for plan in _ladder(problem) if fits(plan)]
+    return min(candidates, key=lambda plan: simulate(plan, problem).step_time_s, default=None)
+
+
+def _capped_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, ranks: int,
+                      microbatches: int, buffers: ScheduleBuffers, path: str = "auto"
+                      ) -> tuple[Plan | None, Callable[[Plan], bool]]:
+    """The capped tables' plan for the rank, and the rank's exact check of a plan."""
     if schedule not in SINGLE_STAGE:
         raise UsageError(f"fastest_rank_plan takes {' or '.join(SINGLE_STAGE)}; "
                          "plan_pipeline chooses the chunks of an interleaved rank together")
@@ -375,15 +390,9 @@ def fastest_rank_plan(problem: Problem, budget: int, schedule: str, rank: int, r
     # buffers) is the same under every plan: no plan fits where it does not
     bare = _figures(Plan(problem.stage_names), problem, buffers)[1]
     if bare.tail + bare.extras(sum(kind == "B" for kind, _, _ in order)) > budget:
-        return None
-    found = fastest_kept_capped(problem, budget, schedule_terms(order, buffers), fits, path=path)
-    # The tables are exact in slots: each held quantity is charged whole slots, so near the
-    # budget they can miss a plan that fits in bytes (as the optimal solver's recipes
-    # beside its tables, Note [Recipes beside the tables]); the ladder's plans, each solved
-    # at its own budget, are scored beside it, so the plan is never slower than theirs.
-    candidates = ([found] if found is not None else []) + [
-        plan for plan in _ladder(problem) if fits(plan)]
-    return min(candidates, key=lambda plan: simulate(plan, problem).step_time_s, default=None)
+        return None, fits
+    terms = schedule_terms(order, buffers)
+    return fastest_kept_capped(problem, budget, terms, fits, path=path), fits
 
 
 def rank_peak(plan: Plan, problem: Problem, schedule: str, rank: int, ranks: int,
@@ -561,7 +570,8 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
         # one stage a rank: its fastest plan that fits is exact (Note [Capping what a plan
         # keeps]), and with the forwards plan-independent no slower plan shortens the step
         for r, problem in enumerate(problems):
-            exact = fastest_rank_plan(problem, budget, schedule, r, p, microbatches, buffers[r])
+            exact = _capped_rank_plan(problem, budget, schedule, r, p, microbatches,
+                                      buffers[r])[0]
             if exact is not None:
                 ladders[r].insert(0, (exact, *_figures(exact, problem, buffers[r])))
     choices = []
