@@ -95,7 +95,7 @@ def _kept_beyond(problem: Problem) -> int:
 
 
 def fastest_kept_capped(problem: Problem, budget: int, in_flight: InFlight,
-            fits: Callable[[Plan], bool], *, path: str = "auto") -> Plan | None:
+                        fits: Callable[[Plan], bool], *, path: str = "auto") -> Plan | None:
     """The fastest plan whose events fit ``budget`` bytes with ``in_flight``'s additions
     (Note [Capping what a plan keeps]), or None where the tables find none. ``fits``: the
     caller's exact check of a plan (the rank's peak under its schedule), applied to every
