@@ -356,3 +356,33 @@ def test_the_largest_micro_batch_is_the_last_that_fits_for_each_strategy(tmp_pat
     assert main(["plan", "--dtype", "bfloat16", "--model", "gpt", *sets, "--budget", "1GiB"]) == 2
     err = capsys.readouterr().err
     assert "needs --fake" in err and "fraction" in err and "needs a budget in bytes" in err
+
+
+def test_on_an_accelerator_the_optimizer_step_holds_a_parameter_sized_temporary() -> None:
+    # torch's AdamW runs its multi-tensor (foreach) step where the parameters are on an
+    # accelerator: the square roots of every second moment are made at once (measured on
+    # an H200: the step's temporary equals the parameters, benchmarks/accelerator_check.md)
+    # where the CPU's per-parameter loop holds about one parameter's worth at a time
+    def fake(device: str | None, optimizer: str = "adamw") -> remat.Profile:
+        with remat.fake_mode():
+            model, batch, loss_fn = load_model("gpt", **SMALL["gpt"])
+        return remat.profile(model, batch, loss_fn, optimizer=optimizer, fake=True,
+                             device=device)
+
+    here, accelerator = fake(None), fake("h100-sxm")
+    params = accelerator.fixed.params_bytes
+    assert accelerator.fixed.to_dict()["optimizer_step"] == params
+    assert here.fixed.to_dict()["optimizer_step"] < params / 2
+    # the fused kernel updates in place: no temporary, here or there
+    assert fake("h100-sxm", "adamw-fused").fixed.to_dict()["optimizer_step"] == 0
+
+
+def test_padded_batches_needs_a_fake_profile_for_an_accelerator() -> None:
+    with remat.fake_mode():
+        model, batch, loss_fn = load_model("gpt", **SMALL["gpt"])
+    for device in (None, "cpu"):
+        with pytest.raises(UsageError, match="padded_batches"):
+            remat.profile(model, batch, loss_fn, fake=True, device=device, padded_batches=True)
+    with pytest.raises(UsageError, match="padded_batches"):
+        remat.profile(model, batch, loss_fn, fake=True, device="h100-sxm",
+                      padded_batches="yes")  # type: ignore[arg-type]

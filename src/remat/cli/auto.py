@@ -47,7 +47,8 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--budget", default="50%",
                    help="whole-step budget: bytes or a fraction of the peak without "
                    "checkpointing (default 50%%)")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
+                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
     p.add_argument("--repeats", type=int, default=6,
                    help="timed steps of each model, interleaved (default 6)")
     p.add_argument("--verify-steps", type=int, default=2,

@@ -179,6 +179,15 @@ def add_fake_option(p: argparse.ArgumentParser) -> None:
     )
 
     p.add_argument(
+        "--padded-batches",
+        action="store_true",
+        help=(
+            "with --device: the real batches have padding, so transformers' attention "
+            "masks stay masks on the device (by default a causal mask runs as is_causal, "
+            "as transformers runs an unpadded batch there; docs/fake.md)"
+        ),
+    )
+    p.add_argument(
         "--dtype",
         default=None,
         choices=("bfloat16", "float16", "float32"),
@@ -200,6 +209,17 @@ def fake_device(args: argparse.Namespace) -> Any:
     from remat.core.devices import get_device
 
     return get_device(name)
+
+
+def padded_batches(args: argparse.Namespace) -> bool:
+    """``--padded-batches``, checked: it needs ``--device`` of an accelerator."""
+    padded = bool(getattr(args, "padded_batches", False))
+    if padded:
+        target = fake_device(args)
+        if target is None or not target.is_accelerator:
+            raise UsageError("--padded-batches says how an accelerator's attention runs and "
+                             "needs --fake --device NAME of an accelerator")
+    return padded
 
 
 def kernel_lines(result: Profile) -> list[str]:
@@ -258,6 +278,7 @@ def profile_with_progress(
     fresh: Callable[[], tuple[Any, Any, Any]] | None = None,
     fake: bool = False,
     device: Any = None,
+    padded_batches: bool = False,
 ) -> Profile:
     """``remat.profile`` with a progress bar on stderr (shown only on a terminal).
 
@@ -304,4 +325,5 @@ def profile_with_progress(
             progress=progress,
             fake=fake,
             device=device,
+            padded_batches=padded_batches,
         )

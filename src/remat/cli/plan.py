@@ -14,6 +14,7 @@ from remat.cli.common import (
     fake_device,
     kernel_lines,
     load_for_profile,
+    padded_batches,
     profile_with_progress,
     runs_one_thread,
     stage_list,
@@ -56,7 +57,8 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--k", type=int, default=None, help="k for every-k and segments-k")
     p.add_argument("--num-layers", type=int, default=None, help="layers for megatron-*")
     p.add_argument("--slots", type=int, default=None, help="memory slots of the optimal solver")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
+                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
     add_fake_option(p)
     p.add_argument(
         "--world",
@@ -97,6 +99,7 @@ def _scaled(args: argparse.Namespace, first: Any) -> Any:
     second = profile_with_progress(
         model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
         malloc=args.malloc, fake=True, device=fake_device(args),
+        padded_batches=padded_batches(args),
     )
     return replace(first, scaling=fit_scaling(first, second))
 
@@ -186,6 +189,7 @@ def _problem_source(args: argparse.Namespace) -> Any:
     return profile_with_progress(
         model, batch, loss_fn, stages, optimizer=args.optimizer, description=description,
         malloc=args.malloc, fake=args.fake, device=fake_device(args),
+        padded_batches=padded_batches(args),
     )
 
 
@@ -267,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         )
     params = _solver_params(args)
     target = fake_device(args)
+    padded_batches(args)
     if args.budget is None and target is not None:  # the whole device, by default
         args.budget = str(target.memory_bytes)
     if args.largest_batch:

@@ -16,6 +16,7 @@ from remat.cli.common import (
     kernel_lines,
     load,
     load_for_profile,
+    padded_batches,
     profile_with_progress,
     runs_one_thread,
 )
@@ -43,7 +44,8 @@ def add_parser(sub: Any, name: str) -> None:
         ),
     )
     add_model_options(p)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
+                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds of steps (default 2)")
     add_fake_option(p)
     add_json_option(p)
@@ -154,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         fresh=None if args.fake else lambda: load(args, check_step=False)[:3],
         fake=args.fake,
         device=device,
+        padded_batches=padded_batches(args),
     )
     data = result.to_dict()
     console = console_for(args.json)

@@ -54,7 +54,7 @@ def add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=3, help="training steps per copy (default 3)")
     p.add_argument(
-        "--optimizer", default="adamw", choices=("adamw", "sgd"),
+        "--optimizer", default="adamw", choices=("adamw", "adamw-fused", "sgd"),
         help="optimizer of the trajectory and of the profile for --budget (default adamw)",
     )
     p.add_argument(

@@ -15,13 +15,19 @@ from remat.measure.tracker import LiveMemoryTracker, iter_tensors
 
 __all__ = ["measure_step"]
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
 
 
 def make_optimizer(
-    model: nn.Module, optimizer: str | torch.optim.Optimizer, *, lr: float = 1e-3
+    model: nn.Module, optimizer: str | torch.optim.Optimizer, *, lr: float = 1e-3,
+    foreach: bool | None = None,
 ) -> torch.optim.Optimizer:
-    """``optimizer`` itself, or a new one by name: ``adamw`` (AdamW), ``sgd`` (momentum 0.9)."""
+    """``optimizer`` itself, or a new one by name: ``adamw`` (AdamW), ``adamw-fused``
+    (AdamW's fused kernel: no temporaries in the step), ``sgd`` (momentum 0.9).
+
+    ``foreach``: torch's multi-tensor implementation (None: torch's default, which takes
+    it where every parameter is on an accelerator and the loop on the CPU).
+    """
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     params = [p for p in model.parameters() if p.requires_grad]
@@ -30,9 +36,11 @@ def make_optimizer(
             "the model has no parameters that require grad; there is no step to measure"
         )
     if optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
+    if optimizer == "adamw-fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=foreach)
     raise UsageError(
         f"optimizer {optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)} "
         "or pass a torch.optim.Optimizer"

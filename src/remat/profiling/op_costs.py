@@ -36,12 +36,23 @@ _MATMUL = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
            _aten.convolution_backward, _aten._convolution}
 _CPU_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+_UNSAFE_VIEW = _aten._unsafe_view
+# what a tensor's device, size or layout is: no kernel runs (transformers asks a fake
+# tensor's device about a hundred times a layer, which counted its bytes as read)
+_QUERIES = {torch.ops.prim.device, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
+            _aten.sym_storage_offset, _aten.is_contiguous}
 
 
 def _attention_flops(packet: Any, args: Sequence[Any]) -> int:
     """CPU's fused attention, which torch's table leaves out: its formulas for the CUDA
     kernels of the same shapes."""
     shapes = [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]
+    # grouped key/value heads: the work is per query head (older torch's formulas take
+    # equal head counts only)
+    query = 0 if packet is _CPU_FLASH else 1
+    heads = shapes[query][-3]
+    for k in (query + 1, query + 2):  # the key and the value
+        shapes[k] = (*shapes[k][:-3], heads, *shapes[k][-2:])
     if packet is _CPU_FLASH:
         return int(flop_counter.sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
     # backward(grad_out, query, key, value, out, logsumexp, ...)
@@ -104,9 +115,13 @@ class _Counter(TorchDispatchMode):
         phase, op = self.phase, packet.__name__
         stage = OUTSIDE if phase == "optimizer" else stage_of(self.modules, self.stages)
         key = (stage, phase, group, op)
+        if packet in _QUERIES:  # a question about a tensor, answered without a kernel
+            return out
         # a view reads and writes nothing (detach, transpose, reshape of a contiguous
-        # tensor); it still costs its dispatch
-        moved = 0 if func.is_view else _nbytes(inputs) + _nbytes(tree_flatten(out)[0])
+        # tensor; _unsafe_view, matmul's reshape of its fresh result); it still costs its
+        # dispatch
+        moved = (0 if func.is_view or packet is _UNSAFE_VIEW
+                 else _nbytes(inputs) + _nbytes(tree_flatten(out)[0]))
         work = Work(flops={dtype: flops} if flops else {}, bytes=moved, ops=1)
         found = self.table.get(key)
         self.table[key] = work if found is None else found + work

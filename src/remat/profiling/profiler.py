@@ -154,6 +154,7 @@ def profile(
     compile: bool = False,
     fake: bool = False,
     device: str | Device | None = None,
+    padded_batches: bool = False,
     _timed: bool = True,
 ) -> Profile:
     """Profile one training step of ``model`` on ``batch`` into a :class:`Profile`.
@@ -163,7 +164,8 @@ def profile(
             by default the model's output (summed if it is not a scalar).
         stages: module paths of the chain, in call order; by default the repeated-block
             container the forward runs (:func:`remat.runtime.stages.discover_stages`).
-        optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9) or an optimizer of the model.
+        optimizer: ``"adamw"``, ``"adamw-fused"``, ``"sgd"`` (momentum 0.9) or an
+            optimizer of the model.
         repeats: timed steps of each kind (plain, per-stage regions) after one warm-up
             step of each; times are medians.
         options: ``keep`` and the selective options to measure saved bytes for; by
@@ -190,6 +192,16 @@ def profile(
             ``Device``): its kernels stand in where they save other tensors than this
             machine's (attention, dropout), and the profile records which kernel each
             attention call was assumed to run (``kernels``). Default: this machine's.
+            On an accelerator the optimizer runs torch's multi-tensor (``foreach``)
+            implementation, torch's default there, and transformers' causal masks run as
+            ``is_causal`` (below).
+        padded_batches: with an accelerator ``device``: the batches the real run will see
+            have padding. transformers cannot read a fake batch, so it builds a causal
+            mask where on the device, for a batch without padding, it passes
+            ``is_causal`` and no mask to a flash kernel; by default such a mask (boolean,
+            ``(batch or 1, 1, s, s)``, under a model's sliding window if it has one) runs
+            as ``is_causal``. True keeps every mask, as a padded batch runs
+            (docs/fake.md).
         _timed: internal (the fake profile): False runs only the steps its byte figures
             and the times the format needs take, no rounds for timing alone.
     """
@@ -203,15 +215,20 @@ def profile(
     if device is not None and not fake:
         raise UsageError("device= sizes a step for another device and needs fake=True (a "
                          "real profile measures this machine)")
+    if not isinstance(padded_batches, bool):
+        raise UsageError(f"padded_batches={padded_batches!r} is not a bool; pass True or False")
+    target = get_device(device) if isinstance(device, str) else device
+    if padded_batches and (target is None or not target.is_accelerator):
+        raise UsageError("padded_batches=True says how an accelerator's attention runs and "
+                         "needs fake=True and device=<an accelerator>")
     if fake:
-        target = get_device(device) if isinstance(device, str) else device
         mode = fake_mode_of(model, batch)
         if compile:
             raise UsageError("compile=True and fake=True do not go together: a fake profile "
                              "runs no compiled code; profile the compiled model for real")
         with mode, counting_fake_storages():
             return _fake_profile(model, batch, loss_fn, stages, optimizer, target,
-                                 options=options, batch_size=batch_size,
+                                 padded_batches, options=options, batch_size=batch_size,
                                  description=description, lr=lr, progress=progress,
                                  ranks_agree=ranks_agree)
     given = options
@@ -336,33 +353,69 @@ def profile(
     return result
 
 
+def _kv_groups(model: nn.Module) -> int:
+    """A transformers model's query heads per key/value head (1 without grouping)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not isinstance(heads, int) or not isinstance(kv_heads, int) or kv_heads < 1 \
+            or heads % kv_heads:
+        return 1
+    return heads // kv_heads
+
+
+def _sliding_window(model: nn.Module) -> int | None:
+    """A transformers model's sliding attention window, if its config sets one in use."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or not getattr(config, "use_sliding_window", True):
+        return None
+    return window
+
+
 def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                   stages: Sequence[str] | None, optimizer: str | torch.optim.Optimizer,
-                  device: Device | None, **kwargs: Any) -> Profile:
+                  device: Device | None, padded_batches: bool, **kwargs: Any) -> Profile:
     """``profile`` inside the fake mode; a long chain of identical stages by its first 3 and
     4 (Note [Depth under fake tensors] in :mod:`remat.profiling.fake`); on ``device``'s
     kernels (:mod:`remat.profiling.device_kernels`) where it has its own."""
     from remat.profiling import fake as fake_profiles
 
     loss = loss_fn or _default_loss
+    accelerator = device is not None and device.is_accelerator
+    window = None if padded_batches else _sliding_window(model)
 
     def stand_ins(names: Sequence[str]) -> Any:
-        if device is None or not device.is_accelerator:
+        if device is None or not accelerator:
             return contextlib.nullcontext()
-        return DeviceKernels(device, names)
+        return DeviceKernels(device, names, masks_as_causal=not padded_batches,
+                             window=window, kv_groups=_kv_groups(model))
 
     def run(names: Sequence[str]) -> Profile:
+        # on an accelerator torch's optimizers default to their multi-tensor kernels,
+        # which hold a parameter-sized temporary through the step (AdamW's square roots)
+        # where the CPU's per-parameter loop holds one parameter's; made here, after a cut
+        # of the chain, so that it holds the cut model's parameters
+        def opt() -> str | torch.optim.Optimizer:
+            if accelerator and optimizer in ("adamw", "sgd"):
+                return make_optimizer(model, optimizer, lr=kwargs.get("lr", 1e-3),
+                                      foreach=True)
+            return optimizer
+
         with stand_ins(names):
-            found = replace(profile(model, batch, loss_fn, names, optimizer, repeats=1,
+            found = replace(profile(model, batch, loss_fn, names, opt(), repeats=1,
                                     _timed=False, **kwargs),
                             fake=True, timing_noise=None, timed_rounds=None)
             if device is None:
                 return found
-            # times: the roofline's for the device, from the step's counted work
-            work = count_work(model, batch, loss, names, optimizer)
+            # times: the roofline's for the device, from the step's counted work (with
+            # an optimizer of its own: the profile's has state, which fakes cannot copy)
+            work = count_work(model, batch, loss, names, opt())
         kernels = None
-        if device.is_accelerator:
-            with DeviceKernels(device, names, counting=True) as counter, torch.no_grad():
+        if accelerator:
+            with DeviceKernels(device, names, counting=True,
+                               masks_as_causal=not padded_batches, window=window,
+                               kv_groups=_kv_groups(model)) as counter, torch.no_grad():
                 loss(model, batch)  # one forward, to note each attention call's kernel
             kernels = counter.per_stage()
         return replace(with_estimated_times(found, work, device, _tp_ranks(model)),
