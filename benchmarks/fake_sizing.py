@@ -33,17 +33,21 @@ SHAPES = {
                     "num_key_value_heads": 8, "intermediate_size": 28672},
 }
 COMMON = {"vocab_size": 32000, "seq_len": 4096, "max_position_embeddings": 4096}
-ROWS = [("Llama-2-7B", None), ("Llama-2-7B", 8), ("Llama-2-70B", 8), ("Llama-2-70B", 16)]
+ROWS = [("Llama-2-7B", None, "adamw"), ("Llama-2-7B", 8, "adamw"), ("Llama-2-70B", 8, "adamw"),
+        ("Llama-2-70B", 8, "adamw-fused"), ("Llama-2-70B", 16, "adamw")]
 NAMES = {"none": "no checkpointing", "per-stage": "per-layer", "optimal": "remat"}
 
 
-def run(shape: str, fsdp: int | None, device: str) -> tuple[dict, float, list[str]]:
+def run(shape: str, fsdp: int | None, optimizer: str, device: str
+        ) -> tuple[dict, float, list[str]]:
     sets = [f"--set={k}={v}" for k, v in {**SHAPES[shape], **COMMON}.items()]
     world = [] if fsdp is None else ["--world", f"fsdp={fsdp}"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fits.json"
+        chosen = [] if optimizer == "adamw" else ["--optimizer", optimizer]
         argv = ["plan", "--fake", "--device", device, "--dtype", "bfloat16", "--largest-batch",
-                "--model", "hf:llama", *sets, "--batch-size", "1", *world, "--json", str(out)]
+                "--model", "hf:llama", *sets, "--batch-size", "1", *world, *chosen,
+                "--json", str(out)]
         t0 = time.perf_counter()
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         subprocess.run([sys.executable, "-m", "remat", *argv], check=True, env=env,
@@ -59,8 +63,8 @@ def main() -> None:
              "remat, most samples/s |", "| --- | --- | --- | --- | --- | --- |"]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     commands = []
-    for shape, fsdp in ROWS:
-        data, wall, argv = run(shape, fsdp, device)
+    for shape, fsdp, optimizer in ROWS:
+        data, wall, argv = run(shape, fsdp, optimizer, device)
         commands.append("remat " + " ".join(argv[:-2]))
         fits = {f["strategy"]: f for f in data["fits"]}
 
@@ -79,6 +83,8 @@ def main() -> None:
         what = (f"{regions} regions; " + ", ".join(f"{k} x{n}" for k, n in options.items())
                 if plan else "-")
         where = "one device" if fsdp is None else f"one rank of FSDP over {fsdp}"
+        if optimizer == "adamw-fused":
+            where += ", fused AdamW"
         row = (f"| {shape} | {where} | {cell('none')} | {cell('per-stage')} | "
                f"{cell('optimal')} | {what} | {wall:.0f} |")
         lines.append(row)
@@ -102,7 +108,9 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), Python "
         f"{platform.python_version()}; {started}. Device `{device}` (79.65 GiB as "
         "nvidia-smi reports it), sequence 4096, pure bf16 training (parameters, gradients "
-        "and AdamW state in bf16), attention as the device's fused kernel. Cells: the largest "
+        "and AdamW state in bf16; AdamW's multi-tensor step, torch's default on an accelerator, "
+        "which holds a parameter-sized temporary, unless a row says fused), attention as the "
+        "device's fused kernel, unpadded batches. Cells: the largest "
         "micro-batch whose whole training step is predicted within the device's memory, and "
         "that step's predicted peak. Fake profiles at micro-batches 1 and 2, fitted "
         "linearly.",
@@ -111,8 +119,9 @@ def main() -> None:
         "",
         "The same micro-batches' step times and samples per second per device (per rank),"
         " as the roofline estimates them for the device (assumed efficiencies: 0.6 of the"
-        " FLOP peak, 0.7 of the bandwidth, 5 us a call; an estimate, never checked on an"
-        " H100):",
+        " FLOP peak, 0.7 of the bandwidth, 5 us a call; an estimate: on an H200 the same"
+        " factors put transformer layers' forwards 5-31% above the measured,"
+        " benchmarks/accelerator_check.md):",
         "",
         *rates,
         "",
