@@ -13,7 +13,7 @@ import remat
 from remat.cli import main
 from remat.core.devices import BUILT_IN, Device, get_device
 from remat.core.errors import UsageError
-from remat.core.roofline import OUTSIDE, Work, seconds
+from remat.core.roofline import OUTSIDE, Work, conv_class, conv_rate, seconds
 from remat.models import load_model
 from remat.profiling.op_costs import count_work
 
@@ -122,6 +122,41 @@ def test_the_roofline_adds_compute_memory_and_calls() -> None:
     assert seconds(work, kernel, "mm", "forward") == pytest.approx(1.0 + 3 * 7e-6)
 
 
+def test_a_convolution_is_priced_at_the_rate_of_its_shape_class() -> None:
+    # rows: kernel, stride, in and out channels, output side, forward FLOP/s
+    grid = [[3, 1, 16, 16, 8, 2e10], [3, 1, 16, 16, 32, 8e10], [1, 2, 16, 32, 16, 1e9]]
+    # halfway (in logarithms) between two shapes of its class: their geometric mean; a
+    # shape of another class (the 1x1 stride-2 row) takes no part
+    assert conv_rate(grid, (3, 1, 16, 16, 16)) == pytest.approx(4e10)
+    assert conv_rate(grid, (1, 2, 16, 32, 16)) == pytest.approx(1e9)
+    assert conv_rate(grid, (1, 1, 16, 16, 16)) is None  # no row of its class
+    device = Device("c", 1 << 30, {"float32": 1e12}, 1e11, False, False,
+                    extra={"conv_rates": grid, "call_s": {"forward": 2e-6, "backward": 2e-6},
+                           "op_rates": {"convolution": [1e-12, 0.0, 0.0],
+                                        "convolution_backward": [2e-12, 0.0, 0.0]}})
+    shaped = Work({conv_class("float32", 1, 2, 16, 32, 16): 10**9}, bytes=10**8, ops=2)
+    assert seconds(shaped, device, "convolution", "forward") == pytest.approx(1.0 + 4e-6)
+    # a backward convolution keeps the rate fitted inside the reference network
+    assert seconds(shaped, device, "convolution_backward", "backward") == pytest.approx(
+        2e-3 + 4e-6)
+    # a convolution without a class (grouped, transposed) keeps the op's measured rate
+    plain = Work({"float32": 10**9}, bytes=10**8, ops=2)
+    assert seconds(plain, device, "convolution", "forward") == pytest.approx(1e-3 + 4e-6)
+
+
+def test_the_counter_charges_a_convolution_under_its_shape_class() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1),
+                                        nn.Conv2d(8, 8, 3, padding=1, groups=8)),
+                          nn.Flatten(), nn.Linear(8 * 8 * 8, 1))
+    work = count_work(model, torch.randn(2, 3, 16, 16), lambda m, x: m(x).sum(), ["0"])
+    forward = work.work("0", "forward").flops
+    backward = work.work("0", "backward").flops
+    key = conv_class("float32", 3, 2, 3, 8, 8)
+    assert forward[key] == 2 * 2 * 8 * 8 * 8 * 3 * 9  # the dense convolution, classed
+    assert backward[key] > 0
+    assert forward["float32"] == 2 * 2 * 8 * 8 * 8 * 1 * 9  # the grouped one is not
+
+
 def test_the_device_table_takes_entries_from_the_users_file(tmp_path: Any,
                                                             monkeypatch: Any) -> None:
     path = tmp_path / "devices.json"
@@ -153,6 +188,10 @@ def test_calibrate_writes_an_entry_that_prices_its_own_model(tmp_path: Any,
     assert "native_batch_norm" in entry.op_rates and len(entry.op_rates["mm"]) == 3
     assert entry.call_seconds("forward") > 0
     assert entry.pack_seconds() > 0  # a rebuild's cost per saved tensor, measured
+    # the convolution grid: both kernel and both stride classes, each with its rate
+    classes = {(int(r[0]), int(r[1])) for r in entry.extra["conv_rates"]}
+    assert classes == {(1, 1), (1, 2), (3, 1), (3, 2)}
+    assert all(len(r) == 6 and r[5] > 0 for r in entry.extra["conv_rates"])
     assert main(["calibrate", "--model", "gpt", *sets, "--repeats", "0"]) == 2
 
 

@@ -15,6 +15,8 @@ machine's kernels (no stand-ins) and its memory.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import statistics
 import time
@@ -150,6 +152,39 @@ def _op_times(model: nn.Module, batch: Any, loss_fn: Callable[..., Any],
     return times, work
 
 
+def _median_seconds(fn: Callable[[], Any], repeats: int = 7) -> float:
+    fn()  # the first call of a shape builds its kernel
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def conv_rates(batch: int = 8) -> list[list[float]]:
+    """A grid of 2-D convolutions' forwards timed alone (Note [A convolution's rate is
+    its shape's] in :mod:`remat.core.roofline`): rows of kernel, stride, in and out
+    channels, output side, FLOP/s. Kernels 1 and
+    3, strides 1 and 2 (a 3x3 stride-2 one doubling the channels, as networks
+    downsample; a 1x1 one both keeping and doubling them), 4 to 128 input channels,
+    inputs of 8, 16 and 32 pixels a side; a few seconds."""
+    rows = []
+    for c, side, kernel, stride in itertools.product((4, 8, 16, 32, 64, 128), (8, 16, 32),
+                                                     (1, 3), (1, 2)):
+        outs = (c, 2 * c) if kernel == 1 else (c,) if stride == 1 else (2 * c,)
+        for cout in outs:
+            x = torch.randn(batch, c, side, side)
+            w = torch.randn(cout, c, kernel, kernel)
+            pad = kernel // 2
+            y = torch.nn.functional.conv2d(x, w, None, stride, pad)
+            flops = 2 * batch * cout * y.shape[-1] * y.shape[-2] * c * kernel * kernel
+            fwd = _median_seconds(functools.partial(
+                torch.nn.functional.conv2d, x, w, None, stride, pad))
+            rows.append([kernel, stride, c, cout, int(y.shape[-1]), flops / fwd])
+    return rows
+
+
 def reference_rates(optimizer: str = "adamw") -> dict[str, list[float]]:
     """Per op of a convolutional network (:func:`_reference_net`): seconds per FLOP (or
     per byte, for an op that does no FLOPs) and per call of its kernel, fitted through the
@@ -224,7 +259,8 @@ def calibrate_device(
                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {threads} thread(s)"),
         notes="this machine's CPU kernels, as a real profile runs them",
         extra={"threads": threads, "op_rates": rates, "call_s": call_s,
-               "conv_flops_per_s": prims.conv_flops_per_s, "pack_s": pack_seconds()},
+               "conv_flops_per_s": prims.conv_flops_per_s, "pack_s": pack_seconds(),
+               "conv_rates": conv_rates()},
     )
     errors = []
     for s in measured.stages:

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
-from remat.core.roofline import OUTSIDE, Work, WorkTable
+from remat.core.roofline import OUTSIDE, Work, WorkTable, conv_class
 from remat.measure.step import make_optimizer
 
 __all__ = ["count_work", "stage_of"]
@@ -37,10 +37,29 @@ _MATMUL = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
 _CPU_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
 _UNSAFE_VIEW = _aten._unsafe_view
+_CONVOLUTION_OPS = {_aten.convolution, _aten.convolution_backward}
 # what a tensor's device, size or layout is: no kernel runs (transformers asks a fake
 # tensor's device about a hundred times a layer, which counted its bytes as read)
 _QUERIES = {torch.ops.prim.device, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
             _aten.sym_storage_offset, _aten.is_contiguous}
+
+
+def _conv_key(packet: Any, args: Sequence[Any], out: Any, dtype: str) -> str:
+    """A 2-D convolution's FLOP key with its shape class (Note [A convolution's rate is
+    its shape's] in :mod:`remat.core.roofline`); ``dtype`` for any other."""
+    backward = packet is _aten.convolution_backward
+    # convolution(input, weight, bias, stride, padding, dilation, transposed, ...,
+    # groups); convolution_backward(grad_output, input, weight, bias_sizes, stride, ...)
+    x, weight = (args[1], args[2]) if backward else (args[0], args[1])
+    stride = args[4] if backward else args[3]
+    transposed, groups = (args[7], args[9]) if backward else (args[6], args[8])
+    result = args[0] if backward else out
+    if (transposed or groups != 1 or x.dim() != 4 or weight.dim() != 4
+            or not isinstance(result, torch.Tensor)
+            or weight.shape[-1] != weight.shape[-2] or len(set(stride)) != 1):
+        return dtype
+    return conv_class(dtype, weight.shape[-1], stride[0], weight.shape[1], weight.shape[0],
+                      result.shape[-1])
 
 
 def _attention_flops(packet: Any, args: Sequence[Any]) -> int:
@@ -122,6 +141,8 @@ class _Counter(TorchDispatchMode):
         # dispatch
         moved = (0 if func.is_view or packet is _UNSAFE_VIEW
                  else _nbytes(inputs) + _nbytes(tree_flatten(out)[0]))
+        if flops and packet in _CONVOLUTION_OPS:
+            dtype = _conv_key(packet, args, out, dtype)
         work = Work(flops={dtype: flops} if flops else {}, bytes=moved, ops=1)
         found = self.table.get(key)
         self.table[key] = work if found is None else found + work
