@@ -113,21 +113,25 @@ def pack_seconds(steps: int = 15) -> float:
 
 
 class _ConvBlock(nn.Module):
-    def __init__(self, c: int) -> None:
+    def __init__(self, c: int, diffusion: bool = False) -> None:
         super().__init__()
         self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(c)
+        # a classifier's batch norm and ReLU, or a diffusion UNet's group norm and SiLU
+        self.norm: nn.Module = nn.GroupNorm(4, c) if diffusion else nn.BatchNorm2d(c)
+        self.act: nn.Module = nn.SiLU() if diffusion else nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.bn(self.conv(x)))
+        return x + self.act(self.norm(self.conv(x)))
 
 
 def _reference_net(channels: int, pixels: int) -> tuple[nn.Module, Any, Callable[..., Any]]:
-    """Three residual 3x3 convolution, batch-norm and ReLU blocks, pooled into a linear
-    head: the layers of a convolutional network (batch 8)."""
+    """Residual 3x3 convolution blocks, three with batch norm and ReLU (a classifier's)
+    and two with group norm and SiLU (a diffusion UNet's), pooled into a linear head: the
+    layers of a convolutional network (batch 8)."""
     torch.manual_seed(0)
-    body = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), *(_ConvBlock(channels)
-                                                                 for _ in range(3)))
+    body = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1),
+                         *(_ConvBlock(channels) for _ in range(3)),
+                         *(_ConvBlock(channels, diffusion=True) for _ in range(2)))
     model = nn.Sequential(body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
     batch = (torch.randn(8, 3, pixels, pixels), torch.randint(0, 10, (8,)))
 
@@ -152,16 +156,6 @@ def _op_times(model: nn.Module, batch: Any, loss_fn: Callable[..., Any],
     return times, work
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int = 7) -> float:
-    fn()  # the first call of a shape builds its kernel
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def conv_rates(batch: int = 8) -> list[list[float]]:
     """A grid of 2-D convolutions' forwards timed alone (Note [A convolution's rate is
     its shape's] in :mod:`remat.core.roofline`): rows of kernel, stride, in and out
@@ -179,8 +173,8 @@ def conv_rates(batch: int = 8) -> list[list[float]]:
             pad = kernel // 2
             y = torch.nn.functional.conv2d(x, w, None, stride, pad)
             flops = 2 * batch * cout * y.shape[-1] * y.shape[-2] * c * kernel * kernel
-            fwd = _median_seconds(functools.partial(
-                torch.nn.functional.conv2d, x, w, None, stride, pad))
+            fwd = _median_s(functools.partial(  # its first call builds the kernel
+                torch.nn.functional.conv2d, x, w, None, stride, pad), 7)
             rows.append([kernel, stride, c, cout, int(y.shape[-1]), flops / fwd])
     return rows
 
