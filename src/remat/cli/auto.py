@@ -14,6 +14,7 @@ from rich.table import Table
 from remat.cli.bench import progress_bar
 from remat.cli.common import (
     add_model_options,
+    add_optimizer_option,
     check_threads,
     model_options,
     runs_one_thread,
@@ -47,8 +48,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--budget", default="50%",
                    help="whole-step budget: bytes or a fraction of the peak without "
                    "checkpointing (default 50%%)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
-                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
+    add_optimizer_option(p)
     p.add_argument("--repeats", type=int, default=6,
                    help="timed steps of each model, interleaved (default 6)")
     p.add_argument("--verify-steps", type=int, default=2,

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from remat.cli.common import (
     add_model_options,
+    add_optimizer_option,
     check_threads,
     model_options,
     stage_list,
@@ -66,8 +67,7 @@ def add_parser(sub: Any, name: str) -> None:
                    help="skip remat's plans at each baseline's peak (the matched comparison)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the run (default: torch's own)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
-                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
+    add_optimizer_option(p)
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the report folder (bench.json, README.md, PNG plots) here")
     p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,

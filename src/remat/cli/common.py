@@ -61,6 +61,13 @@ def add_model_options(p: argparse.ArgumentParser, *, default: str | None = "gpt"
     )
 
 
+def add_optimizer_option(p: argparse.ArgumentParser, *, help: str | None = None) -> None:
+    from remat.core.profile_format import OPTIMIZERS
+
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help=help or "default adamw; adamw-fused: its fused kernel, no temporaries")
+
+
 def stage_list(text: str | None) -> list[str] | None:
     if text is None:
         return None

@@ -11,6 +11,7 @@ from rich.table import Table
 from remat.cli.common import (
     add_fake_option,
     add_model_options,
+    add_optimizer_option,
     fake_device,
     kernel_lines,
     load_for_profile,
@@ -57,8 +58,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--k", type=int, default=None, help="k for every-k and segments-k")
     p.add_argument("--num-layers", type=int, default=None, help="layers for megatron-*")
     p.add_argument("--slots", type=int, default=None, help="memory slots of the optimal solver")
-    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
-                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
+    add_optimizer_option(p)
     add_fake_option(p)
     p.add_argument(
         "--world",

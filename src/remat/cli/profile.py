@@ -12,6 +12,7 @@ from rich.table import Table
 from remat.cli.common import (
     add_fake_option,
     add_model_options,
+    add_optimizer_option,
     fake_device,
     kernel_lines,
     load,
@@ -44,8 +45,7 @@ def add_parser(sub: Any, name: str) -> None:
         ),
     )
     add_model_options(p)
-    p.add_argument("--optimizer", choices=("adamw", "adamw-fused", "sgd"), default="adamw",
-                   help="default adamw; adamw-fused: its fused kernel, no temporaries")
+    add_optimizer_option(p)
     p.add_argument("--repeats", type=int, default=2, help="timed rounds of steps (default 2)")
     add_fake_option(p)
     add_json_option(p)

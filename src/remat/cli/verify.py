@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from remat.cli.common import add_model_options, load, profile_with_progress
+from remat.cli.common import (
+    add_model_options,
+    add_optimizer_option,
+    load,
+    profile_with_progress,
+)
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.errors import UsageError
 
@@ -53,10 +58,8 @@ def add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
         "for another model)",
     )
     p.add_argument("--steps", type=int, default=3, help="training steps per copy (default 3)")
-    p.add_argument(
-        "--optimizer", default="adamw", choices=("adamw", "adamw-fused", "sgd"),
-        help="optimizer of the trajectory and of the profile for --budget (default adamw)",
-    )
+    add_optimizer_option(
+        p, help="optimizer of the trajectory and of the profile for --budget (default adamw)")
     p.add_argument(
         "--tolerance", default="auto",
         help="auto (by dtype), exact, or a number used as rtol and atol (default auto)",

@@ -51,6 +51,7 @@ from remat.core.stage_record import StageRecord
 
 __all__ = [
     "COMPILED_OPTIONS",
+    "OPTIMIZERS",
     "OPTIONS",
     "SCHEMA_VERSION",
     "FixedBytes",
@@ -76,6 +77,9 @@ OPTIONS = (
 #: Measured besides on compiled stages that draw no random numbers: inductor's own
 #: partitioner at half of keep's saved bytes (docs/compile.md).
 COMPILED_OPTIONS = (Option.selective("budget=0.5"),)
+#: The optimizers a profile (and every command that steps a model) makes by name:
+#: ``adamw``, ``adamw-fused`` (AdamW's fused kernel: no temporaries in its step), ``sgd``.
+OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
 
 
 def _int(value: object, what: str) -> int:

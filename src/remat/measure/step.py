@@ -10,13 +10,11 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
+from remat.core.profile_format import OPTIMIZERS
 from remat.measure.report import Phase, StepMemory
 from remat.measure.tracker import LiveMemoryTracker, iter_tensors
 
 __all__ = ["measure_step"]
-
-OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
-
 
 def make_optimizer(
     model: nn.Module, optimizer: str | torch.optim.Optimizer, *, lr: float = 1e-3,

@@ -24,7 +24,8 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
-from remat.measure.step import OPTIMIZERS, make_optimizer
+from remat.core.profile_format import OPTIMIZERS
+from remat.measure.step import make_optimizer
 from remat.runtime.compiled_stages import stages_compiled
 from remat.runtime.identity import stage_module
 from remat.runtime.install import Handle, apply, observe
