@@ -52,6 +52,7 @@ is priced without them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -66,6 +67,9 @@ OUTSIDE = "outside the chain"
 GROUPS = ("matmul", "attention", "other")
 _CONVOLUTIONS = ("convolution", "_convolution", "convolution_backward")
 _CONV = "|conv "  # a FLOP key's mark of a convolution's shape class, after its dtype
+_SAVED_GROUPS = {"selective:save-matmuls": ("matmul",),
+                 "selective:save-attention": ("attention",),
+                 "selective:save-nothing": ()}
 
 
 def conv_class(dtype: str, kernel: int, stride: int, in_channels: int, out_channels: int,
@@ -88,8 +92,6 @@ def conv_rate(rates: Iterable[Iterable[float]], shape: tuple[int, ...],
     weighted geometric mean of the ``nearest`` rows of its kernel and stride
     class (kernel 1 or larger, stride 1 or larger), by distance in logarithms of the
     fewer and the more channels and the output side. None without such rows."""
-    import math
-
     kernel, stride, cin, cout, side = shape
     wanted = (kernel > 1, stride > 1)
     found = []
@@ -108,9 +110,6 @@ def conv_rate(rates: Iterable[Iterable[float]], shape: tuple[int, ...],
     weights = [1.0 / (d + 0.05) ** 2 for d, _ in near]
     return math.exp(sum(w * math.log(r) for w, (_, r) in zip(weights, near, strict=True))
                     / sum(weights))
-_SAVED_GROUPS = {"selective:save-matmuls": ("matmul",),
-                 "selective:save-attention": ("attention",),
-                 "selective:save-nothing": ()}
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,8 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - t0 if self.timed else 0.0
         packet = func._overloadpacket
+        if packet in _QUERIES:  # a question about a tensor, answered without a kernel
+            return out
         if packet in flop_counter.flop_registry:
             flops = int(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
         elif packet in (_CPU_FLASH, _CPU_FLASH_BACKWARD):
@@ -134,8 +136,6 @@ class _Counter(TorchDispatchMode):
         phase, op = self.phase, packet.__name__
         stage = OUTSIDE if phase == "optimizer" else stage_of(self.modules, self.stages)
         key = (stage, phase, group, op)
-        if packet in _QUERIES:  # a question about a tensor, answered without a kernel
-            return out
         # a view reads and writes nothing (detach, transpose, reshape of a contiguous
         # tensor; _unsafe_view, matmul's reshape of its fresh result); it still costs its
         # dispatch

@@ -384,12 +384,14 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     loss = loss_fn or _default_loss
     accelerator = device is not None and device.is_accelerator
     window = None if padded_batches else _sliding_window(model)
+    kv_groups = _kv_groups(model)
 
-    def stand_ins(names: Sequence[str]) -> Any:
+    def stand_ins(names: Sequence[str], *, counting: bool = False) -> Any:
         if device is None or not accelerator:
             return contextlib.nullcontext()
-        return DeviceKernels(device, names, masks_as_causal=not padded_batches,
-                             window=window, kv_groups=_kv_groups(model))
+        return DeviceKernels(device, names, counting=counting,
+                             masks_as_causal=not padded_batches, window=window,
+                             kv_groups=kv_groups)
 
     def run(names: Sequence[str]) -> Profile:
         # on an accelerator torch's optimizers default to their multi-tensor kernels,
@@ -413,9 +415,7 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
             work = count_work(model, batch, loss, names, opt())
         kernels = None
         if accelerator:
-            with DeviceKernels(device, names, counting=True,
-                               masks_as_causal=not padded_batches, window=window,
-                               kv_groups=_kv_groups(model)) as counter, torch.no_grad():
+            with stand_ins(names, counting=True) as counter, torch.no_grad():
                 loss(model, batch)  # one forward, to note each attention call's kernel
             kernels = counter.per_stage()
         return replace(with_estimated_times(found, work, device, _tp_ranks(model)),
