@@ -89,7 +89,7 @@ def main() -> None:
         estimated_o = statistics.median(e for _, e in gaps)
         spread = [100 * (e - m) for m, e in gaps]
         row = (f"| `{name}` | {len(errors)} | {statistics.median(abs(e) for e in errors):.0%} "
-               f"| {worst:+.0%} | {measured_o:+.1%} | {estimated_o:+.1%} | "
+               f"| {worst:+.1%} | {measured_o:+.1%} | {estimated_o:+.1%} | "
                f"{statistics.median(spread):+.1f} ({min(spread):+.1f} to {max(spread):+.1f}) |")
         lines.append(row)
         print(row, flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from remat.core.devices import BUILT_IN, Device, get_device
 from remat.core.errors import UsageError
 from remat.core.roofline import OUTSIDE, Work, conv_class, conv_rate, seconds
 from remat.models import load_model
+from remat.profiling.device_calibration import calibrate_device
 from remat.profiling.op_costs import count_work
 
 
@@ -215,3 +217,26 @@ def test_a_fake_profile_for_a_device_has_the_rooflines_times() -> None:
     assert remat.Profile.from_dict(profile.to_dict()).times_estimated
     plain = remat.profile(model, batch, loss_fn, fake=True)
     assert not plain.times_estimated
+
+
+class _Dozing(nn.Module):
+    """A block whose forward also waits 5 ms outside any op: the machine's slow spell
+    while the calibration profiles its model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)
+        return torch.tanh(self.lin(x))
+
+
+def test_a_slow_spell_while_calibrating_is_not_read_as_a_calls_cost() -> None:
+    # Note [A call's cost is the tiny op's]: read as the model's stage times less its
+    # kernels, the sleep (5 ms over a block's few calls) became a call's cost
+    torch.manual_seed(0)
+    model = nn.Sequential(_Dozing(), _Dozing())
+    device, _ = calibrate_device(model, torch.randn(4, 16), lambda m, b: m(b).sum(), repeats=1)
+    for phase in ("forward", "backward"):
+        assert 0 < device.call_seconds(phase) < 100e-6
