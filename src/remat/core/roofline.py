@@ -27,7 +27,7 @@ shortcuts at 3-20 (oneDNN reorders the whole input into its blocked layout and
 vectorizes over channels). One rate per FLOP, or one plus a cost per call, priced
 ResNet's first blocks 23-32% low and its later ones up to 49% high. So ``remat
 calibrate`` times a grid of convolutions alone (``extra["conv_rates"]``: kernel 1 and 3,
-stride 1 and 2, 4 to 256 channels, outputs of 4 to 32 pixels a side, 8 images;
+stride 1 and 2, 4 to 256 channels, outputs of 2 to 32 pixels a side, 8 images;
 ``remat.profiling.device_calibration.conv_rates``) and the op counter charges a
 convolution's FLOPs under its shape class (:func:`conv_class`: kernel, stride, channels,
 output side); the roofline prices a forward convolution at the rate interpolated among
