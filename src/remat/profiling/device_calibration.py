@@ -175,8 +175,10 @@ def conv_rates(batch: int = 8) -> list[list[float]]:
             pad = kernel // 2
             y = torch.nn.functional.conv2d(x, w, None, stride, pad)
             flops = 2 * batch * cout * y.shape[-1] * y.shape[-2] * c * kernel * kernel
-            fwd = _median_s(functools.partial(  # its first call builds the kernel
-                torch.nn.functional.conv2d, x, w, None, stride, pad), 7)
+            # its first call builds the kernel; 21 timings, not 7: three grids back to
+            # back spread by a median 53% a shape with 7, 13-19% with 21 (41: no better)
+            fwd = _median_s(functools.partial(
+                torch.nn.functional.conv2d, x, w, None, stride, pad), 21)
             rows.append([kernel, stride, c, cout, int(y.shape[-1]), flops / fwd])
     return rows
 
