@@ -16,6 +16,7 @@ from remat.measure.tracker import LiveMemoryTracker, iter_tensors
 
 __all__ = ["measure_step"]
 
+
 def make_optimizer(
     model: nn.Module, optimizer: str | torch.optim.Optimizer, *, lr: float = 1e-3,
     foreach: bool | None = None,

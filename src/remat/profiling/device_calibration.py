@@ -242,8 +242,7 @@ def calibrate_device(
     # the misses of issue 18 item 3 that no model change explained. On a chain of tiny
     # ops the kernels timed as they run took longer than the whole measured forward (the
     # difference is not there to read). So a call costs one tiny op's launch, in both
-    # phases.
-    call_s = {"forward": prims.op_s, "backward": prims.op_s}
+    # phases: the entry's op_overhead_s, with no per-phase call_s.
     rates: dict[str, list[float]] = {}
     for op, (spent, w) in times.items():
         if w.total_flops:
@@ -254,17 +253,16 @@ def calibrate_device(
     # reference network of them (the model's own rates win where it ran the op)
     for op, rate in reference_rates(optimizer).items():
         rates.setdefault(op, rate)
-    per_call = statistics.mean(call_s.values())
     threads = torch.get_num_threads()
     device = Device(
         name=name, memory_bytes=_memory_bytes(),
         peak_flops={"float32": prims.flops_per_s},
         bandwidth_bytes_per_s=prims.bytes_per_s, fused_attention=False, fused_dropout=False,
-        flop_efficiency=1.0, bandwidth_efficiency=1.0, op_overhead_s=per_call,
+        flop_efficiency=1.0, bandwidth_efficiency=1.0, op_overhead_s=prims.op_s,
         source=(f"remat calibrate on {description or measured.model}, "
                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {threads} thread(s)"),
         notes="this machine's CPU kernels, as a real profile runs them",
-        extra={"threads": threads, "op_rates": rates, "call_s": call_s,
+        extra={"threads": threads, "op_rates": rates,
                "conv_flops_per_s": prims.conv_flops_per_s, "pack_s": pack_seconds(),
                "conv_rates": conv_rates()},
     )
