@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from remat.core.devices import save_device
     from remat.core.units import format_bytes
-    from remat.profiling.device_calibration import calibrate_device
+    from remat.profiling.device_calibration import STEADY, calibrate_device
 
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats} is below 1; give 1 or more")
@@ -62,7 +62,14 @@ def run(args: argparse.Namespace) -> int:
         f"{report['ops']} ops' "
         f"rates from {description}, whose {report['rows']} stage times it prices within "
         f"{report['median_abs_error']:.0%} (median), "
-        f"{report['max_abs_error']:.0%} (largest); memory {format_bytes(device.memory_bytes)}")
+        f"{report['max_abs_error']:.0%} (largest) in "
+        f"{report['attempts']} {'try' if report['attempts'] == 1 else 'tries'}; "
+        f"memory {format_bytes(device.memory_bytes)}")
+    if report["median_abs_error"] > STEADY:
+        console.print(
+            f"warning: the machine's speed moved while measuring (its own stages priced "
+            f"{report['median_abs_error']:.0%} off after {report['attempts']} tries); "
+            f"run remat calibrate again when it is quieter")
     console.print(f"wrote {device.name} to {path}")
     write_json({"device": device.name, **device.to_dict(), "fit": report}, args.json)
     return 0

@@ -4,9 +4,11 @@ Four primitives, timed (medians): a float32 matmul's FLOP/s, an elementwise add'
 per second (two operands read, one written), one tiny op's launch cost and a 3x3
 convolution's FLOP/s. Then one model: its profile (per stage, the measured forward and
 backward times) and its step's ops, each timed as it runs (``remat.profiling.op_costs``,
-the median of three steps): each op's rate (seconds per FLOP, or per byte where it does
+the median of five steps): each op's rate (seconds per FLOP, or per byte where it does
 none); a call costs beyond its kernel one tiny op's launch (Note [A call's cost is the
-tiny op's]). The roofline (``remat.core.roofline``) prices an
+tiny op's]). Where those rates price the model's own measured stages more than 10% off
+(median), the model is measured again, up to three times (Note [A calibration is retaken
+while its model's own stages disagree]). The roofline (``remat.core.roofline``) prices an
 op the model ran at its own rate and any other by the primitives. A rebuild costs its
 forward and, per tensor it saves for backward, what checkpoint's pack hook costs
 (:func:`pack_seconds`, timed on a chain of tiny ops). The entry keeps this
@@ -145,9 +147,10 @@ def _op_times(model: nn.Module, batch: Any, loss_fn: Callable[..., Any],
               names: Sequence[str], optimizer: str) -> tuple[dict[str, tuple[float, Work]],
                                                             WorkTable]:
     """Each op's kernel seconds and work over a step, timed as it runs: the median of
-    three steps' figures per op (``remat.profiling.op_costs``)."""
+    five steps' figures per op (``remat.profiling.op_costs``; a gpt step takes half a
+    second)."""
     runs: list[dict[str, tuple[float, Work]]] = []
-    for _ in range(3):
+    for _ in range(5):
         found: dict[str, tuple[float, Work]] = {}
         work = count_work(model, batch, loss_fn, names, optimizer, times=found)
         runs.append(found)
@@ -214,20 +217,32 @@ def _memory_bytes() -> int:
         return 16 << 30
 
 
-def calibrate_device(
-    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
-    *, name: str = "cpu", repeats: int = 3, optimizer: str = "adamw",
-    description: str = "",
-) -> tuple[Device, dict[str, Any]]:
-    """This machine's device entry, and how well it predicts the calibration model's own
-    stage times (for the report)."""
-    from remat.profiling.profiler import profile
+# Note [A calibration is retaken while its model's own stages disagree]: the entry's
+# per-op rates come from one step's ops timed as they run, its check from the profile's
+# stage times a few seconds earlier. On this shared machine, whose speed moves by 2x
+# within minutes, the two disagreed by a median 11-21% over the stages in four of five
+# calibrations taken in one spell (1-9% in the benchmark's recorded runs), and two
+# entries taken then priced mlp-hetero's narrow blocks 25% under their forwards (the
+# kind of miss issue 18 item 3 records). A user cannot see that from the entry; the
+# calibration can: where its own model's
+# stage times are priced more than STEADY off (median), it measures them again, up to
+# ``attempts`` times, keeps the closest and says how many it took.
+STEADY = 0.10
 
-    prims = primitives()
-    measured = profile(model, batch, loss_fn, optimizer=optimizer, repeats=repeats,
-                       options=["keep"])
-    names = measured.stage_names
-    times, work = _op_times(model, batch, loss_fn, names, optimizer)
+
+def _fit(measured: Any, work: WorkTable, device: Device) -> dict[str, Any]:
+    errors = []
+    for s in measured.stages:
+        for phase, t in (("forward", s.fwd_s), ("backward", s.bwd_s)):
+            if t > 0:
+                errors.append(work.time(s.name, phase, device) / t - 1)
+    return {"stages": len(measured.stages), "rows": len(errors),
+            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else 0,
+            "max_abs_error": max((abs(e) for e in errors), default=0)}
+
+
+def _rates(times: dict[str, tuple[float, Work]],
+           reference: dict[str, list[float]]) -> dict[str, list[float]]:
     # Note [A call's cost is the tiny op's]: what a call costs beyond its kernel (Python,
     # autograd's recording, hooks) was read as the calibration model's measured stage
     # times less its ops' kernel times, per call: a difference of two large figures (a
@@ -251,27 +266,50 @@ def calibrate_device(
             rates[op] = [0.0, spent / w.bytes]
     # ops the model did not run, a convolutional network's above all, at the rates of a
     # reference network of them (the model's own rates win where it ran the op)
-    for op, rate in reference_rates(optimizer).items():
+    for op, rate in reference.items():
         rates.setdefault(op, rate)
+    return rates
+
+
+def calibrate_device(
+    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+    *, name: str = "cpu", repeats: int = 3, optimizer: str = "adamw",
+    description: str = "", attempts: int = 3,
+) -> tuple[Device, dict[str, Any]]:
+    """This machine's device entry, and how well it predicts the calibration model's own
+    stage times (for the report; ``attempts``: how many times that model is measured at
+    most, Note [A calibration is retaken while its model's own stages disagree])."""
+    from remat.profiling.profiler import profile
+
+    prims = primitives()
+    reference = reference_rates(optimizer)
     threads = torch.get_num_threads()
-    device = Device(
-        name=name, memory_bytes=_memory_bytes(),
-        peak_flops={"float32": prims.flops_per_s},
-        bandwidth_bytes_per_s=prims.bytes_per_s, fused_attention=False, fused_dropout=False,
-        flop_efficiency=1.0, bandwidth_efficiency=1.0, op_overhead_s=prims.op_s,
-        source=(f"remat calibrate on {description or measured.model}, "
-                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {threads} thread(s)"),
-        notes="this machine's CPU kernels, as a real profile runs them",
-        extra={"threads": threads, "op_rates": rates,
-               "conv_flops_per_s": prims.conv_flops_per_s, "pack_s": pack_seconds(),
-               "conv_rates": conv_rates()},
-    )
-    errors = []
-    for s in measured.stages:
-        for phase, t in (("forward", s.fwd_s), ("backward", s.bwd_s)):
-            if t > 0:
-                errors.append(work.time(s.name, phase, device) / t - 1)
-    report = {"stages": len(names), "rows": len(errors), "ops": len(rates),
-              "median_abs_error": statistics.median(abs(e) for e in errors) if errors else 0,
-              "max_abs_error": max((abs(e) for e in errors), default=0)}
-    return device, report
+    extra: dict[str, Any] = {"threads": threads,
+                             "conv_flops_per_s": prims.conv_flops_per_s,
+                             "pack_s": pack_seconds(), "conv_rates": conv_rates()}
+    best: tuple[Device, dict[str, Any]] | None = None
+    for attempt in range(1, max(1, attempts) + 1):
+        measured = profile(model, batch, loss_fn, optimizer=optimizer, repeats=repeats,
+                           options=["keep"])
+        times, work = _op_times(model, batch, loss_fn, measured.stage_names, optimizer)
+        rates = _rates(times, reference)
+        device = Device(
+            name=name, memory_bytes=_memory_bytes(),
+            peak_flops={"float32": prims.flops_per_s},
+            bandwidth_bytes_per_s=prims.bytes_per_s, fused_attention=False,
+            fused_dropout=False, flop_efficiency=1.0, bandwidth_efficiency=1.0,
+            op_overhead_s=prims.op_s,
+            source=(f"remat calibrate on {description or measured.model}, "
+                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+                    f"{threads} thread(s)"),
+            notes="this machine's CPU kernels, as a real profile runs them",
+            extra={**extra, "op_rates": rates},
+        )
+        report = {**_fit(measured, work, device), "ops": len(rates), "attempts": attempt}
+        if best is None or report["median_abs_error"] < best[1]["median_abs_error"]:
+            best = device, report
+        if report["median_abs_error"] <= STEADY:
+            break
+    assert best is not None
+    device, report = best
+    return device, {**report, "attempts": attempt}
