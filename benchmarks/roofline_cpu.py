@@ -42,6 +42,7 @@ from remat.profiling.op_costs import count_work
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/roofline_cpu.py"
 CALIBRATION = "gpt"
 ROUNDS = 3
+PROFILE_REPEATS = 3
 MODELS = ["mlp-hetero", "convnet-bn", "resnet", "unet", "encdec", "hf:llama"]
 
 
@@ -58,6 +59,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     calibration = load_model(CALIBRATION)
     device, fit = calibrate_device(*calibration, description=CALIBRATION)
+    tries = [fit["attempts"]]  # per calibration: the model's measurements it took
     drifts: list[float] = []  # per round: matmul rate after the profile over before it
     before = device
     lines = ["| model | stages | forward error, median | forward error, largest | "
@@ -73,8 +75,11 @@ def main() -> None:
         # two bracket the profile in time; each estimate is the geometric mean of the two
         # calibrations', each figure the median of the rounds'
         for _ in range(ROUNDS):
-            profile = remat.profile(model, batch, loss_fn, repeats=2)
-            after, _ = calibrate_device(*calibration, description=CALIBRATION)
+            # three timed rounds: the median sets aside one a slow spell caught (two
+            # gave their mean)
+            profile = remat.profile(model, batch, loss_fn, repeats=PROFILE_REPEATS)
+            after, later = calibrate_device(*calibration, description=CALIBRATION)
+            tries.append(later["attempts"])
             drifts.append(after.peak_flops["float32"] / before.peak_flops["float32"])
             work = count_work(model, batch, loss_fn, profile.stage_names, profile.optimizer)
             bracket = [with_estimated_times(profile, work, d) for d in (before, after)]
@@ -114,7 +119,10 @@ def main() -> None:
         "the median of its rounds' ratios, an overhead the median of its rounds'. The "
         "matmul rate moved by "
         f"{min(drifts) - 1:+.0%} to {max(drifts) - 1:+.0%} between a round's two "
-        "calibrations. One run of the script.",
+        f"calibrations. Each model's profile: {PROFILE_REPEATS} timed rounds. The "
+        f"calibrations measured gpt {sum(tries)} times for {len(tries)} entries (Note [A "
+        "calibration is retaken while its model's own stages disagree]: "
+        f"{sum(t > 1 for t in tries)} retaken). One run of the script.",
         "",
         *lines,
         "",
