@@ -61,11 +61,16 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
     import torch.distributed as dist
 
     import remat
+    from remat.measure.malloc import set_malloc
     from remat.measure.step import make_optimizer
     from remat.models import load_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
+    # as remat bench and remat auto run each rank (--malloc keep): glibc's adaptive
+    # thresholds fault a step's larger temporaries in again in some steps and not others
+    # (hf:llama: 0 to 11,000 page faults a step)
+    set_malloc("keep")
     spec, options, stages = MODELS[model_name]
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
 
@@ -175,7 +180,8 @@ def _write(args: argparse.Namespace, rows: list[str], missed: int, total: int,
         command_line(COMMAND, began) +
         f"torch {torch.__version__}, gloo, {WORLD} processes, one torch thread each, on a "
         f"2-core CPU shared with other jobs). Models: {models}; AdamW. Each run is one fresh "
-        f"{WORLD}-process job; {args.rounds} interleaved rounds after one warm-up.",
+        f"{WORLD}-process job; {args.rounds} interleaved rounds after one warm-up; glibc keeps "
+        "freed memory in each rank (`--malloc keep`, as `remat bench` runs).",
         "",
         "Predicted: the simulator's step on the per-rank problem whose times are rank 0's "
         "profile of the FSDP2-wrapped model (`remat.distributed.profile_as_run`, Note "

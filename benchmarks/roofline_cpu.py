@@ -34,6 +34,7 @@ import remat
 from remat.core.plan_format import Plan, Region
 from remat.core.solve import simulate
 from remat.core.solve.from_profile import problem_from_profile
+from remat.measure.malloc import set_malloc
 from remat.models import load_model
 from remat.profiling.device_calibration import calibrate_device
 from remat.profiling.estimated_times import with_estimated_times
@@ -56,6 +57,10 @@ def overhead(profile: remat.Profile) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)
+    # as remat calibrate and remat profile run (--malloc keep): under glibc's adaptive
+    # thresholds mlp-hetero's wide blocks faulted their 15 MiB in again in some steps and
+    # not others (8.0 against 2.3 ms), and one run read them at -75.6%
+    allocator = set_malloc("keep")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     calibration = load_model(CALIBRATION)
     device, fit = calibrate_device(*calibration, description=CALIBRATION)
@@ -104,7 +109,8 @@ def main() -> None:
         f"Command: `{COMMAND}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch "
-        f"{torch.__version__}, Python {platform.python_version()}; one thread; {started}. "
+        f"{torch.__version__}, Python {platform.python_version()}; one thread; {allocator}; "
+        f"{started}. "
         f"Calibration on `{CALIBRATION}`: matmul {device.peak_flops['float32'] / 1e9:.0f} "
         f"GFLOP/s, add {device.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {len(fit) and fit['ops']}"
         f" ops' rates, a call {1e6 * device.call_seconds('forward'):.1f} us in forward and "

@@ -15,6 +15,7 @@ from remat.cli import main
 from remat.core.devices import BUILT_IN, Device, get_device
 from remat.core.errors import UsageError
 from remat.core.roofline import OUTSIDE, Work, conv_class, conv_rate, seconds
+from remat.measure import malloc
 from remat.models import load_model
 from remat.profiling import device_calibration
 from remat.profiling.device_calibration import STEADY, calibrate_device
@@ -175,14 +176,18 @@ def test_the_device_table_takes_entries_from_the_users_file(tmp_path: Any,
         get_device("cpu")
 
 
-def test_calibrate_writes_an_entry_that_prices_its_own_model(tmp_path: Any,
-                                                             capsys: Any) -> None:
+def test_calibrate_writes_an_entry_that_prices_its_own_model(tmp_path: Any, capsys: Any,
+                                                             monkeypatch: Any) -> None:
+    # it measures under the allocator remat profile and bench use (--malloc, keep)
+    modes: list[str] = []
+    monkeypatch.setattr(malloc, "set_malloc", lambda mode: modes.append(mode) or mode)
     out = tmp_path / "devices.json"
     sets = ["--set=n_layer=2", "--set=n_embd=64", "--set=n_head=2", "--set=block_size=64"]
     assert main(["calibrate", "--model", "gpt", *sets, "--repeats", "2", "--name", "here",
                  "--out", str(out)]) == 0
     assert "wrote here to" in capsys.readouterr().out
     entry = Device.from_dict("here", json.loads(out.read_text())["here"])
+    assert modes == ["keep"] and entry.notes.endswith("; keep")
     assert entry.op_rates and entry.extra["conv_flops_per_s"] > 0
     # gpt runs no convolution: its rates come from the reference network, per FLOP and
     # per call (every rate now has its kernel's per-call part)

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from remat.core.devices import save_device
     from remat.core.units import format_bytes
+    from remat.measure.malloc import set_malloc
     from remat.profiling.device_calibration import STEADY, calibrate_device
 
     if args.repeats < 1:
@@ -49,8 +50,14 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--threads {args.threads} is below 1; give 1 or more")
         torch.set_num_threads(args.threads)
     model, batch, loss_fn, _stages, description = load(args)
+    # the allocator remat profile and remat bench time under (--malloc, default keep): an
+    # entry taken under glibc's adaptive thresholds prices page faults that come and go
+    # with the process's history (mlp-hetero's wide blocks: 8.0 ms faulting 15 MiB in a
+    # fresh process, 2.3 ms without)
+    allocator = set_malloc(args.malloc)
     device, report = calibrate_device(model, batch, loss_fn, name=args.name,
-                                      repeats=args.repeats, description=description)
+                                      repeats=args.repeats, description=description,
+                                      allocator=allocator)
     path = save_device(device, None if args.out is None else Path(args.out))
     console = console_for(args.json)
     console.print(

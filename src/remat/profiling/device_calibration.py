@@ -274,11 +274,12 @@ def _rates(times: dict[str, tuple[float, Work]],
 def calibrate_device(
     model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
     *, name: str = "cpu", repeats: int = 3, optimizer: str = "adamw",
-    description: str = "", attempts: int = 3,
+    description: str = "", attempts: int = 3, allocator: str = "",
 ) -> tuple[Device, dict[str, Any]]:
     """This machine's device entry, and how well it predicts the calibration model's own
     stage times (for the report; ``attempts``: how many times that model is measured at
-    most, Note [A calibration is retaken while its model's own stages disagree])."""
+    most, Note [A calibration is retaken while its model's own stages disagree];
+    ``allocator``: the C allocator's setting it ran under, for the entry's notes)."""
     from remat.profiling.profiler import profile
 
     prims = primitives()
@@ -302,7 +303,8 @@ def calibrate_device(
             source=(f"remat calibrate on {description or measured.model}, "
                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
                     f"{threads} thread(s)"),
-            notes="this machine's CPU kernels, as a real profile runs them",
+            notes="this machine's CPU kernels, as a real profile runs them"
+                  + (f"; {allocator}" if allocator else ""),
             extra={**extra, "op_rates": rates},
         )
         report = {**_fit(measured, work, device), "ops": len(rates), "attempts": attempt}
