@@ -226,7 +226,11 @@ def _memory_bytes() -> int:
 # kind of miss issue 18 item 3 records). A user cannot see that from the entry; the
 # calibration can: where its own model's
 # stage times are priced more than STEADY off (median), it measures them again, up to
-# ``attempts`` times, keeps the closest and says how many it took.
+# ``attempts`` times, keeps the closest and says how many it took. Most of that
+# disagreement was glibc's adaptive allocator faulting temporaries in again in some steps
+# and not others: under ``--malloc keep`` (which remat calibrate sets, as remat profile
+# does) 1 of 57 calibrations in three benchmark runs was retaken, against 9-12 of 19 a
+# run without it.
 STEADY = 0.10
 
 
