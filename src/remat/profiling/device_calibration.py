@@ -219,18 +219,16 @@ def _memory_bytes() -> int:
 
 # Note [A calibration is retaken while its model's own stages disagree]: the entry's
 # per-op rates come from one step's ops timed as they run, its check from the profile's
-# stage times a few seconds earlier. On this shared machine, whose speed moves by 2x
-# within minutes, the two disagreed by a median 11-21% over the stages in four of five
-# calibrations taken in one spell (1-9% in the benchmark's recorded runs), and two
-# entries taken then priced mlp-hetero's narrow blocks 25% under their forwards (the
-# kind of miss issue 18 item 3 records). A user cannot see that from the entry; the
-# calibration can: where its own model's
-# stage times are priced more than STEADY off (median), it measures them again, up to
-# ``attempts`` times, keeps the closest and says how many it took. Most of that
-# disagreement was glibc's adaptive allocator faulting temporaries in again in some steps
-# and not others: under ``--malloc keep`` (which remat calibrate sets, as remat profile
-# does) 1 of 57 calibrations in three benchmark runs was retaken, against 9-12 of 19 a
-# run without it.
+# stage times a few seconds earlier. On this shared machine the two disagreed by a
+# median 11-21% over the stages in four of five calibrations taken in one spell (1-9% in
+# the benchmark's recorded runs), and two entries taken then priced mlp-hetero's narrow
+# blocks 25% under their forwards (the kind of miss issue 18 item 3 records). A user
+# cannot see that from the entry; the calibration can: where its own model's stage times
+# are priced more than STEADY off (median), it measures them again, up to ``attempts``
+# times, keeps the closest and says how many it took. Most of that disagreement was
+# glibc's adaptive allocator faulting temporaries in again in some steps and not others:
+# under ``--malloc keep`` (which remat calibrate sets, as remat profile does) 1 of 57
+# calibrations in three benchmark runs was retaken, against 9-12 of 19 a run without it.
 STEADY = 0.10
 
 
@@ -318,4 +316,4 @@ def calibrate_device(
             break
     assert best is not None
     device, report = best
-    return device, {**report, "attempts": attempt}
+    return device, {**report, "attempts": attempt}  # the tries it took, not the kept one's
