@@ -9,6 +9,7 @@ AdamW step: the full batch, with the same dropout masks the ranks draw.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -57,7 +58,12 @@ STANDARD = {
     "before": ("before", {}),
     "after_kept": ("after", {"reshard_after_forward": False}),
     "before_kept": ("before", {"reshard_after_forward": False}),
+    "after_resharded": ("after", {}),
+    "before_resharded": ("before", {}),
 }
+#: The nested plan with every unit a rebuild gathers resharded after its call (but the one
+#: whose backward comes next), for the cases whose name says so.
+NESTED_RESHARDED = dataclasses.replace(NESTED, reshard_after_rebuild=True)
 
 
 def _seed(step: int, rank: int) -> None:
@@ -237,13 +243,14 @@ def _standard_rank(rank: int, path: str, out: str) -> None:
     result: dict[str, Any] = {}
     try:
         for name, (order, options) in STANDARD.items():
+            plan = NESTED_RESHARDED if name.endswith("_resharded") else NESTED
             model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
             batch = rd.shard_batch(batch, rank, WORLD)
             if order == "before":
-                handle = remat.apply(model, NESTED)
+                handle = remat.apply(model, plan)
             _fully_shard_blocks(model, **options)
             if order == "after":
-                handle = remat.apply(model, NESTED)
+                handle = remat.apply(model, plan)
             opt = make_optimizer(model, "adamw")
             losses = []
             for _ in range(STANDARD_STEPS):  # the collectives of the last step are kept
@@ -269,7 +276,8 @@ def _standard_rank(rank: int, path: str, out: str) -> None:
 
 
 PEAK_PLANS = {"none": NONE, "per_stage": PER_STAGE,
-              "segments": Plan(stages=STAGES, regions=(Region(0, 2), Region(2, 4)))}
+              "segments": Plan(stages=STAGES, regions=(Region(0, 2), Region(2, 4))),
+              "one_region_resharded": dataclasses.replace(ONE_REGION, reshard_after_rebuild=True)}
 
 
 def _peak_rank(rank: int, path: str, out: str, wrap: str, name: str) -> None:
@@ -385,6 +393,18 @@ def test_standard_wrapping_gathers_and_reduces_as_without_a_plan(
             assert standard[r][case]["collectives"] == (5, 4, 5), case
         for case in ("after_kept", "before_kept"):
             assert standard[r][case]["collectives"] == (5, 0, 5), case
+
+
+def test_resharding_after_rebuilds_gathers_each_resharded_unit_again(
+    standard: list[dict[str, Any]]
+) -> None:
+    """Note [Resharding after a rebuild]: the nested plan's rebuilds reshard blocks 0, 1
+    and 2 ([0, 4)), 0 ([0, 2)) and 2 ([2, 4)) after their calls, each gathered again for
+    its backward: 4 + 5 all-gathers in backward, as the simulator counts; still one
+    reduce-scatter per unit."""
+    for r in range(WORLD):
+        for case in ("after_resharded", "before_resharded"):
+            assert standard[r][case]["collectives"] == (5, 9, 5), case
 
 
 def test_mixed_precision_with_nested_regions_changes_nothing(
@@ -522,7 +542,7 @@ def test_fsdp_sharding_and_regions_lower_the_measured_peak(
         assert peaks["fsdp", "per_stage"][r]["peak"] < 0.9 * measured  # and regions more
 
 
-@pytest.mark.parametrize("name", ["per_stage", "segments"])
+@pytest.mark.parametrize("name", ["per_stage", "segments", "one_region_resharded"])
 def test_per_rank_prediction_equals_the_measured_peak(
     peaks: dict[Any, Any], rank_problem: Any, name: str
 ) -> None:
@@ -657,6 +677,49 @@ def test_simulator_keeps_fsdp_units_as_fsdp2_does() -> None:
     assert _unit_bytes_at(ONE_REGION_CHAIN, "backward s3") == 4000
     # the first stage's backward: no unit before it to prefetch
     assert _unit_bytes_at(NONE_CHAIN, "backward s0") == 2000
+
+
+def test_resharding_after_a_rebuild_frees_its_units_for_a_gather_each() -> None:
+    """Note [Resharding after a rebuild]: the rebuild of [0, 4) reshards s0, s1 and s2
+    after their calls (s3's backward is next), so s3's backward holds its own unit only,
+    not all four, and each of the three pays one more all-gather."""
+    resharded = dataclasses.replace(ONE_REGION_CHAIN, reshard_after_rebuild=True)
+    assert _unit_bytes_at(ONE_REGION_CHAIN, "backward s3") == 4000
+    assert _unit_bytes_at(resharded, "backward s3") == 1000
+    # s2 gathered again by its pre-backward, s1 prefetched, s3's reduce-scatter input
+    assert _unit_bytes_at(resharded, "backward s2") == 3000
+    fsdp = per_rank_problem(_chain(), world_size=2, strategy="fsdp", gather_s=0.5)
+    assert _step_s(resharded, fsdp) - _step_s(ONE_REGION_CHAIN, fsdp) == pytest.approx(3 * 0.5)
+    # one-stage regions: the unit of each is the one whose backward comes next
+    per_stage = dataclasses.replace(PER_STAGE_CHAIN, reshard_after_rebuild=True)
+    assert simulate(per_stage, fsdp).live == simulate(PER_STAGE_CHAIN, fsdp).live
+    assert _step_s(per_stage, fsdp) == _step_s(PER_STAGE_CHAIN, fsdp)
+
+
+def test_the_optimal_plan_reshards_after_rebuilds_only_where_that_is_faster() -> None:
+    """Note [Keep or reshard after a rebuild]: a budget that [0, 2) fits only with its
+    unit resharded gets that plan (one gather more beats a second region's overhead);
+    one that it fits kept gets it kept."""
+    from remat.core.solve import solve
+
+    base = _chain()
+    base = dataclasses.replace(base, region_overhead_s=3.0, stages=tuple(
+        dataclasses.replace(s, saved_bytes={"keep": 3000}) for s in base.stages))
+    fsdp = per_rank_problem(base, world_size=2, strategy="fsdp", backend="nccl", gather_s=0.5)
+    first_two = Plan(stages=fsdp.stage_names, regions=(Region(0, 2),))
+    kept = simulate(first_two, fsdp)
+    resharded = simulate(dataclasses.replace(first_two, reshard_after_rebuild=True), fsdp)
+    assert resharded.peak_bytes < kept.peak_bytes  # 16,010 against 17,010 bytes
+    tight = solve("optimal", fsdp, resharded.peak_bytes)
+    assert (tight.regions, tight.reshard_after_rebuild) == ((Region(0, 2),), True)
+    assert tight.predicted_step_time_s == pytest.approx(resharded.step_time_s)
+    roomy = solve("optimal", fsdp, kept.peak_bytes)
+    assert (roomy.regions, roomy.reshard_after_rebuild) == ((Region(0, 2),), False)
+    # a plan says so in its JSON, and only when it reshards
+    assert Plan.from_dict(tight.to_dict()) == tight and "reshard_after_rebuild" not in (
+        roomy.to_dict())
+    with pytest.raises(UsageError, match="reshard_after_rebuild"):
+        Plan(stages=fsdp.stage_names, reshard_after_rebuild="yes")  # type: ignore[arg-type]
 
 
 NONE_CHAIN = Plan(stages=tuple(f"s{i}" for i in range(4)))

@@ -28,7 +28,8 @@ by a region's rebuild stays gathered for its own backward, since FSDP does not r
 after a forward that runs during backward: each unit is gathered once in forward and
 once in backward with and without the plan, and its gradients are reduce-scattered once.
 What regions cost instead is memory: every unit of a region stays gathered from the
-region's rebuild until its own backward.
+region's rebuild until its own backward, unless the plan reshards them after the rebuild
+(``Plan.reshard_after_rebuild``: ``remat/runtime/fsdp_units.py``), one more all-gather each.
 
 Note [Steady per-rank peaks]
 ----------------------------

@@ -33,9 +33,11 @@ def options_summary(options: Sequence[str]) -> str:
 
 
 def plan_summary(plan: Plan) -> str:
-    """``regions [0, 2) [2, 5); options keep x8``."""
+    """``regions [0, 2) [2, 5); options keep x8`` (and ``; FSDP units resharded after
+    rebuilds`` for a plan that asks for it)."""
     regions = " ".join(str(r) for r in plan.regions) or "none"
-    return f"regions {regions}; options {options_summary(plan.options)}"
+    resharded = "; FSDP units resharded after rebuilds" if plan.reshard_after_rebuild else ""
+    return f"regions {regions}; options {options_summary(plan.options)}{resharded}"
 
 
 def _size(n: int | None) -> str:

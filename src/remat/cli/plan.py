@@ -123,7 +123,10 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
 
     budget = _bytes_budget(args.budget)
     scaled = _scaled(args, source)
-    transform = None if world is None else (lambda pr: _per_rank(pr, scaled, *world))
+    target = fake_device(args)
+    link = None if target is None else target.link_bytes_per_s
+    transform = None if world is None else (
+        lambda pr: _per_rank(pr, scaled, world[0], world[1], link))
     where = "" if world is None else f" on one rank of {world[0]} over {world[1]}"
     table = Table(title=f"largest micro-batch within {format_bytes(budget)}{where}")
     timed = scaled.times_estimated  # else the times are the fake run's dispatch
@@ -204,19 +207,27 @@ def _world(text: str | None) -> tuple[str, int] | None:
     return strategy, int(count)
 
 
-def _per_rank(problem: Any, source: Any, strategy: str, world_size: int) -> Any:
+def _per_rank(problem: Any, source: Any, strategy: str, world_size: int,
+              link_bytes_per_s: float | None = None) -> Any:
     """The problem of one rank (:func:`remat.core.transforms.per_rank_problem`), budgets as
-    fractions taken of that rank's step without checkpointing."""
+    fractions taken of that rank's step without checkpointing. With the device's link
+    bandwidth, FSDP's all-gathers are priced on it (what a plan resharding units after
+    rebuilds pays again); without, collectives take no time."""
     from dataclasses import replace
 
+    from remat.core.collectives import collective_seconds
     from remat.core.plan_format import Plan
     from remat.core.profile_format import Profile
     from remat.core.solve import simulate
     from remat.core.transforms import per_rank_problem
 
     buffers = source.fixed.buffers_bytes if isinstance(source, Profile) else 0
+    gathers = [0.0] * problem.n
+    if link_bytes_per_s is not None and strategy == "fsdp":
+        gathers = [collective_seconds([("all_gather_into_tensor", s.grad_bytes)], link_bytes_per_s,
+                                      world_size) for s in problem.stages]
     ranked = per_rank_problem(problem, world_size=world_size, strategy=strategy,
-                              replicated_bytes=buffers, backend="nccl")
+                              replicated_bytes=buffers, backend="nccl", gather_s=gathers)
     base = simulate(Plan(stages=ranked.stage_names), ranked).peak_bytes
     return replace(ranked, measured_no_checkpoint_peak_bytes=base)
 
@@ -304,10 +315,12 @@ def run(args: argparse.Namespace) -> int:
             console.print(text)
     problem = to_problem(source, slots=args.slots)
     if world is not None:
-        problem = _per_rank(problem, source, *world)
+        link = None if target is None else target.link_bytes_per_s
+        problem = _per_rank(problem, source, world[0], world[1], link)
+        timed = ("all-gathers priced on the device's link, other collectives take no time"
+                 if link is not None and world[0] == "fsdp" else "no collective times")
         console.print(f"one rank of {world[0]} over {world[1]} ranks, on paper: parameters, "
-                      "gradients and optimizer state as that rank holds them; no collective "
-                      "times")
+                      f"gradients and optimizer state as that rank holds them; {timed}")
     result = make_plan(problem, args.budget, args.solver, **params)
     found = None
     fake = isinstance(source, Profile) and source.fake
@@ -316,6 +329,10 @@ def run(args: argparse.Namespace) -> int:
         result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
     result = with_made_for(result, source)
     console.print(plan_table(result))
+    if result.reshard_after_rebuild:
+        console.print("FSDP2 units: each one a rebuild gathers is resharded after its call and "
+                      "gathered again for its backward (less memory than keeping it gathered "
+                      "from the rebuild, one more all-gather each; docs/distributed.md)")
     peak, base = result.predicted_peak_bytes, problem.measured_no_checkpoint_peak_bytes
     assert peak is not None  # every solver fills in its prediction
     line = f"solver {result.solver}: predicted peak {format_bytes(peak)}"

@@ -190,7 +190,7 @@ _META_FIELDS = (
 )
 _KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
 # written only when set: plans from before them still load
-_OPTIONAL_KEYS = ("made_for", "compiled")
+_OPTIONAL_KEYS = ("made_for", "compiled", "reshard_after_rebuild")
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,11 @@ class Plan(JsonArtifact):
     # compile=True); remat.apply refuses it on eager stages, and an eager plan on compiled
     # ones, unless told otherwise.
     compiled: bool = False
+    # FSDP2 (Note [Resharding after a rebuild] in remat/core/solve/simulator.py): each unit
+    # a region's rebuild gathered, other than the one whose backward comes next, is
+    # resharded right after its call and gathered again for its own backward; False keeps
+    # it gathered from the rebuild to its backward (torch 2.13's behaviour).
+    reshard_after_rebuild: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
@@ -297,6 +302,9 @@ class Plan(JsonArtifact):
                 fields.seconds(getattr(self, name), name)
         if not isinstance(self.compiled, bool):
             raise UsageError(f"compiled={self.compiled!r} is not a bool; give true or false")
+        if not isinstance(self.reshard_after_rebuild, bool):
+            raise UsageError(f"reshard_after_rebuild={self.reshard_after_rebuild!r} is not a "
+                             "bool; give true or false")
         if self.made_for is not None:
             if not isinstance(self.made_for, MadeFor):
                 raise UsageError(f"made_for={self.made_for!r} is not a MadeFor record or None")
@@ -360,6 +368,7 @@ class Plan(JsonArtifact):
             "options": list(self.options),
             **({"made_for": self.made_for.to_dict()} if self.made_for is not None else {}),
             **({"compiled": True} if self.compiled else {}),
+            **({"reshard_after_rebuild": True} if self.reshard_after_rebuild else {}),
         }
 
     @classmethod
@@ -383,6 +392,7 @@ class Plan(JsonArtifact):
             options=tuple(data["options"]),
             made_for=None if data.get("made_for") is None else MadeFor.from_dict(data["made_for"]),
             compiled=data.get("compiled", False),
+            reshard_after_rebuild=data.get("reshard_after_rebuild", False),
             **{name: data[name] for name in _META_FIELDS},
         )
 

@@ -41,7 +41,8 @@ call these rather than keeping their own copies.
   ``rebuild_gathers * gather_s`` to the stage's ``rebuild_s``, which the simulator
   charges once per rebuild run. ``remat.distributed.count_all_gathers`` measures it:
   with torch 2.13 neither wrap order gathers again (``docs/distributed.md``), so the
-  default is 0.
+  default is 0. Each stage keeps its ``gather_s`` (``StageCost.gather_s``): a plan that
+  reshards units after rebuilds pays it per reshard (Note [Resharding after a rebuild]).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def per_rank_problem(
             s,
             unit_bytes=p,
             reduce_bytes=s.grad_bytes,
+            gather_s=g,
             grad_bytes=share(s.grad_bytes),
             fwd_s=s.fwd_s + g,
             bwd_s=s.bwd_s + g + r,

@@ -163,7 +163,7 @@ from torch.utils.hooks import RemovableHandle
 from remat.core.errors import RematError, UsageError
 from remat.core.plan_format import Plan
 from remat.runtime._torch_checkpoint import CheckpointFrame, noop_context_fn
-from remat.runtime.fsdp_units import check_fsdp_units
+from remat.runtime.fsdp_units import check_fsdp_units, reshard_units
 from remat.runtime.glue import (
     GlueRecorder,
     GlueStep,
@@ -398,6 +398,7 @@ class Engine:
         self.entered: tuple[int, tuple[Any, ...], dict[str, Any]] | None = None
         self.gap_due: CallRecord | None = None  # the call whose forward hook opens the GAP
         self.units_checked = False  # FSDP units made after apply: checked at the first pass
+        self.reshard_after_rebuild = plan.reshard_after_rebuild  # see reshard_units
         # Regions over a stage that routes keep its routing decisions (Note [Routing saved
         # in regions]).
         self.routes = tuple(routes(module) for module in self.modules)
@@ -793,6 +794,8 @@ class Engine:
         env = dict(entry.externals)
         env[entry.input_slot] = boundary
         dead_after = entry.dead_after()
+        # the unit whose backward comes next stays gathered (Note [Resharding after a rebuild])
+        last = self.regions[entry.region].stop - 1 if self.reshard_after_rebuild else -1
         try:
             for index, step in enumerate(entry.calls):
                 for child in entry.children_at.get(index, ()):
@@ -805,7 +808,11 @@ class Engine:
                     assert step.inputs is not None
                     args, kwargs = step.inputs.decode(env, name)
                     module = self.modules[step.stage]
-                    out = call_restoring(step.mutated, module, *args, **kwargs)
+                    try:
+                        out = call_restoring(step.mutated, module, *args, **kwargs)
+                    finally:  # early stop too: FSDP gathered the unit before the stop
+                        if last >= 0 and step.stage != last:
+                            reshard_units(module)
                     bind(step.outputs, out, env, name)
                     del args, kwargs, out
                 for k in dead_after[index]:  # no later step reads it: free it now

@@ -8,6 +8,13 @@ region ``[0, 4)``): the unit's hooks (gather its parameters, hand its stages new
 run between two stages of the region in forward, but the region's rebuild replays stage
 calls and the code between them, never the unit's own call, so its hooks would not run
 again there. That is refused with one sentence, before anything is changed.
+
+A plan made with ``reshard_after_rebuild`` (Note [Resharding after a rebuild] in
+``remat/core/solve/simulator.py``) has the engine call :func:`reshard_units` on a stage
+right after its call in a region's rebuild: FSDP2 does not reshard after a forward that
+runs during backward, and its ``FSDPModule.reshard()`` frees the unsharded parameters,
+which the unit's pre-backward hook gathers again into the same tensors (those the
+rebuild's saved tensors refer to) before the stage's backward.
 """
 
 from __future__ import annotations
@@ -20,7 +27,24 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.plan_format import Region
 
-__all__ = ["check_fsdp_units"]
+__all__ = ["check_fsdp_units", "reshard_units"]
+
+
+def _unit_type() -> type[nn.Module] | None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is a unit
+    unit_type: type[nn.Module] | None = getattr(fsdp, "FSDPModule", None)
+    return unit_type
+
+
+def reshard_units(stage: nn.Module) -> int:
+    """Reshard the FSDP2 units in ``stage`` (the stage itself, or its children); how many."""
+    unit_type = _unit_type()
+    if unit_type is None:
+        return 0
+    units = [m for m in stage.modules() if isinstance(m, unit_type)]
+    for unit in units:
+        unit.reshard()  # type: ignore[operator]  # FSDPModule's public method
+    return len(units)
 
 
 def check_fsdp_units(
@@ -30,8 +54,7 @@ def check_fsdp_units(
     regions: Sequence[Region],
 ) -> None:
     """UsageError if a multi-stage region crosses an FSDP2 unit that holds several stages."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is a unit
-    unit_type = getattr(fsdp, "FSDPModule", None)
+    unit_type = _unit_type()
     multi = [r for r in regions if r.stop - r.start > 1]
     if unit_type is None or not multi:
         return

@@ -80,6 +80,9 @@ class StageCost(StageRecord):
     # simulator keeps them as FSDP2 does (Note [FSDP2 units] in simulator.py).
     unit_bytes: int = 0
     reduce_bytes: int = 0
+    # FSDP2: seconds of one all-gather of this stage's unit, which a plan that reshards
+    # units after their rebuild pays again (Note [Resharding after a rebuild] in simulator.py).
+    gather_s: float = 0.0
     # What a region holding both this stage and the next costs for the link between them,
     # beyond the stages' rebuilds: the model's code between them replayed (and recorded in
     # forward), this stage's forward past where its own rebuild would stop. A region over
@@ -91,6 +94,7 @@ class StageCost(StageRecord):
         super().__post_init__()
         where = self.where
         object.__setattr__(self, "link_s", fields.seconds(self.link_s, f"{where} link_s"))
+        object.__setattr__(self, "gather_s", fields.seconds(self.gather_s, f"{where} gather_s"))
         for name in ("unit_bytes", "reduce_bytes", "output_held_bytes"):
             object.__setattr__(self, name, self.nbytes(getattr(self, name), name))
         for option in self.extra_bwd_s:
@@ -181,6 +185,7 @@ class StageCost(StageRecord):
             **({"unit_bytes": self.unit_bytes} if self.unit_bytes else {}),
             **({"reduce_bytes": self.reduce_bytes} if self.reduce_bytes else {}),
             **({"link_s": self.link_s} if self.link_s else {}),
+            **({"gather_s": self.gather_s} if self.gather_s else {}),
         }
 
     @classmethod
@@ -209,6 +214,7 @@ _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
     "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option", "link_s",
+    "gather_s",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",

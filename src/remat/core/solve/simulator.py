@@ -97,6 +97,20 @@ measured on 2 gloo ranks (``benchmarks/distributed_steadiness.md``):
   at the end of backward).
 * ``collective_copies`` (gloo): an all-gather's output and a reduce-scatter's input are
   copied for the collective, the copy alive while it runs.
+
+Note [Resharding after a rebuild]
+---------------------------------
+Kept gathered from its rebuild to its own backward, a region's unit costs its ``u``
+bytes through the backward of every later stage of the region; gathered again, it costs
+one more all-gather (``StageCost.gather_s``). ``Plan.reshard_after_rebuild`` asks the
+runtime for the second (``FSDPModule.reshard()`` right after the unit's call in the
+rebuild) and the simulator models it so: in a rebuild of region ``[a, b)`` every unit it
+calls other than ``b - 1`` (gathered by its pre-backward, whose backward comes next) is
+resharded after its call, including the stage a rebuild's early stop ends in (a child
+region or selective stage it only opens: FSDP's pre-forward hook gathered the unit before
+the stage's frame opened), and each reshard adds ``gather_s`` to the rebuild time (the
+unit's pre-backward gathers it again). The optimal solver solves with both and keeps the
+faster plan that fits (Note [Keep or reshard after a rebuild] in solvers.py).
 """
 
 from __future__ import annotations
@@ -206,7 +220,8 @@ class _Walker:
     stage a few times, and chains of thousands of stages make those visits the cost.
     """
 
-    def __init__(self, problem: Problem, options: Sequence[str]) -> None:
+    def __init__(self, problem: Problem, options: Sequence[str],
+                 reshard_after_rebuild: bool = False) -> None:
         self.p = problem
         self.options = options
         stages = problem.stages
@@ -282,6 +297,7 @@ class _Walker:
         self.u = [s.unit_bytes for s in stages]
         self.fsdp = any(self.u) or problem.root_unit_bytes > 0
         self.copies = problem.collective_copies
+        self.reshard_after_rebuild = reshard_after_rebuild and self.fsdp
         self.unsharded: dict[int, bool] = {}  # gathered unit -> unsharded (False: prefetched)
         self.pre_backward_done: set[int] = set()
         self.forward_flat = 0  # the last forward all-gather's flat buffer
@@ -450,6 +466,16 @@ class _Walker:
         else:
             self.event(label, u)  # the copy-out next to the flat buffer it replaces
         self.unsharded[j] = True
+
+    def rebuilt_unit(self, j: int, region: Region, label: str, *, reshard: bool = True) -> None:
+        """Unit j is called in ``region``'s rebuild: gathered for it and, under
+        ``reshard_after_rebuild``, resharded after it unless its backward is next."""
+        self.unshard(j, label)
+        if not (reshard and self.reshard_after_rebuild) or j == region.stop - 1:
+            return
+        if self.unsharded.pop(j, None) is not None:
+            self.live -= self.u[j]
+            self.rebuild_s += self.p.stages[j].gather_s  # gathered again for its backward
 
     def prefetch(self, j: int) -> None:
         """A pre-backward all-gathers unit j (the one before it in forward order) ahead."""
@@ -630,9 +656,12 @@ class _Walker:
         for item in items[:run]:
             if item.region is None:
                 self.rebuild_s += stages[item.start].rebuild_s
+                label = f"all-gather {names[item.start]} {for_region}"
                 if self.fsdp:
-                    self.unshard(item.start, f"all-gather {names[item.start]} {for_region}")
+                    self.unshard(item.start, label)
                 self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
+                if self.fsdp:
+                    self.rebuilt_unit(item.start, region, label)
             else:
                 self.open_region(item.region)
                 where = f"(for {region}, in {item.region}, not saved)"
@@ -641,9 +670,16 @@ class _Walker:
                     if self.fsdp:
                         self.unshard(i, f"all-gather {names[i]} {where}")
                     self.not_saved(i, f"rebuild {names[i]} {where}")
+                    if self.fsdp:
+                        self.rebuilt_unit(i, region, f"all-gather {names[i]} {where}")
             cur = item.stop
         for k in range(run, len(items)):
             item = items[k]
+            if k == opener and self.fsdp:
+                # FSDP's pre-forward gathers the stage before its frame opens and stops the
+                # rebuild (Note [Resharding after a rebuild])
+                self.rebuilt_unit(item.start, region,
+                                  f"all-gather {names[item.start]} (opens {for_region})")
             if k == opener and item.region is not None:
                 self.open_region(item.region)
             elif k == opener:  # a selective stage: hands over its input, caches nothing
@@ -697,7 +733,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
                 f"({problem.stages[b].break_before}); end the region at stage {b}"
             )
     p = problem
-    w = _Walker(problem, plan.options)
+    w = _Walker(problem, plan.options, plan.reshard_after_rebuild)
     w.add("params", p.params_bytes)
     w.add("optimizer", p.optimizer_bytes)
     w.add("input", p.input_bytes)

@@ -67,15 +67,11 @@ def _finish(
     solver: str,
     budget: int | None,
     started: float,
+    reshard_after_rebuild: bool = False,
 ) -> Plan:
     # A recipe's region over a chain break is cut there (the optimal tables never span one).
     regions = recipes.split_at_breaks(list(regions), problem.breaks)
-    names = problem.stage_names
-    plan = Plan(
-        names,
-        tuple(Region(*r) for r in regions),
-        tuple(options) if options else (KEEP,) * len(names),
-    )
+    plan = _as_plan(problem, (regions, options), reshard_after_rebuild)
     sim = simulate(plan, problem)
     baseline = baseline_time(problem).total_s
     return Plan(
@@ -88,6 +84,7 @@ def _finish(
         predicted_step_time_s=sim.step_time_s,
         baseline_step_time_s=baseline,
         solve_time_s=time.perf_counter() - started,
+        reshard_after_rebuild=plan.reshard_after_rebuild,
     )
 
 
@@ -153,20 +150,31 @@ def minimum_budget(problem: Problem) -> int:
     return _least_plan(problem)[0]
 
 
-def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[Option]]:
+def _has_units(problem: Problem) -> bool:
+    """Whether the problem is an FSDP2 rank's with units of its stages (Note [Keep or
+    reshard after a rebuild])."""
+    return any(s.unit_bytes for s in problem.stages)
+
+
+def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[Option], bool]:
+    """The tables' smallest-peak plan: (peak, regions, options, reshard_after_rebuild)."""
     least, regions, options = min_peak_plan(problem)
     if any(s.reads or s.link_saved_bytes or s.unit_bytes for s in problem.stages) or (
             problem.root_unit_bytes):
         # what the tables do not count (reads, links, FSDP2 units): the simulator does
-        least = max(least, simulate(_as_plan(problem, (regions, options)), problem).peak_bytes)
-    return least, regions, options
+        peaks = {reshard: simulate(_as_plan(problem, (regions, options), reshard),
+                                   problem).peak_bytes
+                 for reshard in ((False, True) if _has_units(problem) else (False,))}
+        reshard = min(peaks, key=lambda r: (peaks[r], r))  # keep when both are as low
+        return max(least, peaks[reshard]), regions, options, reshard
+    return least, regions, options, False
 
 
 def min_peak(problem: Problem, budget: Budget = None) -> Plan:
     """The plan with the smallest predicted peak (ignores time)."""
     t0 = time.perf_counter()
-    _, regions, options = _least_plan(problem)
-    return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0)
+    _, regions, options, reshard = _least_plan(problem)
+    return _finish(problem, regions, options, "min-peak", _budget(budget, problem), t0, reshard)
 
 
 def table_filler(path: str) -> Callable[[dp.Model, int], dp.Tables]:
@@ -202,7 +210,8 @@ def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
 _TIGHTEN_ROUNDS = 4
 
 
-def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None]) -> Found | None:
+def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None],
+            reshard_after_rebuild: bool = False) -> Found | None:
     """``solve_at(limit)``'s plan if it fits ``limit`` in the simulator, else the plan for
     ``limit`` less the overshoot (Note [Reads from before a region]), a few times at most.
 
@@ -213,14 +222,16 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
     relative to where each tensor was made, a pair the recursion does not carry. The
     simulator counts it, so a table plan can overshoot by it; filling the tables again
     under the budget less the overshoot finds one that fits, possibly not the fastest.
-    Chains without such reads (most transformer stacks) fit on the first fill.
+    Chains without such reads (most transformer stacks) fit on the first fill. FSDP2's
+    gathered units are counted the same way (Note [FSDP2 units] in simulator.py).
     """
     dp_limit = limit
     for _ in range(_TIGHTEN_ROUNDS):
         found = solve_at(dp_limit)
         if found is None:
             return None
-        over = simulate(_as_plan(problem, found), problem).peak_bytes - limit
+        plan = _as_plan(problem, found, reshard_after_rebuild)
+        over = simulate(plan, problem).peak_bytes - limit
         if over <= 0:
             return found
         dp_limit -= over
@@ -237,6 +248,15 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     rounding to slots leaves no plan
     although one fits (budgets within a few slots of the minimum), the plan with the
     smallest peak is returned. Raises CheckFailed when no plan fits at all.
+
+    Note [Keep or reshard after a rebuild]
+    --------------------------------------
+    On an FSDP2 rank's problem (stages that are units) a region's rebuild can keep the
+    units it gathered until their own backward (FSDP2's behaviour) or reshard them and
+    gather each again for its backward (Note [Resharding after a rebuild] in
+    simulator.py): less memory for one more all-gather per resharded unit. The solver
+    finds the fastest plan that fits both ways and keeps the faster (keep when equal:
+    fewer collectives); the plan says which (``Plan.reshard_after_rebuild``).
     """
     t0 = time.perf_counter()
     limit = _budget(budget, problem)
@@ -254,7 +274,32 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
         tables = fill(dp.Model(problem, slot, spare), m)
         return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
 
-    found = _within(problem, limit, tables_plan)
+    best: tuple[float, bool, Found] | None = None
+    for reshard in (False, True) if _has_units(problem) else (False,):
+        got = _fastest_fitting(problem, limit, tables_plan, reshard)
+        if got is not None and (best is None or got[0] < best[0]):
+            best = (got[0], reshard, got[1])
+    if best is None:
+        least, regions, options, reshard = _least_plan(problem)
+        if limit < least:
+            fixed = problem.backward_base_bytes
+            raise CheckFailed(
+                f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes): the smallest "
+                f"peak any plan reaches is {format_bytes(least)} ({least} bytes, of which "
+                f"{format_bytes(fixed)} is fixed), so give a budget of at least that"
+            )
+        best = (math.inf, reshard, (regions, options))
+    _, reshard, found = best
+    plan = _finish(problem, found[0], found[1], "optimal", limit, t0, reshard)
+    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+    return plan
+
+
+def _fastest_fitting(problem: Problem, limit: int, tables_plan: Callable[[int], Found | None],
+                     reshard: bool) -> tuple[float, Found] | None:
+    """The tables' plan or a faster classic recipe, whichever is fastest and fits
+    ``limit`` with units kept or resharded after rebuilds: (step seconds, plan)."""
+    found = _within(problem, limit, tables_plan, reshard)
     # Note [Recipes beside the tables]: slot rounding charges every held quantity a whole
     # slot, so at a budget within a few slots of a recipe's exact peak the tables can
     # miss that recipe. The classic recipes are few and scored exactly in bytes, so the
@@ -265,7 +310,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     # and only while they could still beat the best plan that fits.
     best_s = math.inf
     if found is not None:
-        sim = simulate(_as_plan(problem, found), problem)
+        sim = simulate(_as_plan(problem, found, reshard), problem)
         best_s = sim.step_time_s if sim.peak_bytes <= limit else math.inf
     simulated: set[tuple[tuple[int, int], ...]] = set()  # recipes can coincide
     for estimate, least, family, k in _recipes_by_time(problem):
@@ -277,22 +322,12 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
         if tuple(regions) in simulated:
             continue
         simulated.add(tuple(regions))
-        sim = simulate(_as_plan(problem, (regions, None)), problem)
+        sim = simulate(_as_plan(problem, (regions, None), reshard), problem)
         if sim.peak_bytes <= limit and sim.step_time_s < best_s:
             found, best_s = (regions, None), sim.step_time_s
-    if found is None:
-        least, regions, options = _least_plan(problem)
-        if limit < least:
-            fixed = problem.backward_base_bytes
-            raise CheckFailed(
-                f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes): the smallest "
-                f"peak any plan reaches is {format_bytes(least)} ({least} bytes, of which "
-                f"{format_bytes(fixed)} is fixed), so give a budget of at least that"
-            )
-        found = regions, options
-    plan = _finish(problem, found[0], found[1], "optimal", limit, t0)
-    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
-    return plan
+    if found is None or not math.isfinite(best_s):
+        return None
+    return best_s, found
 
 
 def _recipes_by_time(problem: Problem) -> list[tuple[float, int, str, int]]:
@@ -357,7 +392,8 @@ def _recipe(n: int, family: str, k: int) -> list[tuple[int, int]]:
 
 
 def _as_plan(
-    problem: Problem, found: tuple[Sequence[tuple[int, int]], Sequence[str] | None]
+    problem: Problem, found: tuple[Sequence[tuple[int, int]], Sequence[str] | None],
+    reshard_after_rebuild: bool = False,
 ) -> Plan:
     regions, options = found
     names = problem.stage_names
@@ -365,6 +401,7 @@ def _as_plan(
         names,
         tuple(Region(*r) for r in regions),
         tuple(options) if options else (KEEP,) * len(names),
+        reshard_after_rebuild=reshard_after_rebuild,
     )
 
 
