@@ -316,11 +316,13 @@ def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
         model, batch, loss_fn = load_model("gpt", **GPT)
         batch = rd.shard_batch(batch, rank, WORLD)
         prof = rd.profile_as_run(model, batch, loss_fn, wrap=wrap, stages=STAGES, repeats=1)
+        gathers = rd.time_unit_gathers(model, STAGES) if wrap == "fsdp" else []
         dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save({"stages": prof.stage_names, "steps": len(prof.timed_rounds or ()),
-                "fwd_s": [s.fwd_s for s in prof.stages]}, os.path.join(out, f"rank{rank}.pt"))
+                "fwd_s": [s.fwd_s for s in prof.stages], "gathers": gathers},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 def _spawn(fn: Any, *args: Any, tmp: Path) -> list[dict[str, Any]]:
@@ -624,6 +626,9 @@ def test_the_wrapped_profile_runs_the_same_rounds_on_every_rank(tmp_path: Path,
     assert ranks[0]["stages"] == ranks[1]["stages"] == tuple(f"{prefix}{s}" for s in STAGES)
     assert ranks[0]["steps"] == ranks[1]["steps"] >= 2  # rank 1's added round, on both
     assert all(t > 0 for r in ranks for t in r["fwd_s"])
+    if wrap == "fsdp":  # each block's gather after a reshard (rd.time_unit_gathers)
+        assert all(len(r["gathers"]) == len(STAGES) and all(t > 0 for t in r["gathers"])
+                   for r in ranks)
 
 
 def test_with_times_of_takes_every_time_and_keeps_the_memory() -> None:
@@ -715,6 +720,10 @@ def test_the_optimal_plan_reshards_after_rebuilds_only_where_that_is_faster() ->
     assert tight.predicted_step_time_s == pytest.approx(resharded.step_time_s)
     roomy = solve("optimal", fsdp, kept.peak_bytes)
     assert (roomy.regions, roomy.reshard_after_rebuild) == ((Region(0, 2),), False)
+    # told to keep units at the tight budget: a slower plan
+    kept_only = solve("optimal", fsdp, resharded.peak_bytes, reshard_after_rebuild=False)
+    assert not kept_only.reshard_after_rebuild
+    assert kept_only.predicted_step_time_s > tight.predicted_step_time_s
     # a plan says so in its JSON, and only when it reshards
     assert Plan.from_dict(tight.to_dict()) == tight and "reshard_after_rebuild" not in (
         roomy.to_dict())

@@ -111,6 +111,7 @@ __all__ = [
     "shard_batch",
     "shard_stages",
     "time_all_gather",
+    "time_unit_gathers",
     "warm_ddp",
     "wrap_ddp",
 ]
@@ -372,6 +373,38 @@ def time_all_gather(nbytes: int, *, repeats: int = 5, group: Any = None) -> floa
         times.append(time.perf_counter() - began)
     times = sorted(times[1:])
     return times[len(times) // 2]
+
+
+def time_unit_gathers(model: nn.Module, stages: Sequence[str], *, repeats: int = 5
+                      ) -> list[float]:
+    """Median seconds to gather each stage's FSDP2 units again once resharded, as the
+    unit's pre-backward hook does after a plan resharded it following a rebuild
+    (``FSDPModule.unshard()``: the copy into the flat buffer, the all-gather and the copy
+    out; 0 for a stage without units). ``model`` must be sharded and have run a step;
+    every rank must call it together."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    seconds = []
+    for name in stages:
+        units = [m for m in model.get_submodule(name).modules() if isinstance(m, FSDPModule)]
+        if not units:
+            seconds.append(0.0)
+            continue
+        times = []
+        for _ in range(repeats + 1):
+            for unit in units:
+                unit.reshard()
+            dist.barrier()
+            began = time.perf_counter()
+            for unit in units:
+                unit.unshard()
+            times.append(time.perf_counter() - began)
+        for unit in units:
+            unit.reshard()  # as a step leaves it
+        times = sorted(times[1:])
+        seconds.append(times[len(times) // 2])
+    return seconds
 
 
 def allocated_bytes(fn: Callable[[], Any], *, cuda: bool = False) -> tuple[Any, int]:

@@ -20,7 +20,7 @@ from remat.distributed import RankInfo
 from .measure import MemoryMeasure
 from .runners import EagerRunner, Factory, Runner
 
-__all__ = ["Ranks", "rank_problem", "rank_zeros", "unit_gather_seconds"]
+__all__ = ["Ranks", "rank_problem", "rank_zeros"]
 
 A = TypeVar("A", bound=JsonArtifact)
 
@@ -95,7 +95,7 @@ def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: st
 
     from remat.core.planner import to_problem
     from remat.core.transforms import per_rank_problem, with_times_of
-    from remat.distributed import profile_as_run
+    from remat.distributed import profile_as_run, time_unit_gathers
 
     model, batch, loss_fn = factory(None)
     runner = ranks.runner(model, batch, loss_fn, optimizer, None)
@@ -108,29 +108,19 @@ def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: st
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # one budget, so one plan, on every rank
     peak = int(largest.item())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    gathers = unit_gather_seconds(problem) if ranks.strategy == "fsdp" else 0.0
-    sharded = per_rank_problem(problem, world_size=ranks.info.world_size,
-                               strategy=ranks.strategy, replicated_bytes=buffers,
-                               backend=dist.get_backend(), gather_s=gathers)
     del model, runner
     model, batch, loss_fn = factory(None)
     timed = to_problem(profile_as_run(model, batch, loss_fn, wrap=ranks.strategy,
                                       stages=ranks.stages, optimizer=optimizer,
                                       repeats=repeats))
     timed = rank_zeros(timed)  # one set of times, so one plan
+    gathers: list[float] | float = 0.0
+    if ranks.strategy == "fsdp":  # what resharding a unit after a rebuild pays again
+        shared: list[Any] = [time_unit_gathers(model, ranks.stages)]
+        dist.broadcast_object_list(shared, src=0)
+        gathers = shared[0]
+    sharded = per_rank_problem(problem, world_size=ranks.info.world_size,
+                               strategy=ranks.strategy, replicated_bytes=buffers,
+                               backend=dist.get_backend(), gather_s=gathers)
     return replace(with_times_of(sharded, timed), measured_no_checkpoint_peak_bytes=peak)
 
-
-def unit_gather_seconds(problem: Problem) -> list[float]:
-    """Each stage's one all-gather of its unit (its parameters, ``grad_bytes`` as
-    :func:`~remat.core.transforms.per_rank_problem` takes them), timed on every rank and
-    rank 0's kept: what a plan that reshards units after rebuilds pays per reshard (Note
-    [Keep or reshard after a rebuild] in remat/core/solve/solvers.py)."""
-    import torch.distributed as dist
-
-    from remat.distributed import time_all_gather
-
-    sizes = sorted({s.grad_bytes for s in problem.stages if s.grad_bytes})
-    timed: list[Any] = [{n: time_all_gather(n) for n in sizes}]  # the same calls on every rank
-    dist.broadcast_object_list(timed, src=0)
-    return [timed[0].get(s.grad_bytes, 0.0) for s in problem.stages]

@@ -66,8 +66,8 @@ def add_parser(sub: Any, name: str) -> None:
         metavar="STRATEGY=N",
         help=(
             "plan one rank of a data-parallel job on paper: fsdp=N (parameters, gradients "
-            "and optimizer state sharded over N ranks) or ddp=N; no collective times "
-            "(docs/distributed.md)"
+            "and optimizer state sharded over N ranks) or ddp=N; with --device, FSDP's "
+            "all-gathers priced on its link, no other collective times (docs/distributed.md)"
         ),
     )
     p.add_argument(

@@ -156,15 +156,17 @@ def _has_units(problem: Problem) -> bool:
     return any(s.unit_bytes for s in problem.stages)
 
 
-def _least_plan(problem: Problem) -> tuple[int, list[tuple[int, int]], list[Option], bool]:
-    """The tables' smallest-peak plan: (peak, regions, options, reshard_after_rebuild)."""
+def _least_plan(problem: Problem, ways: tuple[bool, ...] = (False, True)
+                ) -> tuple[int, list[tuple[int, int]], list[Option], bool]:
+    """The tables' smallest-peak plan: (peak, regions, options, reshard_after_rebuild),
+    units kept or resharded after rebuilds as ``ways`` allows, whichever peaks lower."""
     least, regions, options = min_peak_plan(problem)
     if any(s.reads or s.link_saved_bytes or s.unit_bytes for s in problem.stages) or (
             problem.root_unit_bytes):
         # what the tables do not count (reads, links, FSDP2 units): the simulator does
         peaks = {reshard: simulate(_as_plan(problem, (regions, options), reshard),
                                    problem).peak_bytes
-                 for reshard in ((False, True) if _has_units(problem) else (False,))}
+                 for reshard in (ways if _has_units(problem) else (False,))}
         reshard = min(peaks, key=lambda r: (peaks[r], r))  # keep when both are as low
         return max(least, peaks[reshard]), regions, options, reshard
     return least, regions, options, False
@@ -238,7 +240,8 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
     return None
 
 
-def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
+def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
+            reshard_after_rebuild: bool | None = None) -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
 
     Memory is divided into ``problem.slots`` slots; ``path`` is ``numba`` (compiled,
@@ -257,6 +260,7 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
     simulator.py): less memory for one more all-gather per resharded unit. The solver
     finds the fastest plan that fits both ways and keeps the faster (keep when equal:
     fewer collectives); the plan says which (``Plan.reshard_after_rebuild``).
+    ``reshard_after_rebuild=True`` or ``False`` solves one way only.
     """
     t0 = time.perf_counter()
     limit = _budget(budget, problem)
@@ -274,13 +278,19 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto") -> Plan:
         tables = fill(dp.Model(problem, slot, spare), m)
         return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
 
+    if reshard_after_rebuild is not None and not isinstance(reshard_after_rebuild, bool):
+        raise UsageError(f"reshard_after_rebuild={reshard_after_rebuild!r} is not a bool; "
+                         "give True, False or None (choose)")
+    ways = (False, True) if _has_units(problem) else (False,)
+    if reshard_after_rebuild is not None:
+        ways = (reshard_after_rebuild,)
     best: tuple[float, bool, Found] | None = None
-    for reshard in (False, True) if _has_units(problem) else (False,):
+    for reshard in ways:
         got = _fastest_fitting(problem, limit, tables_plan, reshard)
         if got is not None and (best is None or got[0] < best[0]):
             best = (got[0], reshard, got[1])
     if best is None:
-        least, regions, options, reshard = _least_plan(problem)
+        least, regions, options, reshard = _least_plan(problem, ways)
         if limit < least:
             fixed = problem.backward_base_bytes
             raise CheckFailed(
