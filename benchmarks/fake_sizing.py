@@ -82,6 +82,8 @@ def main() -> None:
         regions = len((plan or {}).get("regions") or [])
         what = (f"{regions} regions; " + ", ".join(f"{k} x{n}" for k, n in options.items())
                 if plan else "-")
+        if plan and plan.get("reshard_after_rebuild"):
+            what += "; units resharded after rebuilds"
         where = "one device" if fsdp is None else f"one rank of FSDP over {fsdp}"
         if optimizer == "adamw-fused":
             where += ", fused AdamW"
