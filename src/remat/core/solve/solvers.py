@@ -210,6 +210,7 @@ def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
     m = avail // slot
     return slot, m, avail - m * slot
 _TIGHTEN_ROUNDS = 4
+_BISECT_ROUNDS = 6
 
 
 def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None],
@@ -223,10 +224,17 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
     skip tensor, a position bias passed on): that depends on where the region opens
     relative to where each tensor was made, a pair the recursion does not carry. The
     simulator counts it, so a table plan can overshoot by it; filling the tables again
-    under the budget less the overshoot finds one that fits, possibly not the fastest.
-    Chains without such reads (most transformer stacks) fit on the first fill. FSDP2's
-    gathered units are counted the same way (Note [FSDP2 units] in simulator.py).
+    under the budget less the overshoot finds one that fits, possibly not the fastest:
+    the limits between that one and the budget are then bisected (a few fills more) for
+    the fastest plan that still fits. Chains without such reads (most transformer stacks)
+    fit on the first fill. FSDP2's gathered units are counted the same way (Note [FSDP2
+    units] in simulator.py).
     """
+    def fits(found: Found) -> float | None:
+        """The plan's step time where it fits ``limit``, else None."""
+        sim = simulate(_as_plan(problem, found, reshard_after_rebuild), problem)
+        return sim.step_time_s if sim.peak_bytes <= limit else None
+
     dp_limit = limit
     for _ in range(_TIGHTEN_ROUNDS):
         found = solve_at(dp_limit)
@@ -235,9 +243,30 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
         plan = _as_plan(problem, found, reshard_after_rebuild)
         over = simulate(plan, problem).peak_bytes - limit
         if over <= 0:
-            return found
+            break
         dp_limit -= over
-    return None
+    else:
+        return None
+    if dp_limit == limit:
+        return found
+    # The overshoot was taken off whole; a table limit between the one that fits and the
+    # budget can hold a faster plan that still fits: bisect for it, keeping the fastest.
+    best_s, lo, hi = fits(found), dp_limit, limit
+    assert best_s is not None
+    slot = max(1, -(-(limit - problem.backward_base_bytes) // problem.slots))
+    for _ in range(_BISECT_ROUNDS):
+        if hi - lo <= slot:
+            break
+        mid = (lo + hi) // 2
+        candidate = solve_at(mid)
+        t = None if candidate is None else fits(candidate)
+        if t is None:
+            hi = mid
+            continue
+        lo = mid
+        if t < best_s:
+            found, best_s = candidate, t
+    return found
 
 
 def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
