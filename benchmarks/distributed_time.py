@@ -17,7 +17,8 @@ every run. Writes ``benchmarks/distributed_time.md``.
 
 Run from the repository root::
 
-    PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py [--runs 3] [--models gpt llama]
+    PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py [--runs 3] [--rounds 10] \
+        [--profile-repeats 2] [--models gpt llama]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ OVERHEAD_POINTS = 10.0
 WRAPS = {"fsdp blocks": False, "fsdp stages": True}
 
 
-def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
+def _rank(rank: int, path: str, out: str, model_name: str, rounds: int, repeats: int) -> None:
     import torch.distributed as dist
 
     import remat
@@ -82,11 +83,11 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
     try:
         model, batch, loss_fn = build()
         base = rank_zeros(to_problem(remat.profile(model, batch, loss_fn, stages=stages,
-                                                   repeats=2)))
+                                                   repeats=repeats)))
         problem = per_rank_problem(base, world_size=WORLD, strategy="fsdp")
         model, batch, loss_fn = build()
         timed = rank_zeros(to_problem(rd.profile_as_run(model, batch, loss_fn, wrap="fsdp",
-                                                        stages=stages, repeats=2)))
+                                                        stages=stages, repeats=repeats)))
         problem = with_times_of(problem, timed)
         rows: dict[tuple[str, str], Plan | None] = {}
         for wrap, grouped in WRAPS.items():
@@ -101,8 +102,11 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
             remat.apply(m, plan)
             runners[key] = (m, b, lf, make_optimizer(m, "adamw"))
         times: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
-        for _ in range(rounds + 1):  # the first round warms up
-            for key, (m, b, lf, opt) in runners.items():
+        order = list(runners)
+        for r in range(rounds + 1):  # the first round warms up
+            # each round starts one runner later: no plan always runs right after another
+            for key in order[r % len(order):] + order[:r % len(order)]:
+                m, b, lf, opt = runners[key]
                 dist.barrier()
                 t0 = time.perf_counter()
                 lf(m, b).backward()
@@ -120,11 +124,11 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
-def measure(model_name: str, rounds: int) -> list[dict[str, Any]]:
+def measure(model_name: str, rounds: int, repeats: int) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), tmp, model_name, rounds),
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), tmp, model_name, rounds, repeats),
                  nprocs=WORLD)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
@@ -133,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--profile-repeats", type=int, default=2,
+                        help="timed rounds of each profile (remat bench's --repeats)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default=str(Path(__file__).with_name("distributed_time.md")))
     args = parser.parse_args()
@@ -144,7 +150,7 @@ def main() -> None:
     missed = total = 0
     for model_name in args.models:
         for run in range(1, args.runs + 1):
-            ranks = measure(model_name, args.rounds)
+            ranks = measure(model_name, args.rounds, args.profile_repeats)
             predicted = ranks[0]["predicted"]
             for key, step in predicted.items():
                 base = ("fsdp blocks", "none")
@@ -180,7 +186,9 @@ def _write(args: argparse.Namespace, rows: list[str], missed: int, total: int,
         command_line(COMMAND, began) +
         f"torch {torch.__version__}, gloo, {WORLD} processes, one torch thread each, on a "
         f"2-core CPU shared with other jobs). Models: {models}; AdamW. Each run is one fresh "
-        f"{WORLD}-process job; {args.rounds} interleaved rounds after one warm-up; glibc keeps "
+        f"{WORLD}-process job; profiles with {args.profile_repeats} timed rounds; "
+        f"{args.rounds} interleaved rounds after one warm-up, each starting one plan later "
+        "than the one before; glibc keeps "
         "freed memory in each rank (`--malloc keep`, as `remat bench` runs).",
         "",
         "Predicted: the simulator's step on the per-rank problem whose times are rank 0's "
