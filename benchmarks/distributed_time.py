@@ -29,8 +29,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -58,12 +59,13 @@ OVERHEAD_POINTS = 10.0
 WRAPS = {"fsdp blocks": False, "fsdp stages": True}
 
 
-def _rank(rank: int, path: str, out: str, model_name: str, rounds: int, repeats: int) -> None:
+def start_rank(rank: int, path: str, model_name: str
+               ) -> tuple[Callable[[], tuple[Any, Any, Any]], tuple[str, ...]]:
+    """Join the gloo group as ``rank``, set up as ``remat bench`` runs a rank; a builder of
+    the model, this rank's batch and the loss (same seed every call), and the stages."""
     import torch.distributed as dist
 
-    import remat
     from remat.measure.malloc import set_malloc
-    from remat.measure.step import make_optimizer
     from remat.models import load_model
 
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -80,6 +82,16 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int, repeats:
         model, batch, loss_fn = load_model(spec, **options)
         return model, rd.shard_batch(batch, rank, WORLD), loss_fn
 
+    return build, stages
+
+
+def _rank(rank: int, path: str, out: str, model_name: str, rounds: int, repeats: int) -> None:
+    import torch.distributed as dist
+
+    import remat
+    from remat.measure.step import make_optimizer
+
+    build, stages = start_rank(rank, path, model_name)
     try:
         model, batch, loss_fn = build()
         base = rank_zeros(to_problem(remat.profile(model, batch, loss_fn, stages=stages,
@@ -101,36 +113,54 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int, repeats:
             rd.shard_stages(m, stages, plan if WRAPS[key[0]] else None)
             remat.apply(m, plan)
             runners[key] = (m, b, lf, make_optimizer(m, "adamw"))
-        times: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
-        order = list(runners)
-        for r in range(rounds + 1):  # the first round warms up
-            # each round starts one runner later: no plan always runs right after another
-            for key in order[r % len(order):] + order[:r % len(order)]:
-                m, b, lf, opt = runners[key]
-                dist.barrier()
-                t0 = time.perf_counter()
-                lf(m, b).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                times[key].append(time.perf_counter() - t0)
+        times = interleaved_steps(runners, rounds)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     result = {
         "predicted": {k: simulate(p, problem).step_time_s for k, p in rows.items() if p},
-        "times": {k: v[1:] for k, v in times.items()},
+        "times": times,
         "plans": {k: _regions(p) for k, p in rows.items() if p},
     }
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
-def measure(model_name: str, rounds: int, repeats: int) -> list[dict[str, Any]]:
+K = TypeVar("K")
+
+
+def interleaved_steps(runners: dict[K, tuple[Any, Any, Any, Any]], rounds: int
+                      ) -> dict[K, list[float]]:
+    """Each runner's (model, batch, loss_fn, optimizer) training step timed in ``rounds``
+    interleaved rounds after one warm-up round, every rank in step (a barrier before each);
+    each round starts one runner later, so no runner always follows the same other."""
+    import torch.distributed as dist
+
+    times: dict[K, list[float]] = {key: [] for key in runners}
+    order = list(runners)
+    for r in range(rounds + 1):
+        for key in order[r % len(order):] + order[:r % len(order)]:
+            m, b, lf, opt = runners[key]
+            dist.barrier()
+            t0 = time.perf_counter()
+            lf(m, b).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times[key].append(time.perf_counter() - t0)
+    return {key: t[1:] for key, t in times.items()}
+
+
+def spawn(fn: Any, *args: Any) -> list[dict[str, Any]]:
+    """``fn(rank, store path, out dir, *args)`` on each of WORLD fresh processes; each
+    rank's ``rank{r}.pt``."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), tmp, model_name, rounds, repeats),
-                 nprocs=WORLD)
+        mp.spawn(fn, args=(os.path.join(tmp, "store"), tmp, *args), nprocs=WORLD)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def measure(model_name: str, rounds: int, repeats: int) -> list[dict[str, Any]]:
+    return spawn(_rank, model_name, rounds, repeats)
 
 
 def main() -> None:

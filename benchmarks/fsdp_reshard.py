@@ -27,7 +27,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from remat.core.transforms import per_rank_problem, with_times_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_peaks import MODELS, WORLD, command_line, models_text
+from distributed_time import interleaved_steps, spawn, start_rank
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/fsdp_reshard.py"
 REGIONS = {
@@ -115,20 +115,9 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import remat
-    from remat.measure.malloc import set_malloc
     from remat.measure.step import make_optimizer
-    from remat.models import load_model
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    set_malloc("keep")  # as remat bench runs each rank
-    spec, options, stages = MODELS[model_name]
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
-
-    def build() -> tuple[Any, Any, Any]:
-        torch.manual_seed(0)
-        model, batch, loss_fn = load_model(spec, **options)
-        return model, rd.shard_batch(batch, rank, WORLD), loss_fn
+    build, stages = start_rank(rank, path, model_name)
 
     def wrapped(plan: Plan) -> tuple[Any, Any, Any, Any]:
         model, batch, loss_fn = build()
@@ -165,16 +154,7 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
                 loss.backward()
             opt.zero_grad(set_to_none=True)
             counts[key] = backward.calls
-        runners = {key: wrapped(plan) for key, plan in plans.items()}
-        times: dict[str, list[float]] = {key: [] for key in runners}
-        for _ in range(rounds + 1):  # the first round warms up
-            for key, (m, b, lf, opt) in runners.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                lf(m, b).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                times[key].append(time.perf_counter() - t0)
+        times = interleaved_steps({key: wrapped(plan) for key, plan in plans.items()}, rounds)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -184,7 +164,7 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
         "predicted_s": {k: s.step_time_s for k, s in sims.items()},
         "peak": peaks,
         "gathers": counts,
-        "times": {k: v[1:] for k, v in times.items()},
+        "times": times,
         "gather_ms": [1e3 * g for g in gathers],
         "bare_ms": [1e3 * g for g in bare],
         "sweep": note,
@@ -194,12 +174,7 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
 
 
 def measure(model_name: str, rounds: int) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), tmp, model_name, rounds),
-                 nprocs=WORLD)
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn(_rank, model_name, rounds)
 
 
 def _plan_text(plan: Plan) -> str:
@@ -278,7 +253,8 @@ def _write(args: argparse.Namespace, rows: list[str], costs: list[str], notes: l
         f"torch {torch.__version__}, gloo, {WORLD} processes, one torch thread each, on a "
         f"2-core CPU shared with other jobs). Models: {models_text(args.models)}; AdamW; "
         f"`fully_shard` on every block, then the root. Each run is one fresh {WORLD}-process "
-        f"job; {args.rounds} interleaved rounds after one warm-up; glibc keeps freed memory "
+        f"job; {args.rounds} interleaved rounds after one warm-up, each starting one plan later "
+        "than the one before; glibc keeps freed memory "
         "in each rank.",
         "",
         "Predicted: the simulator on the per-rank problem (memory from rank 0's profile of "
