@@ -467,11 +467,11 @@ class _Walker:
             self.event(label, u)  # the copy-out next to the flat buffer it replaces
         self.unsharded[j] = True
 
-    def rebuilt_unit(self, j: int, region: Region, label: str, *, reshard: bool = True) -> None:
+    def rebuilt_unit(self, j: int, region: Region, label: str) -> None:
         """Unit j is called in ``region``'s rebuild: gathered for it and, under
         ``reshard_after_rebuild``, resharded after it unless its backward is next."""
         self.unshard(j, label)
-        if not (reshard and self.reshard_after_rebuild) or j == region.stop - 1:
+        if not self.reshard_after_rebuild or j == region.stop - 1:
             return
         if self.unsharded.pop(j, None) is not None:
             self.live -= self.u[j]
