@@ -224,11 +224,11 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
     skip tensor, a position bias passed on): that depends on where the region opens
     relative to where each tensor was made, a pair the recursion does not carry. The
     simulator counts it, so a table plan can overshoot by it; filling the tables again
-    under the budget less the overshoot finds one that fits, possibly not the fastest:
-    the limits between that one and the budget are then bisected (a few fills more) for
-    the fastest plan that still fits. Chains without such reads (most transformer stacks)
-    fit on the first fill. FSDP2's gathered units are counted the same way (Note [FSDP2
-    units] in simulator.py).
+    under the budget less the overshoot (doubled each time the fill overshoots again)
+    finds one that fits, possibly not the fastest: the limits between that one and the
+    budget are then bisected (a few fills more) for the fastest plan that still fits.
+    Chains without such reads (most transformer stacks) fit on the first fill. FSDP2's
+    gathered units are counted the same way (Note [FSDP2 units] in simulator.py).
     """
     def fits(found: Found) -> float | None:
         """The plan's step time where it fits ``limit``, else None."""
@@ -236,7 +236,7 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
         return sim.step_time_s if sim.peak_bytes <= limit else None
 
     dp_limit = limit
-    for _ in range(_TIGHTEN_ROUNDS):
+    for r in range(_TIGHTEN_ROUNDS):
         found = solve_at(dp_limit)
         if found is None:
             return None
@@ -244,7 +244,7 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
         over = simulate(plan, problem).peak_bytes - limit
         if over <= 0:
             break
-        dp_limit -= over
+        dp_limit -= over << r  # doubling: a small overshoot can hold the same plan again
     else:
         return None
     if dp_limit == limit:
