@@ -209,8 +209,8 @@ def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
     slot = max(1, -(-avail // problem.slots))
     m = avail // slot
     return slot, m, avail - m * slot
-_TIGHTEN_ROUNDS = 4
-_BISECT_ROUNDS = 6
+_TIGHTEN_ROUNDS = 12
+_BISECT_ROUNDS = 10
 
 
 def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None],
@@ -225,48 +225,52 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
     relative to where each tensor was made, a pair the recursion does not carry. The
     simulator counts it, so a table plan can overshoot by it; filling the tables again
     under the budget less the overshoot (doubled each time the fill overshoots again)
-    finds one that fits, possibly not the fastest: the limits between that one and the
-    budget are then bisected (a few fills more) for the fastest plan that still fits.
+    finds one that fits, or a limit with no plan at all: the limits between there and the
+    budget are then bisected (a few fills more) for the fastest plan that fits.
     Chains without such reads (most transformer stacks) fit on the first fill. FSDP2's
     gathered units are counted the same way (Note [FSDP2 units] in simulator.py).
     """
-    def fits(found: Found) -> float | None:
-        """The plan's step time where it fits ``limit``, else None."""
-        sim = simulate(_as_plan(problem, found, reshard_after_rebuild), problem)
-        return sim.step_time_s if sim.peak_bytes <= limit else None
-
-    dp_limit = limit
-    for r in range(_TIGHTEN_ROUNDS):
+    def attempt(dp_limit: int) -> tuple[Found | None, int, float]:
+        """The tables' plan at ``dp_limit``, its simulated peak and step time."""
         found = solve_at(dp_limit)
         if found is None:
-            return None
-        plan = _as_plan(problem, found, reshard_after_rebuild)
-        over = simulate(plan, problem).peak_bytes - limit
-        if over <= 0:
+            return None, 0, math.inf
+        sim = simulate(_as_plan(problem, found, reshard_after_rebuild), problem)
+        return found, sim.peak_bytes, sim.step_time_s
+
+    found, peak, _ = attempt(limit)
+    if found is None or peak <= limit:
+        return found
+    # Tighten: the overshoot off the table limit, doubled each time a fill overshoots
+    # again (a small overshoot can hold the same plan many times), until a plan fits or
+    # the tables have none.
+    best: tuple[float, Found] | None = None
+    dp_limit = limit
+    for r in range(_TIGHTEN_ROUNDS):
+        dp_limit -= (peak - limit) << r
+        found, peak, t = attempt(dp_limit)
+        if found is None or peak <= limit:
+            if found is not None:
+                best = (t, found)
             break
-        dp_limit -= over << r  # doubling: a small overshoot can hold the same plan again
     else:
         return None
-    if dp_limit == limit:
-        return found
-    # The overshoot was taken off whole; a table limit between the one that fits and the
-    # budget can hold a faster plan that still fits: bisect for it, keeping the fastest.
-    best_s, lo, hi = fits(found), dp_limit, limit
-    assert best_s is not None
+    # Then bisect the table limits between there (a fit, or no plan) and the budget (an
+    # overshoot) for the fastest plan that fits.
+    lo, hi = dp_limit, limit
     slot = max(1, -(-(limit - problem.backward_base_bytes) // problem.slots))
     for _ in range(_BISECT_ROUNDS):
         if hi - lo <= slot:
             break
         mid = (lo + hi) // 2
-        candidate = solve_at(mid)
-        t = None if candidate is None else fits(candidate)
-        if t is None:
+        found, peak, t = attempt(mid)
+        if found is not None and peak > limit:
             hi = mid
             continue
         lo = mid
-        if t < best_s:
-            found, best_s = candidate, t
-    return found
+        if found is not None and (best is None or t < best[0]):
+            best = (t, found)
+    return None if best is None else best[1]
 
 
 def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
