@@ -149,6 +149,11 @@ def interleaved_steps(runners: dict[K, tuple[Any, Any, Any, Any]], rounds: int
     return {key: t[1:] for key, t in times.items()}
 
 
+def paired_overhead(times: list[float], base: list[float]) -> float:
+    """The median over rounds of a step's ratio to the step without a plan, in percent."""
+    return 100 * statistics.median([t / n - 1 for t, n in zip(times, base, strict=True)])
+
+
 def spawn(fn: Any, *args: Any) -> list[dict[str, Any]]:
     """``fn(rank, store path, out dir, *args)`` on each of WORLD fresh processes; each
     rank's ``rank{r}.pt``."""
@@ -186,9 +191,7 @@ def main() -> None:
                 base = ("fsdp blocks", "none")
                 pred_ovh = 100 * (step / predicted[base] - 1)
                 medians = [statistics.median(r["times"][key]) for r in ranks]
-                ovh = [100 * statistics.median(
-                    [t / n - 1 for t, n in zip(r["times"][key], r["times"][base], strict=True)])
-                    for r in ranks]
+                ovh = [paired_overhead(r["times"][key], r["times"][base]) for r in ranks]
                 errors = [m / step - 1 for m in medians]
                 gaps = [o - pred_ovh for o in ovh]
                 met = (all(abs(e) <= STEP_TOLERANCE for e in errors)

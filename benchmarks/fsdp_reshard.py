@@ -44,7 +44,7 @@ from remat.core.transforms import per_rank_problem, with_times_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_peaks import MODELS, WORLD, command_line, models_text
-from distributed_time import interleaved_steps, spawn, start_rank
+from distributed_time import interleaved_steps, paired_overhead, spawn, start_rank
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/fsdp_reshard.py"
 REGIONS = {
@@ -220,9 +220,7 @@ def main() -> None:
                 base = r0["predicted_s"]["none"]
                 measured = [r["peak"][key] for r in ranks]
                 medians = [statistics.median(r["times"][key]) for r in ranks]
-                ovh = [100 * statistics.median(
-                    [t / n - 1 for t, n in zip(r["times"][key], r["times"]["none"], strict=True)])
-                    for r in ranks]
+                ovh = [paired_overhead(r["times"][key], r["times"]["none"]) for r in ranks]
                 label = key if not key.startswith("optimal") else f"{key}: {r0['plans'][key]}"
                 rows.append(
                     f"| {model_name} | {run} | {label} | {peak:,} | "

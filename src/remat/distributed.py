@@ -383,11 +383,12 @@ def time_unit_gathers(model: nn.Module, stages: Sequence[str], *, repeats: int =
     out; 0 for a stage without units). ``model`` must be sharded and have run a step;
     every rank must call it together."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
+
+    from remat.runtime.fsdp_units import units_in
 
     seconds = []
     for name in stages:
-        units = [m for m in model.get_submodule(name).modules() if isinstance(m, FSDPModule)]
+        units: list[Any] = units_in(model.get_submodule(name))
         if not units:
             seconds.append(0.0)
             continue

@@ -123,4 +123,3 @@ def rank_problem(problem: Problem, ranks: Ranks, factory: Factory, optimizer: st
                                strategy=ranks.strategy, replicated_bytes=buffers,
                                backend=dist.get_backend(), gather_s=gathers)
     return replace(with_times_of(sharded, timed), measured_no_checkpoint_peak_bytes=peak)
-

@@ -124,9 +124,8 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     budget = _bytes_budget(args.budget)
     scaled = _scaled(args, source)
     target = fake_device(args)
-    link = None if target is None else target.link_bytes_per_s
     transform = None if world is None else (
-        lambda pr: _per_rank(pr, scaled, world[0], world[1], link))
+        lambda pr: _per_rank(pr, scaled, world[0], world[1], target))
     where = "" if world is None else f" on one rank of {world[0]} over {world[1]}"
     table = Table(title=f"largest micro-batch within {format_bytes(budget)}{where}")
     timed = scaled.times_estimated  # else the times are the fake run's dispatch
@@ -208,11 +207,11 @@ def _world(text: str | None) -> tuple[str, int] | None:
 
 
 def _per_rank(problem: Any, source: Any, strategy: str, world_size: int,
-              link_bytes_per_s: float | None = None) -> Any:
+              target: Any = None) -> Any:
     """The problem of one rank (:func:`remat.core.transforms.per_rank_problem`), budgets as
-    fractions taken of that rank's step without checkpointing. With the device's link
-    bandwidth, FSDP's all-gathers are priced on it (what a plan resharding units after
-    rebuilds pays again); without, collectives take no time."""
+    fractions taken of that rank's step without checkpointing. With a ``target`` device
+    that has a link bandwidth, FSDP's all-gathers are priced on it (what a plan resharding
+    units after rebuilds pays again); without, collectives take no time."""
     from dataclasses import replace
 
     from remat.core.collectives import collective_seconds
@@ -223,13 +222,19 @@ def _per_rank(problem: Any, source: Any, strategy: str, world_size: int,
 
     buffers = source.fixed.buffers_bytes if isinstance(source, Profile) else 0
     gathers = [0.0] * problem.n
-    if link_bytes_per_s is not None and strategy == "fsdp":
-        gathers = [collective_seconds([("all_gather_into_tensor", s.grad_bytes)], link_bytes_per_s,
+    link = _link(target, strategy)
+    if link is not None:
+        gathers = [collective_seconds([("all_gather_into_tensor", s.grad_bytes)], link,
                                       world_size) for s in problem.stages]
     ranked = per_rank_problem(problem, world_size=world_size, strategy=strategy,
                               replicated_bytes=buffers, backend="nccl", gather_s=gathers)
     base = simulate(Plan(stages=ranked.stage_names), ranked).peak_bytes
     return replace(ranked, measured_no_checkpoint_peak_bytes=base)
+
+
+def _link(target: Any, strategy: str) -> float | None:
+    """The link bandwidth FSDP's all-gathers are priced on: the target device's, if any."""
+    return None if target is None or strategy != "fsdp" else target.link_bytes_per_s
 
 
 def _solver_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -315,10 +320,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(text)
     problem = to_problem(source, slots=args.slots)
     if world is not None:
-        link = None if target is None else target.link_bytes_per_s
-        problem = _per_rank(problem, source, world[0], world[1], link)
+        problem = _per_rank(problem, source, world[0], world[1], target)
         timed = ("all-gathers priced on the device's link, other collectives take no time"
-                 if link is not None and world[0] == "fsdp" else "no collective times")
+                 if _link(target, world[0]) is not None else "no collective times")
         console.print(f"one rank of {world[0]} over {world[1]} ranks, on paper: parameters, "
                       f"gradients and optimizer state as that rank holds them; {timed}")
     result = make_plan(problem, args.budget, args.solver, **params)

@@ -27,7 +27,7 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.plan_format import Region
 
-__all__ = ["check_fsdp_units", "reshard_units"]
+__all__ = ["check_fsdp_units", "reshard_units", "units_in"]
 
 
 def _unit_type() -> type[nn.Module] | None:
@@ -36,12 +36,17 @@ def _unit_type() -> type[nn.Module] | None:
     return unit_type
 
 
-def reshard_units(stage: nn.Module) -> int:
-    """Reshard the FSDP2 units in ``stage`` (the stage itself, or its children); how many."""
+def units_in(stage: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units in ``stage``: the stage itself, or its children."""
     unit_type = _unit_type()
     if unit_type is None:
-        return 0
-    units = [m for m in stage.modules() if isinstance(m, unit_type)]
+        return []
+    return [m for m in stage.modules() if isinstance(m, unit_type)]
+
+
+def reshard_units(stage: nn.Module) -> int:
+    """Reshard the FSDP2 units in ``stage`` (:func:`units_in`); how many."""
+    units = units_in(stage)
     for unit in units:
         unit.reshard()  # type: ignore[operator]  # FSDPModule's public method
     return len(units)

@@ -467,10 +467,9 @@ class _Walker:
             self.event(label, u)  # the copy-out next to the flat buffer it replaces
         self.unsharded[j] = True
 
-    def rebuilt_unit(self, j: int, region: Region, label: str) -> None:
-        """Unit j is called in ``region``'s rebuild: gathered for it and, under
-        ``reshard_after_rebuild``, resharded after it unless its backward is next."""
-        self.unshard(j, label)
+    def after_rebuild_call(self, j: int, region: Region) -> None:
+        """Unit j was called in ``region``'s rebuild: under ``reshard_after_rebuild`` it
+        is resharded now, unless its backward is next."""
         if not self.reshard_after_rebuild or j == region.stop - 1:
             return
         if self.unsharded.pop(j, None) is not None:
@@ -656,12 +655,11 @@ class _Walker:
         for item in items[:run]:
             if item.region is None:
                 self.rebuild_s += stages[item.start].rebuild_s
-                label = f"all-gather {names[item.start]} {for_region}"
                 if self.fsdp:
-                    self.unshard(item.start, label)
+                    self.unshard(item.start, f"all-gather {names[item.start]} {for_region}")
                 self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
                 if self.fsdp:
-                    self.rebuilt_unit(item.start, region, label)
+                    self.after_rebuild_call(item.start, region)
             else:
                 self.open_region(item.region)
                 where = f"(for {region}, in {item.region}, not saved)"
@@ -671,15 +669,15 @@ class _Walker:
                         self.unshard(i, f"all-gather {names[i]} {where}")
                     self.not_saved(i, f"rebuild {names[i]} {where}")
                     if self.fsdp:
-                        self.rebuilt_unit(i, region, f"all-gather {names[i]} {where}")
+                        self.after_rebuild_call(i, region)
             cur = item.stop
         for k in range(run, len(items)):
             item = items[k]
             if k == opener and self.fsdp:
                 # FSDP's pre-forward gathers the stage before its frame opens and stops the
                 # rebuild (Note [Resharding after a rebuild])
-                self.rebuilt_unit(item.start, region,
-                                  f"all-gather {names[item.start]} (opens {for_region})")
+                self.unshard(item.start, f"all-gather {names[item.start]} (opens {for_region})")
+                self.after_rebuild_call(item.start, region)
             if k == opener and item.region is not None:
                 self.open_region(item.region)
             elif k == opener:  # a selective stage: hands over its input, caches nothing

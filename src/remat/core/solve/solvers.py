@@ -258,7 +258,8 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
     # Then bisect the table limits between there (a fit, or no plan) and the budget (an
     # overshoot) for the fastest plan that fits.
     lo, hi = dp_limit, limit
-    slot = max(1, -(-(limit - problem.backward_base_bytes) // problem.slots))
+    slots = _slots(problem, limit)
+    slot = 1 if slots is None else slots[0]
     for _ in range(_BISECT_ROUNDS):
         if hi - lo <= slot:
             break
