@@ -221,6 +221,15 @@ def test_a_bad_option_still_writes_the_json(
                      "message": "--threads 0 is below 1; give 1 or more"}
 
 
+def test_auto_refuses_a_profile_of_no_rounds_before_any_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "auto.json"
+    assert main(["auto", "--profile-repeats", "0", "--json", str(out)]) == 2
+    assert "profile_repeats=0 is invalid" in _err(capsys)
+    assert json.loads(out.read_text())["error"]["stage"] == "checking the options"
+
+
 def test_auto_threads_sets_torch_threads_for_the_run_and_restores_them(
     capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -60,7 +60,7 @@ from .factory import compiling, describe, failure, make_factory, torch_threads, 
 from .findings import PEAK_TOLERANCE
 from .grads import check_plan
 from .measure import by_tracker, interleaved, paired, time_stats
-from .ranks import Ranks, rank_problem, rank_zeros
+from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
 from .runners import EagerRunner, Runner
 
 __all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
@@ -527,7 +527,7 @@ def auto(
     repeats: int = 6,
     warmup: int = 1,
     verify_steps: int = 2,
-    profile_repeats: int = 2,
+    profile_repeats: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     malloc: str = "keep",
     threads: int | None = None,
@@ -548,9 +548,12 @@ def auto(
     ``compile``: every model built has its stages compiled (:func:`remat.compile_stages`);
     the profile, the plan, the check and the measurements are of the compiled program,
     and the overhead is against the compiled model without checkpointing.
+    ``profile_repeats``: timed rounds of each profile; by default 2, and 8 with
+    ``distributed`` (Note [Profile rounds per rank] in :mod:`.ranks`).
     """
 
     whole(repeats, "repeats", 1)
+    profile_repeats = profile_rounds(profile_repeats, distributed, 2)
     whole(warmup, "warmup", 0)
     whole(verify_steps, "verify_steps", 1)
     if threads is not None:
@@ -595,7 +598,6 @@ def _auto(
     if distributed is not None:
         from remat.distributed import init_from_env
 
-
         ranks = Ranks(distributed, init_from_env())
         factory = ranks.shard(factory)
 
@@ -606,6 +608,7 @@ def _auto(
     with step("loading the model"):
         net, batch, loss_fn = factory(None)
     first_step(net, batch, loss_fn)
+
     def profiled(net: Any, batch: Any, loss_fn: Callable[[Any, Any], Any],
                  label: str) -> Profile:
         return profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
@@ -629,7 +632,6 @@ def _auto(
     with step("planning"), torch_threads_kept():
         problem = to_problem(prof)
         if ranks is not None:
-
             ranks.stages = prof.stage_names
             problem = rank_problem(problem, ranks, factory, optimizer, profile_repeats)
         try:

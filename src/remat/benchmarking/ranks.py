@@ -20,9 +20,29 @@ from remat.distributed import RankInfo
 from .measure import MemoryMeasure
 from .runners import EagerRunner, Factory, Runner
 
-__all__ = ["Ranks", "rank_problem", "rank_zeros"]
+__all__ = ["RANK_PROFILE_REPEATS", "Ranks", "profile_rounds", "rank_problem", "rank_zeros"]
 
 A = TypeVar("A", bound=JsonArtifact)
+
+# Note [Profile rounds per rank]: two ranks on shared cores move a step by about a fifth
+# from one round to the next (gpt, 2 gloo ranks on 2 cores: plain steps of 71 to 97 ms in
+# one profile), and a per-stage rebuild adds about as much. A profile's medians over 4 or
+# 5 rounds missed the measured overhead by more than 10 points in one job of three
+# (benchmarks/distributed_time.md, eighth and tenth runs); over 6 or 8 rounds in none of
+# 12 (ninth, eleventh to thirteenth). So under --distributed bench and auto profile 8
+# rounds unless told otherwise.
+RANK_PROFILE_REPEATS = 8
+
+
+def profile_rounds(given: int | None, distributed: str | None, one_process: int) -> int:
+    """Timed rounds of each profile: ``given``, else ``one_process`` without
+    ``distributed`` and :data:`RANK_PROFILE_REPEATS` with it (Note [Profile rounds per
+    rank])."""
+    from .factory import whole
+
+    if given is None:
+        return one_process if distributed is None else RANK_PROFILE_REPEATS
+    return whole(given, "profile_repeats", 1)
 
 
 def rank_zeros(artifact: A) -> A:

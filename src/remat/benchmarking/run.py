@@ -39,7 +39,7 @@ from .grads import GradCheck, check_compiled, check_plan
 from .main_job import first_step, hazard_reason, rebuild_rejected, step
 from .measure import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
 from .microbatch import compare_microbatches
-from .ranks import Ranks, rank_problem, rank_zeros
+from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
 from .results import BenchReport, Row
 from .runners import CompiledRunner, EagerRunner, Factory, Runner
 from .strategies import (
@@ -289,7 +289,7 @@ def bench(
     repeats: int = 10,
     warmup: int = 2,
     verify_steps: int = 2,
-    profile_repeats: int = 5,
+    profile_repeats: int | None = None,
     compile_limit_s: float = 600.0,
     matched: bool = True,
     microbatch_budget: str | int | float | None = "50%",
@@ -313,6 +313,8 @@ def bench(
     shard of the batch and reports its own peaks (``docs/distributed.md``). ``malloc``:
     ``keep`` makes glibc keep freed memory for the rest of the process, which steadies CPU
     step times (:mod:`remat.measure.malloc`); ``system`` leaves the allocator alone.
+    ``profile_repeats``: timed rounds of each profile; by default 5, and 8 with
+    ``distributed`` (Note [Profile rounds per rank] in :mod:`.ranks`).
     """
     from remat.distributed import STRATEGIES as WRAPS
 
@@ -329,7 +331,7 @@ def bench(
         repeats=whole(repeats, "repeats", 1),
         warmup=whole(warmup, "warmup", 0),
         verify_steps=whole(verify_steps, "verify_steps", 1),
-        profile_repeats=whole(profile_repeats, "profile_repeats", 1),
+        profile_repeats=profile_rounds(profile_repeats, distributed, 5),
         compile_limit_s=float(compile_limit_s),
         matched=matched,
         microbatch_budget=(

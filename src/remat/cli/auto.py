@@ -51,6 +51,8 @@ def add_parser(sub: Any, name: str) -> None:
     add_optimizer_option(p)
     p.add_argument("--repeats", type=int, default=6,
                    help="timed steps of each model, interleaved (default 6)")
+    p.add_argument("--profile-repeats", type=int, default=None,
+                   help="timed rounds of each profile (default 2; 8 with --distributed)")
     p.add_argument("--verify-steps", type=int, default=2,
                    help="training steps the verify harness compares (default 2)")
     p.add_argument("--threads", type=int, default=None,
@@ -237,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
             report = auto(
                 args.model, options=model_options(args), stages=stage_list(args.stages),
                 budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
-                verify_steps=args.verify_steps, progress=progress, malloc=args.malloc,
+                profile_repeats=args.profile_repeats, verify_steps=args.verify_steps,
+                progress=progress, malloc=args.malloc,
                 threads=args.threads, distributed=args.distributed, compile=args.compile,
             )
     except Stopped as err:

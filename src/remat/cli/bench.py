@@ -57,8 +57,9 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     p.add_argument("--verify-steps", type=int, default=2,
                    help="training steps of each row's gradient check (default 2)")
-    p.add_argument("--profile-repeats", type=int, default=5,
-                   help="timed steps of each kind while profiling (default 5)")
+    p.add_argument("--profile-repeats", type=int, default=None,
+                   help="timed steps of each kind while profiling (default 5; 8 with "
+                   "--distributed)")
     p.add_argument("--compile-limit", type=float, default=600.0, metavar="SECONDS",
                    help="skip further compile rows once compiling took this long (default 600)")
     p.add_argument("--microbatch-budget", default="50%", metavar="BUDGET",
@@ -107,7 +108,7 @@ def command_line(args: argparse.Namespace) -> str:
     words += ["--budgets", args.budgets, "--strategies", args.strategies,
               "--repeats", str(args.repeats), "--warmup", str(args.warmup),
               "--microbatch-budget", args.microbatch_budget]
-    if args.profile_repeats != 5:
+    if args.profile_repeats is not None:
         words += ["--profile-repeats", str(args.profile_repeats)]
     if args.no_matched:
         words.append("--no-matched")

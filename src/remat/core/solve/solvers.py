@@ -209,6 +209,8 @@ def _slots(problem: Problem, limit: int) -> tuple[int, int, int] | None:
     slot = max(1, -(-avail // problem.slots))
     m = avail // slot
     return slot, m, avail - m * slot
+
+
 _TIGHTEN_ROUNDS = 12
 _BISECT_ROUNDS = 10
 
