@@ -17,8 +17,8 @@ every run. Writes ``benchmarks/distributed_time.md``.
 
 Run from the repository root::
 
-    PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py [--runs 3] [--rounds 10] \
-        [--profile-repeats 2] [--models gpt llama]
+    PYTHONPATH=src .venv/bin/python benchmarks/distributed_time.py [--runs 3] [--rounds 40] \
+        [--profile-repeats 8] [--models gpt llama]
 """
 
 from __future__ import annotations
@@ -171,9 +171,10 @@ def measure(model_name: str, rounds: int, repeats: int) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--profile-repeats", type=int, default=2,
-                        help="timed rounds of each profile (remat bench's --repeats)")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--profile-repeats", type=int, default=8,
+                        help="timed rounds of each profile (default 8, as remat bench and "
+                        "remat auto profile under --distributed)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default=str(Path(__file__).with_name("distributed_time.md")))
     args = parser.parse_args()
