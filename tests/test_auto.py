@@ -119,9 +119,10 @@ def test_auto_json_names_its_overhead_statistics(report: AutoReport) -> None:
 def _summary(step: float, base: float, pairs: tuple[float, ...],
              profiled_step: float | None = None,
              predicted_range: tuple[float, float] | None = None,
-             predicted: float = 0.2) -> list[str]:
+             predicted: float = 0.2, per_rank_step: float | None = None) -> list[str]:
     from statistics import median
 
+    from remat.benchmarking.environment import Environment
     from remat.cli.auto import _step_lines
     from remat.core.profile_format import FixedBytes, Profile, StageProfile
     from remat.core.solve.uncertainty import PlanUncertainty
@@ -131,7 +132,8 @@ def _summary(step: float, base: float, pairs: tuple[float, ...],
         fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0), step_s=profiled_step)
 
     report = AutoReport(
-        model="m", budget="50%", budget_bytes=1, plan=Plan(("a",)), baseline_peak_bytes=2,
+        model="m", budget="50%", budget_bytes=1,
+        plan=Plan(("a",), baseline_step_time_s=per_rank_step), baseline_peak_bytes=2,
         predicted_peak_bytes=1, measured_peak_bytes=1, predicted_peak_event="e",
         peak_phase=None, peak_module=None, peak_by_category={},
         baseline_peak_by_category={}, baseline_step_time_s=base, step_time_s=step,
@@ -139,6 +141,9 @@ def _summary(step: float, base: float, pairs: tuple[float, ...],
         uncertainty=None if predicted_range is None else PlanUncertainty(
             overhead=predicted, overhead_low=predicted_range[0], overhead_high=predicted_range[1],
             trials=0, changed=0, spread=0.1),
+        environment=None if per_rank_step is None else Environment(
+            "0", "2", "3.11", "linux", "cpu", 2, 1, 1, "float32", "math", rank=0,
+            world_size=2, distributed="fsdp"),
     )
     return _step_lines(report)
 
@@ -161,6 +166,15 @@ def test_the_summary_says_when_the_machine_moved_between_profiling_and_measuring
     assert moved[-1].startswith("note: the plain step took 10.0x as long while measuring as "
                                 "while profiling (1000.0 ms against 100.0 ms)")
     assert len(_summary(1.2, 1.0, (0.19, 0.2, 0.21), profiled_step=0.9)) == 2
+
+
+def test_per_rank_the_machine_note_compares_with_the_wrapped_models_predicted_step() -> None:
+    # the plain profile (0.4 s) has no collectives; the per-rank problem's step (0.9 s) has
+    assert len(_summary(1.2, 1.0, (0.19, 0.2, 0.21), profiled_step=0.4,
+                        per_rank_step=0.9)) == 2
+    moved = _summary(1.2, 1.0, (0.19, 0.2, 0.21), profiled_step=0.9, per_rank_step=0.4)
+    assert moved[-1].startswith("note: the plain step took 2.5x as long while measuring as "
+                                "while profiling (1000.0 ms against 400.0 ms)")
 
 
 def test_the_summary_says_when_measurement_and_prediction_disagree_beyond_their_noise(

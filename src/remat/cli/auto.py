@@ -134,13 +134,18 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
             "machine changed between profiling and measuring, or the cost model misses "
             "something on this model; run remat auto again: a gap that repeats is the model's"
         )
-    if report.profile is not None and report.profile.step_s > 0:
-        speed = report.baseline_step_time_s / report.profile.step_s
+    if report.profile is not None:
+        # per rank, the plain profile leaves the collectives out: the prediction's plain
+        # step is the per-rank problem's, timed on the wrapped model (Note [Per-rank time])
+        per_rank = report.environment is not None and report.environment.distributed
+        profiled_s = (report.plan.baseline_step_time_s or 0.0) if per_rank \
+            else report.profile.step_s
+        speed = report.baseline_step_time_s / profiled_s if profiled_s > 0 else 1.0
         if not 2 / 3 <= speed <= 1.5:
             lines.append(
                 f"note: the plain step took {speed:.1f}x as long while measuring as while "
                 f"profiling ({report.baseline_step_time_s * 1e3:.1f} ms against "
-                f"{report.profile.step_s * 1e3:.1f} ms): the prediction and the measurement "
+                f"{profiled_s * 1e3:.1f} ms): the prediction and the measurement "
                 "saw differently loaded machines, so they may disagree by more than the model"
             )
         # the warning, when there is one
