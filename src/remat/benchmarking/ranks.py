@@ -29,7 +29,7 @@ A = TypeVar("A", bound=JsonArtifact)
 # one profile), and a per-stage rebuild adds about as much. A profile's medians over 4 or
 # 5 rounds missed the measured overhead by more than 10 points in one job of three
 # (benchmarks/distributed_time.md, eighth and tenth runs); over 6 or 8 rounds in none of
-# 12 (ninth, eleventh to thirteenth). So under --distributed bench and auto profile 8
+# 15 (ninth, eleventh to fourteenth). So under --distributed bench and auto profile 8
 # rounds unless told otherwise.
 RANK_PROFILE_REPEATS = 8
 
