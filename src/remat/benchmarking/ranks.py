@@ -27,10 +27,10 @@ A = TypeVar("A", bound=JsonArtifact)
 # Note [Profile rounds per rank]: two ranks on shared cores move a step by about a fifth
 # from one round to the next (gpt, 2 gloo ranks on 2 cores: plain steps of 71 to 97 ms in
 # one profile), and a per-stage rebuild adds about as much. A profile's medians over 4 or
-# 5 rounds missed the measured overhead by more than 10 points in one job of three
-# (benchmarks/distributed_time.md, eighth and tenth runs); over 6 or 8 rounds in none of
-# 15 (ninth, eleventh to fourteenth). So under --distributed bench and auto profile 8
-# rounds unless told otherwise.
+# 5 rounds missed the measured overhead by more than 10 points in one or two jobs of
+# three (benchmarks/distributed_time.md, eighth and tenth runs); over 6 or 8 rounds in
+# none of 15 jobs (ninth, eleventh to fourteenth). So under --distributed bench and auto
+# profile 8 rounds unless told otherwise.
 RANK_PROFILE_REPEATS = 8
 
 
