@@ -363,13 +363,28 @@ def time_all_gather(nbytes: int, *, repeats: int = 5, group: Any = None) -> floa
     )
     shard = torch.ones(max(1, -(-nbytes // (4 * world))), device=device)
     out = torch.empty(shard.numel() * world, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier(group)
-        began = time.perf_counter()
+
+    def gather() -> None:
         dist.all_gather_into_tensor(out, shard, group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    return _median_seconds(gather, repeats, group=group)
+
+
+def _median_seconds(run: Callable[[], Any], repeats: int, *,
+                    before: Callable[[], Any] | None = None, group: Any = None) -> float:
+    """Median seconds of ``run()`` over ``repeats`` calls after one warm-up call, every
+    rank starting each together (``before()``, untimed, ahead of the barrier)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats + 1):
+        if before is not None:
+            before()
+        dist.barrier(group)
+        began = time.perf_counter()
+        run()
         times.append(time.perf_counter() - began)
     times = sorted(times[1:])
     return times[len(times) // 2]
@@ -382,8 +397,6 @@ def time_unit_gathers(model: nn.Module, stages: Sequence[str], *, repeats: int =
     (``FSDPModule.unshard()``: the copy into the flat buffer, the all-gather and the copy
     out; 0 for a stage without units). ``model`` must be sharded and have run a step;
     every rank must call it together."""
-    import torch.distributed as dist
-
     from remat.runtime.fsdp_units import units_in
 
     seconds = []
@@ -392,19 +405,17 @@ def time_unit_gathers(model: nn.Module, stages: Sequence[str], *, repeats: int =
         if not units:
             seconds.append(0.0)
             continue
-        times = []
-        for _ in range(repeats + 1):
+
+        def reshard(units: list[Any] = units) -> None:
             for unit in units:
                 unit.reshard()
-            dist.barrier()
-            began = time.perf_counter()
+
+        def unshard(units: list[Any] = units) -> None:
             for unit in units:
                 unit.unshard()
-            times.append(time.perf_counter() - began)
-        for unit in units:
-            unit.reshard()  # as a step leaves it
-        times = sorted(times[1:])
-        seconds.append(times[len(times) // 2])
+
+        seconds.append(_median_seconds(unshard, repeats, before=reshard))
+        reshard()  # as a step leaves it
     return seconds
 
 

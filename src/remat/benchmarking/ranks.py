@@ -17,6 +17,7 @@ from remat.core.plan_format import Plan
 from remat.core.solve import Problem
 from remat.distributed import RankInfo
 
+from .factory import whole
 from .measure import MemoryMeasure
 from .runners import EagerRunner, Factory, Runner
 
@@ -38,8 +39,6 @@ def profile_rounds(given: int | None, distributed: str | None, one_process: int)
     """Timed rounds of each profile: ``given``, else ``one_process`` without
     ``distributed`` and :data:`RANK_PROFILE_REPEATS` with it (Note [Profile rounds per
     rank])."""
-    from .factory import whole
-
     if given is None:
         return one_process if distributed is None else RANK_PROFILE_REPEATS
     return whole(given, "profile_repeats", 1)
