@@ -516,8 +516,14 @@ def test_parse_set_options_types_values() -> None:
     }
     assert isinstance(parse_set_options(["n=4"])["n"], int)
     assert isinstance(parse_set_options(["d=0.0"])["d"], float)
-    assert parse_set_options(["n=1", "n=2"]) == {"n": 2}
     assert parse_set_options([]) == {}
+
+
+@pytest.mark.parametrize("items", [["n=1", "n=2"], ["n=1", "n=1"], ["n-head=1", "n_head=2"]])
+def test_parse_set_options_refuses_a_key_given_twice(items: list[str]) -> None:
+    key = items[0].partition("=")[0].replace("-", "_")
+    with pytest.raises(UsageError, match=f"--set names '{key}' twice"):
+        parse_set_options(items)
 
 
 @pytest.mark.parametrize("item", ["n_layer", "=4", "1x=2", "a b=1"])

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -54,6 +58,89 @@ def check_kind(data: Any, expected: str, source: str | None = None) -> None:
         )
 
 
+class DuplicateKey(ValueError):
+    """A JSON object that names one key twice (raised by :func:`loads`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the key {key!r} appears twice in one object; keep one of them")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or DuplicateKey for a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def loads(text: str | bytes, what: str) -> Any:
+    """``json.loads`` refusing an object that names a key twice (JSON's readers disagree on
+    which one wins: remat takes neither); UsageError naming ``what`` otherwise."""
+    try:
+        return json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as err:
+        raise UsageError(
+            f"{what} names the key {err.key!r} twice in one object; keep one of them"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"{what} is not UTF-8 text ({err.reason} at byte {err.start}); give the JSON file "
+            "itself, saved as UTF-8"
+        ) from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise UsageError(f"{what} is not valid JSON ({err}); check the file") from None
+
+
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write, moved over ``path`` when the block ends
+    without an error (``os.replace``: a reader sees the old file or the whole new one,
+    never a part); removed otherwise. Keeps the suffix, so writers that go by it (PNG
+    plots) still do."""
+    target = Path(path)
+    handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix or ".tmp",
+                                    dir=target.parent)
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        yield temporary
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`replacing`), as UTF-8; the new file
+    gets the mode a plain write would give it."""
+    target = Path(path)
+    with replacing(target) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+        try:
+            mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
+            os.chmod(temporary, mode)
+        except OSError:
+            pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _path(path: Any, artifact: str, verb: str) -> Path:
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        return Path(path)
+    raise UsageError(
+        f"cannot {verb} a {artifact} at {path!r}: a path is a str or pathlib.Path, not "
+        f"{type(path).__name__}; give the file's path"
+    )
+
+
 class JsonArtifact:
     """``to_json``/``from_json``/``save``/``load`` on top of ``to_dict``/``from_dict``.
 
@@ -78,22 +165,29 @@ class JsonArtifact:
     @classmethod
     def from_json(cls: type[T], text: str, source: str | None = None) -> T:
         """Read ``text``; ``source`` (a path) names the file in the errors."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as err:
+        if not isinstance(text, (str, bytes, bytearray)):
             raise UsageError(
-                f"the {cls.artifact} is not valid JSON ({err}); check the file"
-            ) from None
+                f"{cls.__name__}.from_json takes the JSON text (str), not "
+                f"{type(text).__name__}; give the file's contents, or {cls.__name__}.load a path"
+            )
+        data = loads(text, f"the {cls.artifact}" + (f" {source!r}" if source else ""))
         check_kind(data, cls.artifact, source)
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write the JSON to ``path`` atomically (a temporary file beside it, then a rename)."""
+        write_text(_path(path, self.artifact, "save"), self.to_json() + "\n")
 
     @classmethod
     def load(cls: type[T], path: str | Path) -> T:
+        target = _path(path, cls.artifact, "load")
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = target.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(
+                f"{cls.artifact} file {str(path)!r} is not UTF-8 text ({err.reason} at byte "
+                f"{err.start}); give the JSON file {cls.written_by or 'remat'} wrote"
+            ) from None
         except OSError as err:
             hint = f"; give the path {cls.written_by} wrote" if cls.written_by else ""
             raise UsageError(

@@ -25,9 +25,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from remat.core.artifact import unique_keys, write_text
 from remat.core.errors import UsageError
 
-__all__ = ["BUILT_IN", "Device", "device_file", "devices", "get_device", "save_device"]
+__all__ = ["BUILT_IN", "Device", "calibrated", "device_file", "devices", "get_device",
+           "save_device", "source_note"]
 
 _GIB = 1 << 30
 _MIB = 1 << 20
@@ -220,9 +222,9 @@ def device_file() -> Path:
 def _load(path: Path) -> dict[str, Device]:
     if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+    try:  # a name given twice is refused, not taken last-wins
+        data = json.loads(path.read_bytes(), object_pairs_hook=unique_keys)
+    except (OSError, ValueError, RecursionError) as err:
         raise UsageError(f"cannot read the device table {path}: {err}; fix or delete it") \
             from None
     if not isinstance(data, Mapping):
@@ -233,6 +235,24 @@ def _load(path: Path) -> dict[str, Device]:
 def devices() -> dict[str, Device]:
     """The built-in table with the user's file over it."""
     return {**BUILT_IN, **_load(device_file())}
+
+
+def calibrated(name: str) -> Path | None:
+    """The user's device table when ``name`` comes from it (``remat calibrate`` or a person
+    wrote it), None for a built-in entry it does not replace."""
+    path = device_file()
+    return path if name in _load(path) else None
+
+
+def source_note(device: Device) -> str | None:
+    """One line saying that ``device`` comes from the user's table, not the built-in one
+    (None for a built-in entry); commands that size a step for it print it."""
+    path = calibrated(device.name)
+    if path is None:
+        return None
+    shadows = " in place of the built-in entry of that name" if device.name in BUILT_IN else ""
+    return (f"note: device {device.name!r} is the entry of the user's device table {path}"
+            f"{shadows} ({device.source or 'no source recorded'})")
 
 
 def get_device(name: str) -> Device:
@@ -251,5 +271,5 @@ def save_device(device: Device, path: Path | None = None) -> Path:
     entries = {name: d.to_dict() for name, d in _load(path).items()}
     entries[device.name] = device.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+    write_text(path, json.dumps(entries, indent=2, sort_keys=True) + "\n")
     return path

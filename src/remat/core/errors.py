@@ -38,3 +38,24 @@ class CheckFailed(RematError):
 
 #: Exit code of an exception remat did not expect (a bug, or a case it does not handle).
 UNEXPECTED_EXIT_CODE = 4
+
+
+class _Interrupts:
+    """Whether a KeyboardInterrupt is the user pressing Ctrl-C or their code raising it.
+
+    The ``remat`` command (``remat.cli.main``) installs a SIGINT handler that sets ``seen``
+    before it raises KeyboardInterrupt, and sets ``watching`` while it is installed; under
+    it, a KeyboardInterrupt with ``seen`` unset came from the user's own code (exit 3, not
+    130). Without the handler (the Python API) every KeyboardInterrupt is an interruption.
+    """
+
+    def __init__(self) -> None:
+        self.watching = False
+        self.seen = False
+
+    def raised_by_code(self) -> bool:
+        """Whether a KeyboardInterrupt caught now was raised by code, not by a Ctrl-C."""
+        return self.watching and not self.seen
+
+
+INTERRUPTS = _Interrupts()

@@ -113,12 +113,22 @@ def schema_version(data: Mapping[str, Any], readable: tuple[int, ...], artifact:
     """The ``schema_version`` of ``data`` if this remat reads it (``default`` when the key
     is absent and a default is given); UsageError otherwise."""
     version = data.get("schema_version", default)
-    if isinstance(version, bool) or version not in readable:
-        reads = (f"version {readable[0]}" if len(readable) == 1
-                 else f"versions {', '.join(map(str, readable))}")
+    if not isinstance(version, bool) and version in readable:
+        assert isinstance(version, (int, float))
+        return int(version)
+    reads = (f"version {readable[0]}" if len(readable) == 1
+             else f"versions {', '.join(map(str, readable))}")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        # "1" spells the version this remat reads and is still a string: say so
+        kind = {str: "a string", bool: "a boolean", float: "a decimal number", list: "a list",
+                dict: "an object"}.get(type(version), type(version).__name__)
+        spelled = " or ".join(str(v) for v in readable)
         raise UsageError(
-            f"{artifact} schema version {version!r} is not supported (this remat reads "
-            f"{reads}); {regenerate}"
+            f"{artifact} schema_version must be the integer {spelled}, not {kind} "
+            f"({version!r}); write \"schema_version\": {readable[-1]} without quotes, or "
+            f"{regenerate}"
         )
-    assert isinstance(version, int)
-    return version
+    raise UsageError(
+        f"{artifact} schema version {version!r} is not supported (this remat reads "
+        f"{reads}); {regenerate}"
+    )

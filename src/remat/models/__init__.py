@@ -68,6 +68,14 @@ def _resolve(spec: str) -> Callable[..., Any]:
     if spec.startswith(hf.PREFIX):
         return hf.hf_factory(spec)
     choices = ", ".join([*BUILTINS, *(hf.PREFIX + name for name in hf.FAMILIES)])
+    # path/to/file.py:factory keeps any colon of the path before the .py; everything else
+    # has one colon at most
+    after = spec.rpartition(".py:")[2] if ".py:" in spec else spec.partition(":")[2]
+    if ":" in after:
+        raise UsageError(
+            f"model spec {spec!r} has too many colons; write it as path/to/file.py:factory or "
+            "package.module:factory (one colon before the factory's name)"
+        )
     module_name, sep, attr = spec.rpartition(":") if ".py:" in spec else spec.partition(":")
     if not sep:
         raise UsageError(
@@ -139,7 +147,15 @@ def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[...,
     """
     factory = _resolve(spec)
     _check_options(spec, factory, options)
-    result = factory(**options)
+    if spec in BUILTINS or spec.startswith(hf.PREFIX):
+        try:
+            result = factory(**options)
+        except (MemoryError, RuntimeError) as err:
+            if not _out_of_memory(err):
+                raise
+            raise UsageError(_too_large(spec, options, err)) from err
+    else:
+        result = factory(**options)
     if not (isinstance(result, tuple) and len(result) == 3):
         got = (
             f"a {len(result)}-tuple"
@@ -163,6 +179,27 @@ def load_model(spec: str, **options: Any) -> tuple[nn.Module, Any, Callable[...,
     return model, batch, loss_fn
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is the allocator refusing a tensor (torch's own and Python's)."""
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or any(
+        words in text for words in ("can't allocate memory", "out of memory",
+                                    "cannot allocate memory", "not enough memory"))
+
+
+def _too_large(spec: str, options: dict[str, Any], err: BaseException) -> str:
+    """One sentence for a built-in model whose options make it too large to build."""
+    said = str(err).strip().splitlines()
+    first = said[0] if said else ""
+    first = first[first.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in first \
+        else first
+    cause = f"{type(err).__name__}: {first[:200]}".rstrip(": ")
+    given = ", ".join(f"{k}={v}" for k, v in options.items())
+    what = f"--set {given}" if given else "its default options"
+    return (f"{what} makes the built-in model {spec!r} too large to build in this machine's "
+            f"memory ({cause}); give a smaller value")
+
+
 def _parse_value(text: str) -> bool | int | float | str:
     """Read ``true``/``false`` as bool, then try int, then float, else keep the string."""
     lowered = text.strip().lower()
@@ -180,13 +217,19 @@ def parse_set_options(items: list[str]) -> dict[str, Any]:
     """Turn ``["n_layer=4", "dropout=0.0", "flag=true", "name=x"]`` into typed options.
 
     Values become bool (``true``/``false``), int, float or else str; dashes in keys become
-    underscores; a later key overrides an earlier one.
+    underscores; a key given twice is a UsageError (which one was meant?).
     """
     options: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not _KEY_RE.match(key):
             raise UsageError(f"--set {item!r} is not key=value; write it like --set n_layer=4")
-        options[key] = _parse_value(value)
+        if key in options:
+            raise UsageError(
+                f"--set names {key!r} twice ({given[key]!r} and {item!r}); give each option "
+                "once"
+            )
+        options[key], given[key] = _parse_value(value), item
     return options

@@ -358,6 +358,13 @@ def resolve_stages(model: nn.Module, stages: Sequence[str] | None = None) -> lis
         raise UsageError("stages=[] names no module; give module paths or leave stages unset")
     known = dict(model.named_modules())
     for path in stages:
+        if isinstance(path, str) and path and f"module.{path}" in known:
+            # DataParallel and DistributedDataParallel hold the model as .module
+            raise UsageError(
+                f"the model has no submodule {path!r}: it is wrapped ({type(model).__name__}), "
+                f"so its paths start with 'module.'; give 'module.{path}' (or name the "
+                "stages on the model before wrapping it)"
+            )
         if not isinstance(path, str) or path not in known or path == "":
             raise UsageError(unknown_path_message(model, path))
     if len(set(stages)) != len(stages):

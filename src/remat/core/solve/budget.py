@@ -13,7 +13,7 @@ from remat.core.units import parse_size
 __all__ = ["check_budget", "parse_budget"]
 
 _FRACTION = re.compile(r"^\s*([0-9]*\.[0-9]+|[0-9]+\.[0-9]*|[0-9]*\.?[0-9]+[eE][+-]?[0-9]+)\s*$")
-_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*%\s*$")
 
 
 def parse_budget(text: str | int | float, problem: Problem) -> int:
@@ -62,9 +62,23 @@ def parse_budget(text: str | int | float, problem: Problem) -> int:
                 "again, or give bytes such as 6GiB"
             )
         value = math.floor(fraction * peak)
+    if value <= 0 and _positive(text):
+        # 1e-300 and 1e-300% alike: above zero as written, under one byte as a budget
+        raise UsageError(
+            f"budget {text!r} comes to less than one byte; give a budget the step can fit, "
+            "in bytes such as 6GiB, or a fraction such as 50%"
+        )
     if value <= 0:
         raise UsageError(f"budget {text!r} must be above zero; give bytes such as 6GiB, or 50%")
     return value
+
+
+def _positive(text: str | int | float) -> bool:
+    """Whether ``text`` is a number above zero as written (``1e-300``, ``1e-300%``)."""
+    try:
+        return float(str(text).strip().rstrip("%").strip()) > 0
+    except ValueError:
+        return False
 
 
 def check_budget(text: str | int | float) -> None:
