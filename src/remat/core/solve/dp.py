@@ -47,9 +47,13 @@ it, ``T(p) = post_chain_grads + g_p + ... + g_{n-1}`` (``T(n) = post_chain_grads
 * the top-level forward: no gradient at all: ``gs`` (the unattributed gradients, in
   whole slots of the budget) more room than ``m``;
 * ``Top(n)``, the post-chain's backward: none beyond the base;
+* the backward residue (the loss the caller holds and its gradient,
+  ``Problem.backward_residue_bytes``) joins with the post-chain's gradients and rides
+  with ``T(p)`` to the pre-chain's backward;
 * after the chain, with everything released: the pre-chain's backward
   (``a_0 + T(0) + pre_chain_grads``) and the optimizer step (``T(0) + pre_chain_grads +
-  optimizer_step - pre_chain_bytes``: the pre-chain's saved bytes are gone). Neither
+  optimizer_step - pre_chain_bytes - residue``: the pre-chain's saved bytes and the loss
+  are gone). Neither
   depends on the plan: ``Top(0, m)`` is infinite below them (``Model.after``).
 
 Holding never makes ``m`` negative: whatever an item holds is alive at a later backward
@@ -101,11 +105,14 @@ __all__ = [
     "INF",
     "KEEP",
     "OFF",
+    "PAIR_SIDE_BYTES",
     "SEL",
     "Choice",
     "Model",
     "Tables",
     "fill_top",
+    "nested_bytes",
+    "nested_work",
     "numpy_tables",
     "python_tables",
     "reconstruct",
@@ -120,6 +127,35 @@ KEEP, SEL, OFF = 0, 1, 2
 # A region over a chain break needs this much memory: no budget admits it, and sums of
 # it with a few real byte counts stay far inside int64 (Note [Chain breaks]).
 BREAK_BYTES = 1 << 60
+
+
+#: What the model's pair tables (``ns``, ``reb``, ``opens``, the all-offloaded suffixes,
+#: Python lists and their numpy copies for the compiled path) and the compiled path's
+#: first/saturated slots hold per pair of boundaries, about (Note [The tables' size]).
+PAIR_SIDE_BYTES = 200
+
+
+def nested_bytes(n: int, slots: int, early_stop: bool = True) -> int:
+    """What the nested DP holds for ``n`` stages in ``slots`` slots (an estimate from above).
+
+    Note [The tables' size]
+    -----------------------
+    :class:`Tables` holds ``seg0``, ``seg1`` and, with early stop, ``segp``: one row of
+    ``slots + 1`` doubles per pair ``k <= e`` of boundaries, ``(n + 1)(n + 2) / 2`` pairs,
+    and ``top`` (``n + 1`` rows). The model beside them keeps a few ``(n + 1)^2`` pair
+    tables (:data:`PAIR_SIDE_BYTES` per pair in all). At 500 slots that is 6.1 GB for
+    1,000 stages, 24 GB for 2,000 and 55 GB for 3,000: the solver checks it before it
+    allocates anything (``remat.core.solve.solvers.nested_check``).
+    """
+    pairs = (n + 1) * (n + 2) // 2
+    tables = (3 if early_stop else 2) * pairs + (n + 1)
+    return 8 * tables * (slots + 1) + PAIR_SIDE_BYTES * (n + 1) ** 2
+
+
+def nested_work(n: int, slots: int) -> int:
+    """The nested DP's candidate slot updates, from above: every ``(k, stop, e)`` with
+    ``k < stop <= e``, for both ``h``, over every slot (the compiled path skips many)."""
+    return 2 * ((n + 2) * (n + 1) * n // 6) * (slots + 1)
 
 
 def _ceil(nbytes: int, slot: int) -> int:
@@ -156,7 +192,9 @@ class Model:
         # sg[p]: T(p), the parameter gradients beyond the base once backward has passed
         # stage p (Note [Gradients by position]).
         self.sg = [0] * (n + 1)
-        self.sg[n] = problem.post_chain_grads_bytes
+        # the backward residue (the loss and its gradient) joins with the post-chain's
+        # gradients and stays to the pre-chain's backward: it rides with T(p)
+        self.sg[n] = problem.post_chain_grads_bytes + problem.backward_residue_bytes
         for k in range(n - 1, -1, -1):
             self.sg[k] = self.sg[k + 1] + st[k].grad_bytes
         # Pending gradients ride with T(p): those alive at stage p - 1's backward, and at
@@ -169,7 +207,8 @@ class Model:
         # The events after the chain (pre-chain backward, optimizer step), plan-independent.
         after = self.sg[0] + problem.pre_chain_grads_bytes
         self.after = _ceil(max(0, a[0] + after,
-                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes), q)
+                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes
+                               - problem.backward_residue_bytes), q)
         # What the model's code holds during the top-level forward (an upper bound of the
         # simulator's exact holding: Problem.held_in_forward).
         self.held = problem.held_in_forward

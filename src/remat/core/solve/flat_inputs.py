@@ -108,7 +108,8 @@ class FlatInputs:
             return -(-np.asarray(x, dtype=i64) // q)
 
         a = np.append(ints(s.boundary_bytes for s in st), i64(problem.output_bytes))
-        sg = np.full(n + 1, problem.post_chain_grads_bytes, dtype=i64)
+        sg = np.full(n + 1, problem.post_chain_grads_bytes + problem.backward_residue_bytes,
+                     dtype=i64)
         sg[:n] += np.cumsum(ints(s.grad_bytes for s in st)[::-1])[::-1]
         sg[1:] += ints(s.pending_grad_bytes for s in st)  # as dp.Model's T(p)
         save = ints(s.saved_bytes[KEEP_OPTION] for s in st)
@@ -132,7 +133,8 @@ class FlatInputs:
             ovh_s=problem.region_overhead_s,
             post=int(ceil(a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end)),
             after=int(ceil(max(0, int(a[0]) + after,
-                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes))),
+                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes
+                               - problem.backward_residue_bytes))),
             a=a,
             g=a + sg,
             nt=ints(s.nosave_peak_extra_bytes for s in st) + top_held,

@@ -13,9 +13,12 @@ map one to one. The rest:
   (``bwd_transient_by_option``) where it differs from keep's: a block ending in a ReLU
   makes its output again in the replay, which keep's backward never holds
   (docs/cost-model.md, assumption 7).
-* ``backward_residue_bytes`` (the loss the caller holds through backward) is charged with
-  ``pre_chain_bytes``: alive to the pre-chain's backward, as it is (a few bytes over in
-  forward, where it does not exist yet).
+* ``backward_residue_bytes`` (the loss the caller holds through backward, its gradient)
+  is the problem's own: alive from right after the post-chain's backward event to the
+  pre-chain's backward. The post-chain's figures are measured from the chain's end with
+  the loss alive, so charging it there too (with ``pre_chain_bytes``, as before) counted
+  it twice: a float32 loss and its gradient put the predicted peak without checkpointing
+  8 bytes above the measured one wherever that peak is the post-chain's.
 * ``extra_bwd_s``: a selective option's measured cost (its unsaved ops rebuilt and its
   checkpoint frame); a profile of schema version 1 has none, and its options cost no time.
 * parameter gradients: the profile says which part creates each (stages' ``grad_bytes``,
@@ -90,9 +93,10 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         post_chain_grads_bytes=fixed.post_chain_grads_bytes,
         optimizer_step_bytes=fixed.optimizer_step_bytes,
         optimizer_bytes=fixed.optimizer_state_bytes,
-        # The loss (and what autograd keeps with it), alive through the chain's backward to the
-        # pre-chain's, ride with what the pre-chain keeps: a few bytes over in forward.
-        pre_chain_bytes=fixed.pre_chain_bytes + fixed.backward_residue_bytes,
+        pre_chain_bytes=fixed.pre_chain_bytes,
+        # The loss (and what autograd keeps with it), alive through the chain's backward to
+        # the pre-chain's; the post-chain's figures, measured from the chain's end, have it.
+        backward_residue_bytes=fixed.backward_residue_bytes,
         post_chain_bytes=(fixed.post_chain_bytes if backward is None
                           else fixed.post_chain_forward_bytes or 0),
         post_chain_backward_bytes=backward,

@@ -113,6 +113,7 @@ def fastest_kept_capped(problem: Problem, budget: int, in_flight: InFlight,
     sg = list(model.sg)
     n, a = problem.n, model.a
     grads, unattributed = problem.grads_bytes, problem.unattributed_grads_bytes
+    residue = problem.backward_residue_bytes
     post_x = a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end
     post_f = a[n] + problem.post_chain_bytes + problem.held_at_chain_end
     after_g = sg[0] + problem.pre_chain_grads_bytes
@@ -129,7 +130,10 @@ def fastest_kept_capped(problem: Problem, budget: int, in_flight: InFlight,
             break  # allowances only grow with the cap
         m = room_b // q
         later = _at(in_flight.later_backward, kept)
-        raised = 0 if later is None else max(0, grads - unattributed + later - first)
+        raised_grads = 0 if later is None else max(0, grads - unattributed + later - first)
+        # a later backward's chain events have the backward residue too (in T(p) of the
+        # first), its post-chain event not (its figure has it)
+        raised = 0 if later is None else raised_grads + residue
         offsets = tuple(max(s, raised) for s in sg)
         fwd_d = max(d for d in (_at(in_flight.forward, kept),
                                 _grads_on(_at(in_flight.forward_with_grads, kept), grads))
@@ -138,7 +142,7 @@ def fastest_kept_capped(problem: Problem, budget: int, in_flight: InFlight,
         model.sg = list(offsets)
         model.gs = room_f // q - m
         # Top(n, m): the post-chain's events (backward kinds, then forward), and the cap
-        model.post = max(m + _slots(post_x, q) - (room_b + out - raised) // q,
+        model.post = max(m + _slots(post_x, q) - (room_b + out - raised_grads) // q,
                          m + _slots(post_f, q) - room_f // q, m - cap)
         model.after = _slots(a[0] + max(after_g, raised), q)  # the pre-chain's backward
         t = tables.get(offsets)

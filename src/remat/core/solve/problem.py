@@ -244,7 +244,8 @@ _PROBLEM_KEYS_V1 = (
     "slots",
 )
 _PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
-                 "post_chain_backward_bytes", "root_unit_bytes", "collective_copies")
+                 "post_chain_backward_bytes", "root_unit_bytes", "collective_copies",
+                 "backward_residue_bytes")
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,12 @@ class Problem(JsonArtifact):
     # go of what it held there (its forward has returned); post_chain_bytes is then the
     # forward's alone. None: post_chain_bytes is both, with those holds alive.
     post_chain_backward_bytes: int | None = None
+    # What the caller holds through the chain's backward beyond the chain (the loss and
+    # its gradient, with what autograd keeps with them): alive from right after the
+    # post-chain's backward event (whose figure, measured from the chain's end, has it
+    # already) to the pre-chain's backward; never in forward (docs/cost-model.md,
+    # assumption 14).
+    backward_residue_bytes: int = 0
     # FSDP2: the root unit's gathered bytes (everything outside the stages' units), and
     # whether the backend copies a collective's buffer (gloo: an all-gather's output, a
     # reduce-scatter's input). Note [FSDP2 units] in simulator.py.
@@ -342,6 +349,8 @@ class Problem(JsonArtifact):
             raise UsageError(f"early_stop={self.early_stop!r} must be true or false")
         object.__setattr__(self, "root_unit_bytes", _bytes(self.root_unit_bytes,
                                                            "root_unit_bytes"))
+        object.__setattr__(self, "backward_residue_bytes",
+                           _bytes(self.backward_residue_bytes, "backward_residue_bytes"))
         if not isinstance(self.collective_copies, bool):
             raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
@@ -485,6 +494,8 @@ class Problem(JsonArtifact):
             data[name] = getattr(self, name)
         if self.post_chain_backward_bytes is not None:
             data["post_chain_backward_bytes"] = self.post_chain_backward_bytes
+        if self.backward_residue_bytes:
+            data["backward_residue_bytes"] = self.backward_residue_bytes
         if self.root_unit_bytes:
             data["root_unit_bytes"] = self.root_unit_bytes
         if self.collective_copies:

@@ -9,6 +9,8 @@ What is alive (``a_i`` = ``boundary_bytes`` of stage i, ``a_n`` the chain's outp
 
 * always: parameters, optimizer state, the input batch, the pre-chain's saved bytes
   (until its backward).
+* the backward residue (the loss the caller holds, its gradient) from right after the
+  post-chain's backward event to the pre-chain's backward.
 * parameter gradients, as backward creates them, until the optimizer step: the
   unattributed ones from the post-chain's backward on (an upper bound); the post-chain's
   and each stage's ``grad_bytes`` right after that part's backward event (the gradients
@@ -742,7 +744,10 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.event("forward pre-chain", w.forward_flat if p.collective_copies else 0)
     top = plan_tree(plan)
     w.forward_level(top)
-    kept = w.live - p.params_bytes - p.optimizer_bytes - p.input_bytes
+    # the loss the caller holds from the post-chain's forward to backward is kept too (the
+    # residue, its gradient included: an upper bound)
+    kept = (w.live - p.params_bytes - p.optimizer_bytes - p.input_bytes
+            + p.backward_residue_bytes)
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
     w.end_forward()
@@ -762,6 +767,9 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         for is_output, b in w.held_to_post:
             w.let_go(is_output, b)
     w.add(("param grads", "post-chain"), p.post_chain_grads_bytes)  # after its peak
+    # the loss the caller holds and its gradient: in the post-chain's figures (measured
+    # from the chain's end), alive beside the chain from here to the pre-chain's backward
+    w.add("residue", p.backward_residue_bytes)
     w.release_current(n)
     w.grad[n] = w.a[n]
     w.live += w.a[n]
@@ -773,6 +781,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.live -= w.grad[0]
     w.grad[0] = None
     w.drop("pre-chain")
+    w.drop("residue")
     if w.fsdp:  # the root's post-backward: stage 0's reduce-scatter input goes, its own
         root = p.root_unit_bytes
         w.live -= w.reduce_input
