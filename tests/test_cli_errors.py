@@ -214,3 +214,162 @@ def test_help_prints_percent_signs_once_and_the_exit_codes(
     assert "%%" not in out
     flat = " ".join(out.split())
     assert "3 your own code failed" in flat and "--debug" in flat
+
+
+# -- issue 47: messages that say what was wrong and what to do --------------------------------
+
+def test_a_file_that_is_not_utf8_is_a_usage_error_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"schema_version": 1, "stages": ["\xff\xfe"]}')
+    for load in (Plan.load, Profile.load):
+        with pytest.raises(UsageError, match="is not UTF-8 text"):
+            load(bad)
+    assert main(["plan", "--profile", str(bad), "--budget", "50%"]) == 2
+    assert "is not UTF-8 text" in _err(capsys)
+    assert main(["verify", "--model", "no.such.module:factory", "--plan", str(bad)]) == 2
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("value", [None, 3, b"plan.json", ["plan.json"]])
+def test_load_and_from_json_of_the_wrong_type_are_usage_errors(value: object) -> None:
+    for artifact in (Plan, Profile):
+        with pytest.raises(UsageError, match="give the file"):
+            artifact.load(value)  # type: ignore[arg-type]
+        if not isinstance(value, bytes):
+            with pytest.raises(UsageError, match="takes the JSON text"):
+                artifact.from_json(value)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"a path is a str or pathlib\.Path"):
+        Plan(("a",)).save(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-99999999999999999999999"])
+def test_a_seed_beyond_64_bits_is_a_usage_error(
+    seed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--model", "no.such.module:factory", "--plan", "none",
+                 f"--seed={seed}"]) == 2
+    assert "does not fit torch's 64-bit seeds" in _err(capsys)
+
+
+@pytest.mark.parametrize("version", ["1", "2", 1.5, True])
+def test_a_schema_version_of_the_wrong_type_says_it_must_be_the_integer(
+    version: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = json.loads(PROFILE.read_text())
+    data["schema_version"] = version
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "--profile", str(path), "--budget", "50%"]) == 2
+    err = _err(capsys)
+    assert "schema_version must be the integer 1 or 2, not" in err
+    assert '"schema_version": 2 without quotes' in err
+    plan = _plan_file(tmp_path)
+    capsys.readouterr()
+    data = json.loads(plan.read_text())
+    data["schema_version"] = version
+    with pytest.raises(UsageError, match="plan schema_version must be the integer 1, not"):
+        Plan.from_dict(data)
+
+
+def test_a_built_in_model_too_large_to_build_names_the_option(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["profile", "--model", "gpt", "--set", "n_embd=100000000",
+                 "--set", "n_layer=1", "--repeats", "1"]) == 2
+    err = _err(capsys)
+    assert "--set n_embd=100000000, n_layer=1 makes the built-in model 'gpt' too large" in err
+    assert "can't allocate memory" in err and "give a smaller value" in err
+    assert "fix the factory" not in err
+
+
+def test_stages_of_a_wrapped_model_without_module_get_a_hint() -> None:
+    from torch import nn
+
+    from remat.runtime.stages import resolve_stages
+
+    model = nn.DataParallel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(UsageError, match=r"paths start with 'module\.'; give 'module\.0'"):
+        resolve_stages(model, ["0", "1"])
+    assert resolve_stages(model, ["module.0", "module.1"]) == ["module.0", "module.1"]
+
+
+@pytest.mark.parametrize(("builder", "example"), [
+    ("groups:abc", "groups:2"), ("every:x", "every:2"), ("segments:y", "segments:3")])
+def test_a_builder_argument_that_is_not_a_number_gets_an_example_of_its_own(
+    builder: str, example: str,
+) -> None:
+    from torch import nn
+
+    from remat.cli.verify import build_plan
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(UsageError, match=f"write e.g. {example}$"):
+        build_plan(builder, model, ["0", "1"])
+
+
+@pytest.mark.parametrize("budget", ["1e-300", "1e-300%", "0.0000000001", "1e-20%"])
+def test_budgets_under_one_byte_get_one_reason_however_written(
+    budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--profile", str(PROFILE), f"--budget={budget}"]) == 2
+    assert _err(capsys) == (
+        f"remat plan: error: budget {budget!r} comes to less than one byte; give a budget the "
+        "step can fit, in bytes such as 6GiB, or a fraction such as 50%")
+
+
+@pytest.mark.parametrize("spec", ["file.py:factory:extra", "pkg.mod:factory:extra",
+                                  "a:b:c"])
+def test_a_model_spec_with_too_many_colons_says_so(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["profile", "--model", spec]) == 2
+    err = _err(capsys)
+    assert f"model spec {spec!r} has too many colons" in err
+    assert "path/to/file.py:factory or package.module:factory" in err
+
+
+def test_a_set_key_given_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--model", "gpt", "--set", "n_layer=1", "--set", "n_layer=2"]) == 2
+    assert "--set names 'n_layer' twice ('n_layer=1' and 'n_layer=2')" in _err(capsys)
+
+
+def test_a_json_key_given_twice_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = PROFILE.read_text()
+    path = tmp_path / "p.json"
+    path.write_text(text.replace('"model":', '"model": "twice", "model":', 1))
+    assert main(["plan", "--profile", str(path), "--budget", "50%"]) == 2
+    assert "names the key 'model' twice in one object; keep one of them" in _err(capsys)
+    plan = _plan_file(tmp_path)
+    plan.write_text(plan.read_text().replace('"solver":', '"solver": "x", "solver":', 1))
+    with pytest.raises(UsageError, match="names the key 'solver' twice"):
+        Plan.load(plan)
+    from remat.core.devices import get_device
+
+    table = tmp_path / "devices.json"
+    table.write_text('{"cpu": {}, "cpu": {}}')
+    monkeypatch.setenv("REMAT_DEVICES", str(table))
+    with pytest.raises(UsageError, match="the key 'cpu' appears twice"):
+        get_device("cpu")
+
+
+@pytest.mark.parametrize(("argv", "option", "most"), [
+    (["profile", "--repeats", "1001"], "--repeats", 1000),
+    (["auto", "--repeats", "1000000000"], "--repeats", 1000),
+    (["auto", "--profile-repeats", "1001"], "--profile-repeats", 1000),
+    (["auto", "--verify-steps", "10001"], "--verify-steps", 10_000),
+    (["verify", "--plan", "none", "--steps", "100000000"], "--steps", 10_000),
+    (["bench", "--repeats", "1001"], "--repeats", 1000),
+    (["bench", "--warmup", "1001"], "--warmup", 1000),
+    (["bench", "--verify-steps", "10001"], "--verify-steps", 10_000),
+    (["calibrate", "--repeats", "1001"], "--repeats", 1000),
+])
+def test_counts_above_their_bound_are_refused_before_any_work(
+    argv: list[str], option: str, most: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--model", "no.such.module:factory"]) == 2
+    assert f"{option} {argv[-1]} is above {most}, the most remat runs; give {most} or " \
+           "fewer" in _err(capsys)

@@ -38,7 +38,13 @@ from typing import Any
 import torch
 
 from remat.core.coverage import coverage, coverage_lines
-from remat.core.errors import CheckFailed, RematError, UsageError, UserCodeError
+from remat.core.errors import (
+    INTERRUPTS,
+    CheckFailed,
+    RematError,
+    UsageError,
+    UserCodeError,
+)
 from remat.core.plan_format import Plan
 from remat.core.planner import plan as make_plan
 from remat.core.planner import to_problem, with_made_for
@@ -63,8 +69,8 @@ from .measure import by_tracker, interleaved, paired, time_stats
 from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
 from .runners import EagerRunner, Runner
 
-__all__ = ["STAGES", "AutoReport", "Stopped", "auto", "first_step", "hazard_reason",
-           "rebuild_rejected", "step", "torch_threads_kept"]
+__all__ = ["STAGES", "AutoReport", "Stopped", "auto", "exit_words", "first_step",
+           "hazard_reason", "rebuild_rejected", "step", "torch_threads_kept"]
 
 #: The steps of the main job, in order (``Stopped.stage`` is one of them).
 STAGES = ("loading the model", "the first training step", "profiling", "planning",
@@ -77,6 +83,9 @@ _USER_CODE = {
                                "them so that one plain training step runs (--debug shows the "
                                "traceback)",
 }
+# remat never exits on its own: a SystemExit in any step is the user's code it ran
+_USER_CODE_RAN = ("the model's forward or loss_fn raised {error}; remove that call, or guard "
+                  "it with if __name__ == '__main__' (--debug shows where)")
 # What torch says when a checkpointed region's rebuild differs from its forward
 # (CheckpointError, and selective checkpointing's plain RuntimeError).
 REJECTED = "torch rejected the rebuild of a checkpointed region"  # how such reasons start
@@ -169,6 +178,21 @@ def step(stage: str, *, diagnose: Callable[[BaseException], str] | None = None
             reason = _USER_CODE[stage].format(error=failure(err))
             raise Stopped(stage, reason, UserCodeError.exit_code) from err
         raise
+    except (SystemExit, KeyboardInterrupt) as err:
+        # sys.exit() (or argparse reading remat's own command line at import) and a
+        # KeyboardInterrupt no Ctrl-C sent are the user's code failing, not a way out
+        if isinstance(err, SystemExit) or INTERRUPTS.raised_by_code():
+            reason = _USER_CODE.get(stage, _USER_CODE_RAN).format(error=exit_words(err))
+            raise Stopped(stage, reason, UserCodeError.exit_code) from err
+        raise
+
+
+def exit_words(err: BaseException) -> str:
+    """``SystemExit(0)`` or ``KeyboardInterrupt``, as the user's code raised it."""
+    if isinstance(err, SystemExit):
+        return (f"SystemExit({err.code!r}) (sys.exit, or argparse reading the command line "
+                "at import)")
+    return f"{type(err).__name__} (no Ctrl-C was pressed)"
 
 
 def _agreed(flag: bool, distributed: bool) -> bool:

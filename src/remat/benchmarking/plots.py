@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from remat.core.artifact import replacing
 from remat.core.errors import UsageError
 
 from .results import BenchReport, Row
@@ -62,7 +63,8 @@ def timelines(report: BenchReport, path: Path) -> Path | None:
         axes[k // cols][k % cols].set_visible(False)
     axes[0][0].legend(fontsize=6, loc="upper left")
     fig.suptitle(f"{report.model}: memory of one step (dotted: the budgets)", fontsize=10)
-    fig.savefig(path, dpi=110)
+    with replacing(path) as temporary:  # atomic: a reader never sees half a PNG
+        fig.savefig(temporary, dpi=110, format="png")
     return path
 
 
@@ -111,7 +113,8 @@ def tradeoff(report: BenchReport, path: Path) -> Path | None:
     ax.set_ylabel("median step time (ms; bars: min to max)")
     ax.set_title(f"{report.model}: memory against time", fontsize=10)
     ax.legend(fontsize=7)
-    fig.savefig(path, dpi=110)
+    with replacing(path) as temporary:  # atomic: a reader never sees half a PNG
+        fig.savefig(temporary, dpi=110, format="png")
     return path
 
 
@@ -129,7 +132,8 @@ def microbatch(report: BenchReport, path: Path) -> Path | None:
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title(f"global batch {micro.global_batch} under {micro.budget}: throughput",
                  fontsize=10)
-    fig.savefig(path, dpi=110)
+    with replacing(path) as temporary:  # atomic: a reader never sees half a PNG
+        fig.savefig(temporary, dpi=110, format="png")
     return path
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat.core.artifact import write_text
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.core.units import format_bytes
@@ -174,7 +175,7 @@ def write_report(report: BenchReport, folder: str | Path) -> ReportFiles:
     try:
         target.mkdir(parents=True, exist_ok=True)
         json_path = target / "bench.json"
-        json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_text(json_path, json.dumps(report.to_dict(), indent=2) + "\n")
         plots: tuple[Path, ...] = ()
         note = None
         try:
@@ -182,7 +183,7 @@ def write_report(report: BenchReport, folder: str | Path) -> ReportFiles:
         except UsageError:
             note = f"Plots were skipped: matplotlib is not installed ({PLOT_HINT})."
         md_path = target / "README.md"
-        md_path.write_text(markdown(report, plots, note))
+        write_text(md_path, markdown(report, plots, note))
     except OSError as err:
         raise UsageError(
             f"cannot write the report to {str(folder)!r} ({err.strerror}); give a writable --out"

@@ -21,7 +21,8 @@ from remat.cli.common import (
     stage_list,
     torchrun_rank,
 )
-from remat.cli.output import add_json_option, console_for, write_json
+from remat.cli.output import add_json_option, console_for, write_error, write_json
+from remat.core.artifact import write_text
 from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
 
 if TYPE_CHECKING:
@@ -50,11 +51,13 @@ def add_parser(sub: Any, name: str) -> None:
                    "checkpointing (default 50%%)")
     add_optimizer_option(p)
     p.add_argument("--repeats", type=int, default=6,
-                   help="timed steps of each model, interleaved (default 6)")
+                   help="timed steps of each model, interleaved (default 6, at most 1000)")
     p.add_argument("--profile-repeats", type=int, default=None,
-                   help="timed rounds of each profile (default 2; 8 with --distributed)")
+                   help="timed rounds of each profile (default 2; 8 with --distributed; at "
+                   "most 1000)")
     p.add_argument("--verify-steps", type=int, default=2,
-                   help="training steps the verify harness compares (default 2)")
+                   help="training steps the verify harness compares (default 2, at most "
+                   "10000)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the run (default: torch's own)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -201,9 +204,9 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
     try:
         target.mkdir(parents=True, exist_ok=True)
         paths = [target / "auto.json", target / "plan.json", target / "auto.md"]
-        paths[0].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_text(paths[0], json.dumps(report.to_dict(), indent=2) + "\n")
         report.plan.save(paths[1])
-        paths[2].write_text(f"# remat auto: {report.model}\n\n```text\n{text}```\n")
+        write_text(paths[2], f"# remat auto: {report.model}\n\n```text\n{text}```\n")
         # Note [Profiling again]: profile.json is the plan's (its made_for names it), a
         # second attempt's profile.again.json
         first = report.first_attempt
@@ -218,17 +221,6 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
             f"cannot write to {folder!r} ({err.strerror}); give a writable --out"
         ) from err
     return paths
-
-
-def _stopped(args: argparse.Namespace, error: dict[str, Any]) -> dict[str, Any]:
-    """The JSON of a run that stopped early: what was asked, and the error."""
-    from remat.cli.common import describe
-
-    try:
-        model = describe(args.model, model_options(args))
-    except UsageError:
-        model = args.model
-    return {"ok": False, "model": model, "budget": args.budget, "error": error}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,15 +241,15 @@ def run(args: argparse.Namespace) -> int:
                 threads=args.threads, distributed=args.distributed, compile=args.compile,
             )
     except Stopped as err:
-        write_json(_stopped(args, err.to_dict()), args.json)
+        write_error(args, err.to_dict())
         raise
     except RematError as err:  # an option, before any step ran
-        write_json(_stopped(args, {"stage": "checking the options", "message": str(err),
-                                   "exit_code": err.exit_code}), args.json)
+        write_error(args, {"stage": "checking the options", "message": str(err),
+                           "exit_code": err.exit_code})
         raise
     except Exception as err:  # a bug: main says so in one line, and the JSON too
-        write_json(_stopped(args, {"stage": None, "message": failure(err),
-                                   "exit_code": UNEXPECTED_EXIT_CODE}), args.json)
+        write_error(args, {"stage": None, "message": failure(err),
+                           "exit_code": UNEXPECTED_EXIT_CODE})
         raise
     _report(args, report)
     return 0 if report.ok else 1

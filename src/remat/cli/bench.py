@@ -53,13 +53,16 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"which strategies (default all: {DEFAULT_STRATEGIES}, and hf-gc on a "
                    "transformers model; every-K for any K); none always runs")
-    p.add_argument("--repeats", type=int, default=10, help="timed rounds (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed rounds (default 10, at most 1000)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds first (default 2, at most 1000)")
     p.add_argument("--verify-steps", type=int, default=2,
-                   help="training steps of each row's gradient check (default 2)")
+                   help="training steps of each row's gradient check (default 2, at most "
+                   "10000)")
     p.add_argument("--profile-repeats", type=int, default=None,
                    help="timed steps of each kind while profiling (default 5; 8 with "
-                   "--distributed)")
+                   "--distributed; at most 1000)")
     p.add_argument("--compile-limit", type=float, default=600.0, metavar="SECONDS",
                    help="skip further compile rows once compiling took this long (default 600)")
     p.add_argument("--microbatch-budget", default="50%", metavar="BUDGET",

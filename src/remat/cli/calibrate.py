@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from remat.cli.common import add_model_options, load
+from remat.cli.common import add_model_options, check_threads, load
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.errors import UsageError
 
@@ -24,8 +24,14 @@ def add_parser(sub: Any, name: str) -> None:
         ),
     )
     add_model_options(p)
-    p.add_argument("--name", default="cpu", help="the entry's name (default cpu)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds of the profile (3)")
+    p.add_argument("--name", default="cpu", help=(
+        "the entry's name (default cpu, which replaces the built-in placeholder); another "
+        "built-in device's name needs --replace-builtin"))
+    p.add_argument("--replace-builtin", action="store_true", help=(
+        "let --name be a built-in accelerator's (h100-sxm, h200, a100-80gb, mi300x): this "
+        "machine's figures then stand for that device in every plan for it"))
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed rounds of the profile (3, at most 1000)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads while measuring (default: torch's)")
     p.add_argument("--out", default=None, metavar="PATH",
@@ -33,6 +39,26 @@ def add_parser(sub: Any, name: str) -> None:
                         "~/.config/remat/devices.json)")
     add_json_option(p)
     p.set_defaults(run=run)
+
+
+#: The built-in entry calibrate writes over by default: a placeholder for this machine.
+PLACEHOLDER = "cpu"
+
+
+def check_name(name: str, *, replace_builtin: bool = False) -> None:
+    """A usage error for a ``--name`` that is no entry's name, or that would shadow a
+    built-in accelerator's entry without ``--replace-builtin``."""
+    from remat.core.devices import BUILT_IN
+
+    if not name or name != name.strip() or any(c.isspace() for c in name):
+        raise UsageError(f"--name {name!r} is not a device name; give one word, e.g. --name "
+                         "my-cpu")
+    if name in BUILT_IN and name != PLACEHOLDER and not replace_builtin:
+        raise UsageError(
+            f"--name {name} is a built-in device ({BUILT_IN[name].notes}), and this machine's "
+            f"figures would replace it in every plan for {name}; give another name, e.g. "
+            "--name my-cpu, or add --replace-builtin to mean it"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats} is below 1; give 1 or more")
+    check_name(args.name, replace_builtin=args.replace_builtin)  # before measuring
+    check_threads(args.threads)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads {args.threads} is below 1; give 1 or more")
         torch.set_num_threads(args.threads)
     model, batch, loss_fn, _stages, description = load(args)
     # the allocator remat profile and remat bench time under (--malloc, default keep): an

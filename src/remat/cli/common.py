@@ -218,6 +218,16 @@ def fake_device(args: argparse.Namespace) -> Any:
     return get_device(name)
 
 
+def device_note(device: Any) -> str | None:
+    """The note a command prints when ``--device`` names an entry of the user's device
+    table (``remat calibrate`` wrote it), not a built-in one; None otherwise."""
+    if device is None:
+        return None
+    from remat.core.devices import source_note
+
+    return source_note(device)
+
+
 def padded_batches(args: argparse.Namespace) -> bool:
     """``--padded-batches``, checked: it needs ``--device`` of an accelerator."""
     padded = bool(getattr(args, "padded_batches", False))

@@ -12,6 +12,7 @@ from remat.cli.common import (
     add_fake_option,
     add_model_options,
     add_optimizer_option,
+    device_note,
     fake_device,
     kernel_lines,
     load_for_profile,
@@ -22,7 +23,7 @@ from remat.cli.common import (
 )
 from remat.cli.output import add_json_option, console_for, write_json
 from remat.core.coverage import coverage_lines
-from remat.core.errors import UsageError
+from remat.core.errors import CheckFailed, UsageError
 from remat.core.profile_format import Profile
 from remat.core.solve.uncertainty import noise_lines, steadiest_and_uncertainty
 from remat.core.units import format_bytes
@@ -162,8 +163,9 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
                   "(fake tensors), every other size fitted linearly through them")
     for text in kernel_lines(scaled):
         console.print(text)
+    note = device_note(target)
     write_json({"budget_bytes": budget, "world": None if world is None else list(world),
-                "fits": rows}, args.json)
+                "fits": rows, **({"device_note": note} if note else {})}, args.json)
     return 0
 
 
@@ -312,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
         )
     source = _problem_source(args)
     console = console_for(args.json)
+    note = device_note(target)
+    if note is not None:
+        console.print(note)
     if args.largest_batch:
         return _largest_batches(args, source, world, console)
     if isinstance(source, Profile):  # before solving, so it shows when no plan fits
@@ -325,7 +330,14 @@ def run(args: argparse.Namespace) -> int:
                  if _link(target, world[0]) is not None else "no collective times")
         console.print(f"one rank of {world[0]} over {world[1]} ranks, on paper: parameters, "
                       f"gradients and optimizer state as that rank holds them; {timed}")
-    result = make_plan(problem, args.budget, args.solver, **params)
+    try:
+        result = make_plan(problem, args.budget, args.solver, **params)
+    except CheckFailed as err:  # no plan fits: the JSON error names the least budget
+        if args.solver == "optimal":
+            from remat.core.solve import minimum_budget
+
+            err.minimum_budget_bytes = minimum_budget(problem)  # type: ignore[attr-defined]
+        raise
     found = None
     fake = isinstance(source, Profile) and source.fake
     if isinstance(source, Profile) and not fake and world is None:

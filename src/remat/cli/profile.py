@@ -13,6 +13,7 @@ from remat.cli.common import (
     add_fake_option,
     add_model_options,
     add_optimizer_option,
+    device_note,
     fake_device,
     kernel_lines,
     load,
@@ -46,7 +47,8 @@ def add_parser(sub: Any, name: str) -> None:
     )
     add_model_options(p)
     add_optimizer_option(p)
-    p.add_argument("--repeats", type=int, default=2, help="timed rounds of steps (default 2)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed rounds of steps (default 2, at most 1000)")
     add_fake_option(p)
     add_json_option(p)
     p.set_defaults(run=run)
@@ -173,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
                       "dispatch, not this machine's kernels (docs/fake.md)")
     for line in kernel_lines(result):
         console.print(line)
+    note = device_note(device)
+    if note is not None:
+        console.print(note)
     for line in noise_lines(result, one_thread=runs_one_thread()):
         console.print(line)
     write_json(data, args.json)

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from remat.core.plan_format import Plan
     from remat.verification.report import Hazard, VerifyReport
 
+#: The seeds --seed takes: torch's 64-bit range, less the steps added to it per step.
+SEEDS = (-(2**63), 2**63 - 1 - 10_000)
 PLAN_BUILDERS = "none, per-stage, every:K, segments[:K], groups:SIZE, selective[:POLICY]"
 
 
@@ -57,14 +59,16 @@ def add_parser(sub: Any, name: str) -> argparse.ArgumentParser:
         help="apply a plan file even when its stages differ from the model's (it was made "
         "for another model)",
     )
-    p.add_argument("--steps", type=int, default=3, help="training steps per copy (default 3)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="training steps per copy (default 3, at most 10000)")
     add_optimizer_option(
         p, help="optimizer of the trajectory and of the profile for --budget (default adamw)")
     p.add_argument(
         "--tolerance", default="auto",
         help="auto (by dtype), exact, or a number used as rtol and atol (default auto)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of every step's RNG (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of every step's RNG (default 0; a 64-bit integer)")
     p.add_argument(
         "--no-preserve-rng-state", action="store_true",
         help="debugging: apply the plan with RNG preservation off (rebuilds draw other "
@@ -79,7 +83,11 @@ def _whole(text: str, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise UsageError(f"{what} {text!r} is not a whole number; write e.g. every:2") from None
+        name = what.partition(":")[0]
+        example = {"groups": "groups:2", "segments": "segments:3"}.get(name, f"{name}:2")
+        raise UsageError(
+            f"{what} {text!r} is not a whole number; write e.g. {example}"
+        ) from None
     return value
 
 
@@ -194,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps} is below 1; give at least one step")
+    if not SEEDS[0] <= args.seed <= SEEDS[1]:
+        raise UsageError(f"--seed {args.seed} does not fit torch's 64-bit seeds with a step "
+                         "added to it; give a whole number from -2**63 to 2**63-10001, e.g. "
+                         "--seed 0")
     if args.budget is not None:
         from remat.core.solve.budget import check_budget
 
