@@ -140,9 +140,23 @@ def _documents(valid: list[dict[str, Any]]) -> st.SearchStrategy[Any]:
     return st.one_of(st.sampled_from(valid), *(mutated(d) for d in valid), json_values)
 
 
-def _write(path: Path, document: Any, raw: bool) -> None:
+def _write(path: Path, document: Any, raw: bool, garbled: bool = False) -> None:
     text = json.dumps(document)
-    path.write_text(text[: len(text) // 2] if raw else text)  # raw: cut mid-file
+    data = (text[: len(text) // 2] if raw else text).encode()  # raw: cut mid-file
+    # garbled: a byte no UTF-8 text has, mid-file (a file saved in another encoding)
+    path.write_bytes(data[: len(data) // 3] + b"\xff\xfe" + data[len(data) // 3:]
+                     if garbled else data)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _elsewhere(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A stray ``--json x`` among the drawn words writes x (an error document too): here."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 PLANS = [
@@ -158,14 +172,17 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @_settings(30)
-@given(document=_documents(PLANS), cut=st.booleans())
+@given(document=_documents(PLANS), cut=st.booleans(), garbled=st.booleans())
 # a stage path the model lacks: verify had looked it up before apply checked it (exit 4)
-@example(document={**PLANS[0], "stages": ["x", *PLANS[0]["stages"][1:]]}, cut=False)
+@example(document={**PLANS[0], "stages": ["x", *PLANS[0]["stages"][1:]]}, cut=False,
+         garbled=False)
+@example(document=PLANS[0], cut=False, garbled=True)  # Plan.load: UnicodeDecodeError (exit 4)
+@example(document={**PLANS[0], "schema_version": "1"}, cut=False, garbled=False)
 def test_any_plan_file_leaves_the_model_as_it_was(
-    document: Any, cut: bool, folder: Path, capsys: pytest.CaptureFixture[str]
+    document: Any, cut: bool, garbled: bool, folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = folder / "plan.json"
-    _write(path, document, cut and document not in PLANS)
+    _write(path, document, cut and document not in PLANS, garbled)
     before = _snapshot(MODEL)
     _call(["verify", "--model", SPEC, "--plan", str(path), "--steps", "1"], capsys)
     _assert_untouched(MODEL, before)
@@ -180,7 +197,8 @@ def test_any_plan_file_leaves_the_model_as_it_was(
 
 BUDGETS = st.one_of(
     st.sampled_from(["50%", "1e99", "1e400", "-5%", "0", "0.0", "1", "100%", "1e22", "nan",
-                     "inf", "5e-324", " 64 MiB ", "1.5GB", "-0", "%", "1e", "2**10", ""]),
+                     "inf", "5e-324", " 64 MiB ", "1.5GB", "-0", "%", "1e", "2**10", "",
+                     "1e-300", "1e-300%", "1e5%"]),
     st.from_regex(r"\A-?[0-9]{0,25}(\.[0-9]{0,3})?(e-?[0-9]{1,3})?(%|[KMGT]i?B|B)?\Z"),
     st.text(alphabet="0123456789.-+e%KMGTiB ", max_size=8),
 )
@@ -188,13 +206,16 @@ BUDGETS = st.one_of(
 
 @_settings(25)
 @given(document=_documents([PROFILE]), budget=BUDGETS, cut=st.booleans(),
-       solver=st.sampled_from(["optimal", "segments-optimal", "per-stage", "min-peak"]))
+       solver=st.sampled_from(["optimal", "segments-optimal", "per-stage", "min-peak"]),
+       garbled=st.booleans())
+@example(document={**PROFILE, "schema_version": "2"}, budget="50%", cut=False,
+         solver="optimal", garbled=False)
 def test_any_profile_file_and_budget_end_in_one_line(
-    document: Any, budget: str, cut: bool, solver: str, folder: Path,
+    document: Any, budget: str, cut: bool, solver: str, garbled: bool, folder: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     path = folder / "profile.json"
-    _write(path, document, cut and document is not PROFILE)
+    _write(path, document, cut and document is not PROFILE, garbled)
     _call(["plan", "--profile", str(path), f"--budget={budget}", "--solver", solver], capsys)
 
 
@@ -213,7 +234,8 @@ def test_any_budget_ends_in_one_line(
 # -- argument lists ------------------------------------------------------------------------
 
 NUMBERS = st.one_of(st.integers(-3, 3).map(str), st.sampled_from(
-    ["0", "-1", "1e9", "10000000000000000000000", "1.5", "x", "", "-5%", "nan", "1,2,0"]))
+    ["0", "-1", "1e9", "10000000000000000000000", "1.5", "x", "", "-5%", "nan", "1,2,0",
+     "1001", "10001", "-99999999999999999999999"]))
 OPTIONS: dict[str, list[tuple[str, st.SearchStrategy[str] | None]]] = {
     "estimate": [("--layers", NUMBERS), ("--act", BUDGETS), ("--boundary", BUDGETS),
                  ("--inner", BUDGETS), ("--k", NUMBERS), ("--flash", None),
@@ -227,18 +249,19 @@ OPTIONS: dict[str, list[tuple[str, st.SearchStrategy[str] | None]]] = {
         ("--model", st.just("gpt"))],
     "verify": [("--plan", st.sampled_from(["none", "per-stage", "every:2", "every:0",
                                            "every:x", "segments", "segments:9",
-                                           "groups:2", "groups:-1", "selective",
-                                           "selective:bogus", "nope"])),
+                                           "groups:2", "groups:-1", "groups:abc",
+                                           "selective", "selective:bogus", "nope"])),
                ("--steps", NUMBERS), ("--tolerance", st.sampled_from(
                    ["auto", "exact", "1e-3", "-1", "x"])), ("--seed", NUMBERS),
                ("--stages", st.sampled_from(["0,1,2", "0,,1", "9", "0.0"])),
-               ("--set", st.sampled_from(["x=1", "x", "=1"])),
+               ("--set", st.sampled_from(["x=1", "x", "=1", "x=2"])),
                ("--batch-size", NUMBERS)],
 }
 # These commands train a model; handed options only, they must stop at the first bad one
 # (the model cannot even be imported, so reaching it is exit 2 as well: never a crash).
 TRAINING = {
-    "profile": [("--repeats", NUMBERS), ("--batch-size", NUMBERS), ("--set", st.just("x"))],
+    "profile": [("--repeats", NUMBERS), ("--batch-size", NUMBERS), ("--set", st.just("x")),
+                ("--json", st.sampled_from(["/proc/no/x.json", ".", "-"]))],
     "auto": [("--budget", BUDGETS), ("--repeats", NUMBERS), ("--verify-steps", NUMBERS),
              ("--threads", NUMBERS), ("--stages", st.just(",")),
              ("--out", st.just("/proc/no/such/dir"))],
