@@ -190,7 +190,7 @@ _META_FIELDS = (
 )
 _KEYS = ("schema_version", *_META_FIELDS, "stages", "regions", "options")
 # written only when set: plans from before them still load
-_OPTIONAL_KEYS = ("made_for", "compiled", "reshard_after_rebuild")
+_OPTIONAL_KEYS = ("made_for", "compiled", "reshard_after_rebuild", "notes")
 
 
 @dataclass(frozen=True)
@@ -224,8 +224,15 @@ class Plan(JsonArtifact):
     # resharded right after its call and gathered again for its own backward; False keeps
     # it gathered from the rebuild to its backward (torch 2.13's behaviour).
     reshard_after_rebuild: bool = False
+    # What the solver chose on its own and why, one sentence each (a chain too large for
+    # the nested tables planned with the one-level solver); written only when set.
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if (isinstance(self.notes, str) or not isinstance(self.notes, Iterable)
+                or not all(isinstance(x, str) for x in self.notes)):
+            raise UsageError(f"notes={self.notes!r} must be a list of sentences")
+        object.__setattr__(self, "notes", tuple(self.notes))
         if isinstance(self.stages, str) or not isinstance(self.stages, Iterable):
             raise UsageError(f"stages={self.stages!r} is not a list; give module paths")
         stages = tuple(self.stages)
@@ -369,6 +376,7 @@ class Plan(JsonArtifact):
             **({"made_for": self.made_for.to_dict()} if self.made_for is not None else {}),
             **({"compiled": True} if self.compiled else {}),
             **({"reshard_after_rebuild": True} if self.reshard_after_rebuild else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
     @classmethod
@@ -393,8 +401,15 @@ class Plan(JsonArtifact):
             made_for=None if data.get("made_for") is None else MadeFor.from_dict(data["made_for"]),
             compiled=data.get("compiled", False),
             reshard_after_rebuild=data.get("reshard_after_rebuild", False),
+            notes=_notes(data.get("notes", [])),
             **{name: data[name] for name in _META_FIELDS},
         )
+
+
+def _notes(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise UsageError(f"plan key 'notes' must be a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def _parsed(options: Iterable[object], stages: tuple[str, ...]) -> tuple[Option, ...]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,15 +27,17 @@ from remat.core.solve.budget import parse_budget
 from remat.core.solve.minimum import min_peak_plan
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import baseline_time, simulate
-from remat.core.units import format_bytes
+from remat.core.units import format_bytes, parse_size
 
 __all__ = [
     "SOLVERS",
+    "TooLarge",
     "every",
     "megatron_block",
     "megatron_uniform",
     "min_peak",
     "minimum_budget",
+    "nested_check",
     "none",
     "optimal",
     "per_stage",
@@ -41,6 +45,7 @@ __all__ = [
     "segments_optimal",
     "selective_everywhere",
     "solve",
+    "solver_memory_limit",
 ]
 
 Budget = int | str | float | None
@@ -142,6 +147,92 @@ def selective_everywhere(
     return _finish(problem, [], options, "selective-everywhere", _budget(budget, problem), t0)
 
 
+# -- bounded work (Note [The nested DP's bounds]) ------------------------------------------
+
+#: The nested DP's work bound, in candidate slot updates (:func:`dp.nested_work`): about
+#: a minute on the shared 2-core machine (1,000 stages at 500 slots, 1.7e11, took 196 s).
+NESTED_WORK_LIMIT = 6 * 10**10
+
+
+def solver_memory_limit() -> int:
+    """The memory the solver's tables may take: ``REMAT_SOLVER_MEMORY`` (a size such as
+    ``8GiB``) where set, else half of this machine's physical memory."""
+    text = os.environ.get("REMAT_SOLVER_MEMORY", "").strip()
+    if text:
+        return parse_size(text, what="REMAT_SOLVER_MEMORY")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        total = 16 << 30  # no sysconf (Windows): a 16 GiB machine
+    return max(1, total) // 2
+
+
+def _most_slots(n: int, early_stop: bool, memory: int) -> int:
+    """The most slots under both bounds (0: not even one)."""
+    lo, hi = 0, 1 << 20
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (dp.nested_bytes(n, mid, early_stop) <= memory
+                and dp.nested_work(n, mid) <= NESTED_WORK_LIMIT):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class TooLarge:
+    """A problem over the nested DP's bounds: what it needs and what fits instead."""
+
+    size: str  # "a chain of N stages at S slots needs X ..., over the limit of L"
+    fewer: str  # the fix within the nested solver: fewer slots, or a coarser chain
+
+    def sentence(self) -> str:
+        """The refusal: one sentence with the size, the limit and the fix."""
+        return (f"{self.size} for the optimal solver's nested tables; give {self.fewer}, "
+                "or use --solver segments-optimal (one level of regions, every stage "
+                "keeping), which scales to 10,000 stages")
+
+    def note(self) -> str:
+        """What a plan made by the one-level solver in its place says."""
+        return (f"{self.size} for the optimal solver's nested tables, so segments-optimal "
+                "planned it (one level of regions, every stage keeping); for nested regions "
+                f"and selective options give {self.fewer}")
+
+
+def nested_check(problem: Problem, memory: int | None = None) -> TooLarge | None:
+    """Why ``problem`` is too large for the nested DP (its size, the limit and the fix),
+    or None where it is within bounds. Arithmetic only: nothing is allocated.
+
+    Note [The nested DP's bounds]
+    -----------------------------
+    The optimal solver's tables grow as ``n^2 * slots`` and its work as ``n^3 * slots``
+    (Note [The tables' size] in dp): at 500 slots, 1,000 stages take 6.2 GB and 3.3
+    minutes here, 2,000 stages 25 GB, 3,000 stages 56 GB. So before it allocates
+    anything the solver compares both with their bounds: the memory with half this
+    machine's memory (``REMAT_SOLVER_MEMORY`` sets another), the work with
+    :data:`NESTED_WORK_LIMIT` (about a minute here). Over either, ``optimal`` plans with
+    the one-level solver (``segments-optimal``: ``O(n * slots)``, 10,000 stages in
+    under a second) and says so in the plan's notes, or, asked not to
+    (``scalable=False``), raises UsageError naming the fix: fewer slots (the most that
+    fit), a coarser chain, or the one-level solver.
+    """
+    n, slots = problem.n, problem.slots
+    memory = solver_memory_limit() if memory is None else memory
+    need, work = dp.nested_bytes(n, slots, problem.early_stop), dp.nested_work(n, slots)
+    if need <= memory and work <= NESTED_WORK_LIMIT:
+        return None
+    most = _most_slots(n, problem.early_stop, memory)
+    size = (f"{format_bytes(need)}, over the limit of {format_bytes(memory)}"
+            if need > memory else
+            f"{work:.2g} slot updates, over the limit of {NESTED_WORK_LIMIT:.2g} (about a "
+            "minute)")
+    fewer = "a coarser chain (fewer, larger stages)"
+    if most >= 2:
+        fewer = f"--slots {most} or fewer (coarser plans), or {fewer}"
+    return TooLarge(f"a chain of {n:,} stages at {slots} slots needs {size}", fewer)
+
+
 def minimum_budget(problem: Problem) -> int:
     """The least predicted peak over all plans (exact); where regions hold tensors read
     from before them or FSDP2 units are gathered (which the tables do not count: Note
@@ -167,6 +258,9 @@ def _least_plan(problem: Problem, ways: tuple[bool, ...] = (False, True)
                 ) -> tuple[int, list[tuple[int, int]], list[Option], bool]:
     """The tables' smallest-peak plan: (peak, regions, options, reshard_after_rebuild),
     units kept or resharded after rebuilds as ``ways`` allows, whichever peaks lower."""
+    too_large = nested_check(problem)  # the search is the nested recursion in whole bytes
+    if too_large is not None:
+        raise UsageError(too_large.sentence())
     least, regions, options = min_peak_plan(problem)
     if not _least_is_exact(problem):
         # what the tables do not count (reads, links, FSDP2 units): the simulator does
@@ -283,13 +377,16 @@ def _within(problem: Problem, limit: int, solve_at: Callable[[int], Found | None
 
 
 def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
-            reshard_after_rebuild: bool | None = None) -> Plan:
+            reshard_after_rebuild: bool | None = None, scalable: bool = True) -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (Note [The recursion] in dp).
 
     Memory is divided into ``problem.slots`` slots; ``path`` is ``numba`` (compiled,
     fastest; numba is a dependency, but may be missing where it has no wheel),
     ``numpy``, ``python`` (the reference loops) or
-    ``auto`` (numba when installed, else numpy): all fill bitwise equal tables. When
+    ``auto`` (numba when installed, else numpy): all fill bitwise equal tables. A problem
+    too large for the tables in this machine's memory or in about a minute (Note [The
+    nested DP's bounds]) is planned by :func:`segments_optimal` instead, which the plan's
+    ``notes`` say, or with ``scalable=False`` refused with UsageError. When
     rounding to slots leaves no plan
     although one fits (budgets within a few slots of the minimum), the plan with the
     smallest peak is returned. Raises CheckFailed when no plan fits at all.
@@ -311,6 +408,11 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
     fill = table_filler(path)
     if _unlimited(problem, limit):
         return _finish(problem, [], None, "optimal", limit, t0)
+    too_large = nested_check(problem)
+    if too_large is not None:
+        if not scalable:
+            raise UsageError(too_large.sentence())
+        return _scaled_down(problem, limit, too_large)
 
     def tables_plan(dp_limit: int) -> Found | None:
         slots = _slots(problem, dp_limit)
@@ -348,6 +450,17 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
     plan = _finish(problem, found[0], found[1], "optimal", limit, t0, reshard)
     assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
     return plan
+
+
+def _scaled_down(problem: Problem, limit: int, too_large: TooLarge) -> Plan:
+    """The one-level solver's plan for a problem too large for the nested tables, its
+    notes saying so (Note [The nested DP's bounds])."""
+    try:
+        plan = segments_optimal(problem, limit)
+    except CheckFailed as err:
+        raise CheckFailed(f"{too_large.size} for the optimal solver's nested tables, so "
+                          f"the one-level solver tried it: {err}") from None
+    return replace(plan, notes=(*plan.notes, too_large.note()))
 
 
 def _fastest_fitting(problem: Problem, limit: int, tables_plan: Callable[[int], Found | None],
@@ -474,6 +587,15 @@ def segments_optimal(problem: Problem, budget: Budget) -> Plan:
         raise UsageError("segments-optimal needs a budget; give one such as 6GiB or 50%")
     if _unlimited(problem, limit):
         return _finish(problem, [], None, "segments-optimal", limit, t0)
+    # its table and per-column records: 20 bytes per stage and slot (flat.py)
+    need, memory = 20 * (problem.n + 1) * (problem.slots + 1), solver_memory_limit()
+    if need > memory:
+        most = memory // (20 * (problem.n + 1)) - 1
+        fewer = (f"at most {most} slots (--slots {most})" if most >= 2
+                 else "a coarser chain (fewer, larger stages)")
+        raise UsageError(f"a chain of {problem.n:,} stages at {problem.slots} slots needs "
+                         f"{format_bytes(need)} for the one-level solver's table, over the "
+                         f"limit of {format_bytes(memory)}; give {fewer}")
 
     def flat_plan(dp_limit: int) -> Found | None:
         slots = _slots(problem, dp_limit)
