@@ -345,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
         result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
     result = with_made_for(result, source)
     console.print(plan_table(result))
+    for text in result.notes:  # what the solver chose on its own (a chain too long)
+        console.print(f"note: {text}")
     if result.reshard_after_rebuild:
         console.print("FSDP2 units: each one a rebuild gathers is resharded after its call and "
                       "gathered again for its backward (less memory than keeping it gathered "
