@@ -14,7 +14,6 @@ each op is also timed as it runs when asked (``remat calibrate``, on a real mode
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from remat.core.roofline import OUTSIDE, Work, WorkTable, conv_class
+from remat.measure.model_state import model_restored
 from remat.measure.step import make_optimizer
 
 __all__ = ["count_work", "stage_of"]
@@ -172,22 +172,20 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
     made by an uncounted step first (the first step's ``zeros_like`` of every moment,
     a third of AdamW's first-step time on the built-in encdec, is paid once a run, and
     the profile's measured steps do not contain it). The parameters' gradients are freed
-    afterwards, the parameters the optimizer updated are put back, and a given
-    optimizer's state is restored.
+    afterwards, the model is put back as it was and a given optimizer's state is restored
+    (:func:`remat.measure.model_state.model_restored`).
     """
     modules = ModuleTracker()
     counter = _Counter(stages, modules, timed=times is not None)
-    saved = [p.detach().clone() for p in model.parameters()]
-    opt = make_optimizer(model, optimizer)
-    state = (copy.deepcopy(opt.state_dict())
-             if isinstance(optimizer, torch.optim.Optimizer) else None)
+    given = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if counter.phase == "forward":
             counter.saved(stage_of(modules, stages))
         return t
 
-    try:
+    with model_restored(model, given):
+        opt = make_optimizer(model, optimizer)
         with modules, counter, torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
             loss = loss_fn(model, batch)
             counter.phase = "backward"
@@ -197,13 +195,6 @@ def count_work(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
         with modules, counter:
             counter.phase = "optimizer"
             opt.step()
-    finally:
-        with torch.no_grad():
-            for p, value in zip(model.parameters(), saved, strict=True):
-                p.copy_(value)
-        opt.zero_grad(set_to_none=True)
-        if state is not None:
-            opt.load_state_dict(state)
     if times is not None:
         times.update(counter.times)
     return WorkTable(counter.table, counter.spent, counter.packs, counter.tails)

@@ -3,9 +3,11 @@
 The measuring is in :mod:`remat.profiling` (what runs, in which order, and what it costs
 is described in :mod:`remat.profiling.run`); this module checks the arguments, builds the
 :class:`~remat.core.profile_format.Profile` and asks the simulator for its prediction of the
-step without checkpointing. The model's parameters are trained by the profiling steps
-(as by ``measure_step``); buffers changed by the extra forwards, the model's training
-mode and the caller's RNG state are put back.
+step without checkpointing. The profiling steps train the model (the optimizer's state is
+part of what is measured); everything they change, parameters, buffers, gradients,
+``requires_grad`` flags, every module's training mode, a given optimizer's state, and the
+caller's RNG state, is put back bitwise afterwards, also when a step raises (Note [The
+user's model is the user's] in :mod:`remat.measure.model_state`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from remat.core.profile_format import (
 )
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.core.units import first_names
+from remat.measure.model_state import check_batch, model_restored, refuse_meta
 from remat.measure.step import checked_loss, make_optimizer
 from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
@@ -226,11 +229,31 @@ def profile(
         if compile:
             raise UsageError("compile=True and fake=True do not go together: a fake profile "
                              "runs no compiled code; profile the compiled model for real")
-        with mode, counting_fake_storages():
-            return _fake_profile(model, batch, loss_fn, stages, optimizer, target,
-                                 padded_batches, options=options, batch_size=batch_size,
-                                 description=description, lr=lr, progress=progress,
-                                 ranks_agree=ranks_agree)
+    else:
+        refuse_meta(model, batch)
+    check_batch(batch)
+    # the steps train the model: it is put back as it was, also after an error
+    # (Note [The user's model is the user's])
+    with model_restored(model, optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                        else None):
+        if fake:
+            with mode, counting_fake_storages():
+                return _fake_profile(model, batch, loss_fn, stages, optimizer, target,
+                                     padded_batches, options=options, batch_size=batch_size,
+                                     description=description, lr=lr, progress=progress,
+                                     ranks_agree=ranks_agree)
+        return _measured(model, batch, loss_fn, stages, optimizer, repeats=repeats,
+                         options=options, batch_size=batch_size, description=description,
+                         lr=lr, progress=progress, ranks_agree=ranks_agree, compile=compile,
+                         timed=_timed)
+
+
+def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+              stages: Sequence[str] | None, optimizer: str | torch.optim.Optimizer, *,
+              repeats: int, options: Sequence[str] | None, batch_size: int | None,
+              description: str | None, lr: float, progress: Progress | None,
+              ranks_agree: bool, compile: bool, timed: bool) -> Profile:
+    """``profile``'s real (not fake) measuring, on arguments it checked."""
     given = options
     tensor_parallel = _tp_ranks(model) is not None
     if options is None and tensor_parallel:
@@ -288,7 +311,7 @@ def profile(
             dtype=dtype,
             progress=progress,
             agree=most_over_ranks if ranks_agree else None,
-            timed=_timed,
+            timed=timed,
         )
         # tensor parallelism: what each stage communicates, and again in a rebuild
         comms = _stage_comms(model, batch, loss_fn, names) if tensor_parallel else None
@@ -308,7 +331,7 @@ def profile(
     )
     # an untimed (fake) step's times are its dispatch's: a region costs what one
     # checkpoint frame measured on the tiny chain costs (host-side, on any device)
-    overhead_s = (region_overhead_s(m.plain_steps, m.per_stage_steps, floor) if _timed
+    overhead_s = (region_overhead_s(m.plain_steps, m.per_stage_steps, floor) if timed
                   else floor)
     # per round, so that one slow round's step is not set against another's stages
     outside = statistics.median(m.outside_rounds)
