@@ -147,6 +147,7 @@ disabled wrapper costs about 0.7 us per stage call.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 import functools
 import sys
@@ -184,7 +185,8 @@ from remat.runtime.policies import (
 )
 from remat.runtime.rebuild_once import RebuildOnceFrame
 
-__all__ = ["Engine", "StageObserver", "main_input", "main_output", "opaque"]
+__all__ = ["NOT_PICKLED", "Engine", "EngineCallable", "PassHook", "StageForward", "StageHook",
+           "StageObserver", "main_input", "main_output", "opaque"]
 
 
 class StageObserver(Protocol):
@@ -430,21 +432,38 @@ class Engine:
         self.frames: type[CheckpointFrame] | type[RebuildOnceFrame] = (
             RebuildOnceFrame if split_backward else CheckpointFrame)
         self.observer: StageObserver | None = None
+        # what a copy is made from (Note [Copies of an applied model])
+        self.plan = plan
+        self.split_backward = split_backward
+        # Note [torch.compile sees the engine as one opaque call]
+        self.opaque_call = opaque(self.call)
+        self.opaque_begin = opaque(self.begin_pass)
+        self.opaque_end = opaque(self.end_pass)
+        self.opaque_enter = opaque(self.enter_stage)
+        self.opaque_leave = opaque(self.leave_stage)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Engine:
+        """A new engine over the copies of the stages (Note [Copies of an applied model])."""
+        if self.phase is not Phase.IDLE:
+            raise UsageError("the model was deep-copied in the middle of a forward or backward "
+                             "pass with a remat plan applied; copy it between training steps")
+        new = object.__new__(Engine)
+        memo[id(self)] = new  # the copied stages' forwards refer to it
+        modules = copy.deepcopy(self.modules, memo)
+        new.__init__(self.plan, modules, self.policies,  # type: ignore[misc]
+                     preserve_rng_state=self.preserve_rng_state,
+                     split_backward=self.split_backward)
+        new.hook_ids = [(copy.deepcopy(m, memo), pre, post) for m, pre, post in self.hook_ids]
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UsageError(NOT_PICKLED)
 
     # -- installation -------------------------------------------------------------------
 
     def wrap(self, i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
         """The ``forward`` installed on stage ``i``; ``orig`` is its own forward."""
-        idle = Phase.IDLE
-        call = opaque(self.call)  # Note [torch.compile sees the engine as one opaque call]
-
-        @functools.wraps(orig)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.phase is idle:
-                return orig(*args, **kwargs)
-            return call(i, orig, args, kwargs)
-
-        return forward
+        return StageForward(self, i, orig)
 
     def install_stage_hooks(self) -> list[RemovableHandle]:
         """Hooks on the stages inside multi-stage regions (Note [Stages with hooks ...])."""
@@ -452,24 +471,12 @@ class Engine:
         for i in self.hooked:
             module = self.modules[i]
             pre = module.register_forward_pre_hook(
-                opaque(self._enter_hook(i)), prepend=True, with_kwargs=True
+                StageHook(self, i, enter=True), prepend=True, with_kwargs=True
             )
-            post = module.register_forward_hook(opaque(self._leave_hook(i)))
+            post = module.register_forward_hook(StageHook(self, i, enter=False))
             self.hook_ids.append((module, pre.id, post.id))
             handles += [pre, post]
         return handles
-
-    def _enter_hook(self, i: int) -> Callable[..., None]:
-        def enter(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.enter_stage(i, args, kwargs)
-
-        return enter
-
-    def _leave_hook(self, i: int) -> Callable[..., None]:
-        def leave(_module: nn.Module, _args: Any, output: Any) -> None:
-            self.leave_stage(i, output)
-
-        return leave
 
     def enter_stage(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Stage ``i``'s call begins, before any other hook of it: end the glue recording
@@ -919,6 +926,88 @@ def rebuilt_again(region: Any, names: Sequence[str]) -> str:
         "more time and memory than the region saves; apply the plan with "
         "split_backward=True, which rebuilds once for all the passes (docs/pipeline.md)"
     )
+
+
+# Note [Copies of an applied model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# EMA models, teacher copies and some frameworks ``copy.deepcopy`` a model in training. A
+# plan applied as closures would be copied as the very same closures (deepcopy takes
+# functions as atomic), so the copy's stages would call the original's engine and, through
+# it, the original's blocks: the copy's parameters would get no gradient. Everything
+# ``apply`` puts on the model is therefore an object that refers to its engine by
+# attribute (a stage's forward, the root's pass hooks, the stage hooks), and the engine
+# copies itself as a new engine over the copied stages; deepcopy's memo makes every
+# object of the copy refer to that one engine. ``remat.runtime.install`` registers the
+# copy as applied, so ``remat.remove(copy)`` works. Pickling an applied model (and
+# ``torch.save(model)``) is refused instead: a pickle outlives the process whose engine
+# it would need.
+
+NOT_PICKLED = ("a model with a remat plan applied cannot be pickled (torch.save(model) "
+               "included); call remat.remove(model) first, or save model.state_dict()")
+
+
+class EngineCallable:
+    """Base of what ``apply`` installs on a model: copied with its engine by
+    ``copy.deepcopy``, refused by pickle (Note [Copies of an applied model])."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineCallable:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UsageError(NOT_PICKLED)
+
+
+class StageForward(EngineCallable):
+    """A stage's ``forward`` while a plan is applied: its own when no pass is running."""
+
+    def __init__(self, engine: Engine, i: int, orig: Callable[..., Any]) -> None:
+        self.engine = engine
+        self.i = i
+        self.orig = orig
+        functools.update_wrapper(self, orig)  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine.phase is Phase.IDLE:
+            return self.orig(*args, **kwargs)
+        return engine.opaque_call(self.i, self.orig, args, kwargs)
+
+
+class PassHook(EngineCallable):
+    """The root's forward pre-hook (a pass begins) or ``always_call`` forward hook (it
+    ends); ``installation``: what ``apply`` registered, set by it."""
+
+    def __init__(self, engine: Engine, *, begin: bool) -> None:
+        self.engine = engine
+        self.begin = begin
+        self.installation: Any = None
+
+    def __call__(self, *args: Any) -> None:
+        engine = self.engine
+        if self.begin:
+            engine.opaque_begin(*args)
+        else:
+            engine.opaque_end(*args)
+
+
+class StageHook(EngineCallable):
+    """A stage's own first forward pre-hook (``enter``) or last forward hook inside a
+    multi-stage region (Note [Stages with hooks of their own])."""
+
+    def __init__(self, engine: Engine, i: int, *, enter: bool) -> None:
+        self.engine = engine
+        self.i = i
+        self.enter = enter
+
+    def __call__(self, _module: nn.Module, args: tuple[Any, ...], third: Any) -> None:
+        if self.enter:  # with_kwargs: third is the kwargs
+            self.engine.opaque_enter(self.i, args, third)
+        else:  # third is the output
+            self.engine.opaque_leave(self.i, third)
 
 
 def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:

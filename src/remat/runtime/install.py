@@ -19,13 +19,15 @@ stages must not read tensor values (checked at run time; Note [Glue between stag
 (usually masks and rotary tables, alive anyway); the model must not wrap single
 stage calls in saved-tensor hooks of its own (regions span calls, and those hooks are a
 stack), nor enable its own gradient checkpointing; a rebuild repeats non-tensor side
-effects of a stage (e.g. appending to a key/value cache object); remove the plan before
-``copy.deepcopy`` or pickling the whole model (the wrapped forwards are closures).
+effects of a stage (e.g. appending to a key/value cache object). ``copy.deepcopy`` of the
+model gives a copy with the plan applied to its own stages; pickling it is refused
+(Note [Copies of an applied model] in ``engine.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -39,7 +41,7 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Plan
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.compiled_stages import CompiledForward, stages_compiled
-from remat.runtime.engine import Engine, StageObserver, opaque
+from remat.runtime.engine import NOT_PICKLED, Engine, PassHook, StageObserver
 from remat.runtime.existing import check_apply
 from remat.runtime.fsdp_units import check_fsdp_units
 from remat.runtime.identity import check_made_for, stage_module
@@ -52,17 +54,51 @@ _MISSING = object()
 
 @dataclass(eq=False)
 class _Installation:
-    """What ``apply`` changed on one model; never refers to the root (registry value)."""
+    """What ``apply`` changed on one model; refers to the root only weakly (it is the
+    registry's value, the root its key)."""
 
     engine: Engine
     stages: tuple[nn.Module, ...]
     previous: tuple[Any, ...]  # each stage's own instance-level ``forward``, or _MISSING
     hooks: tuple[RemovableHandle, ...]
+    root: weakref.ref[nn.Module] | None = None
 
     def uninstall(self) -> None:
         for hook in self.hooks:
             hook.remove()
         restore_forwards(self.stages, self.previous)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Installation:
+        """The installation on a deep copy of the model, registered as applied to it
+        (Note [Copies of an applied model] in engine.py): reached through the root's
+        pass hook, while deepcopy copies the root."""
+        new = object.__new__(_Installation)
+        memo[id(self)] = new
+        root = self.root() if self.root is not None else None
+        copied_root = memo.get(id(root)) if root is not None else None
+        stages = copy.deepcopy(self.stages, memo)
+        new.__init__(  # type: ignore[misc]
+            copy.deepcopy(self.engine, memo), stages,
+            tuple(p if p is _MISSING else copy.deepcopy(p, memo) for p in self.previous),
+            tuple(_copied_handle(h, memo) for h in self.hooks),
+            None if copied_root is None else weakref.ref(copied_root))
+        if copied_root is not None:
+            _APPLIED[copied_root] = new
+            _WRAPPED.update(stages)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UsageError(NOT_PICKLED)
+
+
+def _copied_handle(handle: RemovableHandle, memo: dict[int, Any]) -> RemovableHandle:
+    """``handle`` on the copies of the hook dictionaries it removes from (the same key)."""
+    hooks = handle.hooks_dict_ref()
+    extra = [ref() for ref in handle.extra_dict_ref]
+    new = RemovableHandle(copy.deepcopy(hooks, memo) if hooks is not None else {},
+                          extra_dict=[copy.deepcopy(d, memo) for d in extra if d is not None])
+    new.id = handle.id
+    return new
 
 
 def restore_forwards(stages: tuple[nn.Module, ...], previous: tuple[Any, ...]) -> None:
@@ -313,12 +349,14 @@ def apply(
     for i, module in enumerate(stages):
         module.forward = engine.wrap(i, forwards[i])
         _WRAPPED.add(module)
-    hooks = (  # opaque: see Note [torch.compile sees the engine ...] in engine.py
-        model.register_forward_pre_hook(opaque(engine.begin_pass)),
-        model.register_forward_hook(opaque(engine.end_pass), always_call=True),
+    begin = PassHook(engine, begin=True)
+    hooks = (  # objects, not closures: Note [Copies of an applied model] in engine.py
+        model.register_forward_pre_hook(begin),
+        model.register_forward_hook(PassHook(engine, begin=False), always_call=True),
         *engine.install_stage_hooks(),  # Note [Stages with hooks of their own] in engine.py
     )
-    installation = _Installation(engine, stages, previous, hooks)
+    installation = _Installation(engine, stages, previous, hooks, weakref.ref(model))
+    begin.installation = installation  # a deep copy of the model copies it
     _APPLIED[model] = installation
     return Handle(model, plan, installation)
 
