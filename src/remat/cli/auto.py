@@ -179,7 +179,8 @@ def render(report: AutoReport, console: Console, *, one_thread: bool = False) ->
     )
     for line in _step_lines(report, one_thread):
         console.print(line)
-    grads = "equal" if report.grads_match else "[bold red]DIFFERENT[/]"
+    grads = ("[bold red]not comparable[/]" if report.verify_detail.startswith("finite:")
+             else "equal" if report.grads_match else "[bold red]DIFFERENT[/]")
     console.print(f"gradients: {grads}; verify {'passed' if report.verify_ok else 'FAILED'}: "
                   f"{report.verify_detail}")
     console.print(_categories(report))

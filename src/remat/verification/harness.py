@@ -15,8 +15,8 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -266,6 +266,7 @@ class _Run:
     seed: int
     lr: float
     devices: list[int]
+    plain_losses: list[torch.Tensor] = field(default_factory=list)  # the trajectory's
 
     def all(
         self,
@@ -322,6 +323,12 @@ class _Run:
             )
             return [Check("runs", "error", failed), *_skipped(_COMPARED, "step 1 failed")], None
 
+        grads = (_grads(self.twin), _grads(self.plain))
+        # Note [A model that is not finite on its own]
+        plain_values = [("loss", plain_loss),
+                        *((f"gradient of the batch's {k}", t.grad)
+                          for k, t in plain_leaves.items()),
+                        *((f"gradient of {n!r}", g) for n, g in grads[1].items())]
         checks = [check_tensors("loss", [("loss", twin_loss, plain_loss)], self.policy)]
         if plain_leaves:
             checks.append(check_tensors(
@@ -332,7 +339,6 @@ class _Run:
         else:
             checks.append(Check("input-gradients", "skip",
                                 "the batch has no floating-point tensors"))
-        grads = (_grads(self.twin), _grads(self.plain))
         checks.append(check_tensors(
             "parameter-gradients", [(n, grads[0].get(n), g) for n, g in grads[1].items()],
             self.policy, what="parameter gradients",
@@ -370,7 +376,9 @@ class _Run:
         else:
             checks += trajectory
             runs = Check("runs", "pass", f"both models ran {steps} training step(s)")
-        return [runs, *checks], divergence
+        finite = _finite_check([*plain_values, *((f"step {t + 1} loss", loss) for t, loss
+                                                  in enumerate(self.plain_losses[1:], 1))])
+        return [runs, finite, *checks], divergence
 
     def _first_step(
         self,
@@ -407,6 +415,7 @@ class _Run:
                 opt.step()
         for model in models:
             model.zero_grad(set_to_none=True)
+        self.plain_losses = losses[1]
         ours, theirs = _state(self.twin), _state(self.plain)
         what = f"parameters and buffers after {steps} {optimizer} step(s)"
         checks = [
@@ -506,9 +515,39 @@ class _Run:
 
 
 _COMPARED = (
-    "loss", "input-gradients", "parameter-gradients", "sgd-step", "adamw-step",
+    "finite", "loss", "input-gradients", "parameter-gradients", "sgd-step", "adamw-step",
     "trajectory-losses", "trajectory-parameters",
 )
+
+
+# Note [A model that is not finite on its own]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The checks compare the model with the plan against the plain model, and NaN in the same
+# place on both sides compares equal (a model that is NaN anyway is not made worse by a
+# plan). A model whose own loss or gradients are NaN or infinite would so pass every
+# check while proving nothing: any plan, right or wrong, gives NaN there too. So the
+# plain model's loss (each step's), input gradients and parameter gradients must be
+# finite, or the "finite" check fails and says the comparison cannot tell; values that
+# are not finite only with the plan fail the comparisons themselves, as any difference.
+
+
+def _finite_check(named: Iterable[tuple[str, torch.Tensor | None]]) -> Check:
+    """Fails, naming the first, where one of the plain model's tensors is not finite
+    (``named``: what each is, as the message says it, and the tensor)."""
+    count = 0
+    for name, t in named:
+        if t is None or not (t.is_floating_point() or t.is_complex()):
+            continue
+        count += 1
+        bad = ~torch.isfinite(t.detach())
+        if bool(bad.any()):
+            value = "NaN" if bool(t.detach().isnan().any()) else "infinite"
+            return Check("finite", "fail",
+                         f"the model's own {name} is {value} without any plan, so verify "
+                         "cannot tell equal from unequal; fix the model, its loss or its "
+                         "inputs first", compared=count, worst=name)
+    return Check("finite", "pass", f"the plain model's {count} losses and gradients are "
+                 "finite", compared=count)
 
 
 def _guarded(fn: Callable[[], Any]) -> tuple[Any, str | None]:
