@@ -58,6 +58,7 @@ from remat.core.solve.uncertainty import (
 )
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
+from remat.measure.step import NO_GRAD
 from remat.profiling.noise import median_se
 from remat.profiling.profiler import most_over_ranks, profile
 
@@ -236,6 +237,8 @@ def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> No
                 f"loss_fn returned a {str(loss.dtype).removeprefix('torch.')} tensor of shape "
                 f"{tuple(loss.shape)}, not a scalar loss; reduce it to one number (e.g. .mean())"
             )
+        if not loss.requires_grad:
+            raise UserCodeError(NO_GRAD)
         loss.backward()
     model.zero_grad(set_to_none=True)
 

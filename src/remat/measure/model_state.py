@@ -157,9 +157,10 @@ def model_restored(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         state.restore()
 
 
-def refuse_meta(model: nn.Module, batch: Any = None) -> None:
+def refuse_meta(model: nn.Module, batch: Any = None, *, fake: bool = True) -> None:
     """UsageError where the model or batch is on the meta device: it has shapes and no
-    values, so a step would measure nothing (and compare nothing) but say it had."""
+    values, so a step would measure nothing (and compare nothing) but say it had.
+    ``fake``: the fix may be a fake profile (not for ``verify``, which needs values)."""
     named = [*((f"parameter {n!r}", t) for n, t in model.named_parameters()),
              *((f"buffer {n!r}", t) for n, t in model.named_buffers()),
              *((f"batch tensor {k}", t) for k, t in enumerate(iter_tensors(batch)))]
@@ -168,8 +169,8 @@ def refuse_meta(model: nn.Module, batch: Any = None) -> None:
             raise UsageError(
                 f"{name} is on the meta device (shapes, no values), so there is no step to "
                 "run; load real weights first (e.g. model.to_empty(device='cpu') and "
-                "initialise them), or size it without weights under remat.fake_mode() with "
-                "fake=True (docs/fake.md)")
+                "initialise them)" + (", or size it without weights under remat.fake_mode() "
+                                      "with fake=True (docs/fake.md)" if fake else ""))
 
 
 def check_batch(batch: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -51,13 +52,40 @@ def checked_loss(
 ) -> torch.Tensor:
     """``loss_fn(model, batch)``, checked to be a scalar loss that requires grad."""
     loss = loss_fn(model, batch)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-        raise UsageError(
-            f"loss_fn returned {type(loss).__name__} "
-            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must run the "
-            "forward and return the scalar loss tensor that requires grad"
-        )
+    check_loss(loss)
+    if not loss.requires_grad:
+        raise UsageError(NO_GRAD)
     return loss
+
+
+NO_GRAD = ("loss_fn returned a loss that does not require grad (detached, computed under "
+            "torch.no_grad(), or from no parameter that requires grad); return the loss "
+            "tensor the forward computed, with trainable parameters")
+
+
+def check_loss(loss: Any) -> None:
+    """UsageError unless ``loss`` is a one-element tensor (and, with grad enabled, one
+    that requires grad): the boundary where a wrong ``loss_fn`` is named, before
+    ``backward`` raises torch's own error deep inside a measurement."""
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(f"loss_fn returned {type(loss).__name__}; it must run the forward "
+                         "and return the scalar loss tensor")
+    if loss.numel() != 1:
+        raise UsageError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
+                         "return the scalar loss (reduce it, e.g. with .mean())")
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise UsageError(NO_GRAD)
+
+
+def checking_loss(loss_fn: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
+    """``loss_fn`` whose every result goes through :func:`check_loss`."""
+    @functools.wraps(loss_fn)
+    def checked(model: nn.Module, batch: Any) -> Any:
+        loss = loss_fn(model, batch)
+        check_loss(loss)
+        return loss
+
+    return checked
 
 
 def measure_step(

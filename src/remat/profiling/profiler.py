@@ -39,7 +39,7 @@ from remat.core.profile_format import (
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.core.units import first_names
 from remat.measure.model_state import check_batch, model_restored, refuse_meta
-from remat.measure.step import checked_loss, make_optimizer
+from remat.measure.step import checked_loss, checking_loss, make_optimizer
 from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
@@ -57,6 +57,7 @@ from remat.profiling.optimes import (
 )
 from remat.profiling.rounds import measured_link_rounds, timed_rounds
 from remat.profiling.run import measure_all, part_names
+from remat.profiling.timeline import StageNotRun
 from remat.profiling.twins import merge_twin_options
 from remat.runtime.compiled_stages import compile_stages, compiled_flags
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
@@ -232,6 +233,9 @@ def profile(
     else:
         refuse_meta(model, batch)
     check_batch(batch)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError("the model has no parameters that require grad, so there is no "
+                         "training step to measure; unfreeze the parameters you train")
     # the steps train the model: it is put back as it was, also after an error
     # (Note [The user's model is the user's])
     with model_restored(model, optimizer if isinstance(optimizer, torch.optim.Optimizer)
@@ -259,7 +263,7 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if options is None and tensor_parallel:
         options = (*OPTIONS, Option.selective("save-collectives"))
     options = _check_options(OPTIONS if options is None else options)
-    loss_fn = loss_fn or _default_loss
+    loss_fn = checking_loss(loss_fn or _default_loss)  # a wrong loss named, not torch's error
     names = (
         resolve_stages(model, stages)
         if stages is not None
@@ -299,20 +303,23 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
             with buffers_restored(model):
                 checked_loss(model, batch, loss_fn).backward()
             model.zero_grad(set_to_none=True)
-        m = measure_all(
-            model,
-            batch,
-            loss_fn,
-            names,
-            opt,
-            options=options,
-            repeats=repeats,
-            device=on,
-            dtype=dtype,
-            progress=progress,
-            agree=most_over_ranks if ranks_agree else None,
-            timed=timed,
-        )
+        try:
+            m = measure_all(
+                model,
+                batch,
+                loss_fn,
+                names,
+                opt,
+                options=options,
+                repeats=repeats,
+                device=on,
+                dtype=dtype,
+                progress=progress,
+                agree=most_over_ranks if ranks_agree else None,
+                timed=timed,
+            )
+        except StageNotRun as err:
+            raise _not_run(model, names, err, given=stages is not None) from err
         # tensor parallelism: what each stage communicates, and again in a rebuild
         comms = _stage_comms(model, batch, loss_fn, names) if tensor_parallel else None
     profile_s = time.perf_counter() - began
@@ -374,6 +381,29 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     total = len(part_names(options))
     progress("done", total, total)
     return result
+
+
+def _not_run(model: nn.Module, names: Sequence[str], err: StageNotRun, *, given: bool
+             ) -> UsageError:
+    """Why a stage ran no op in a phase: its parameters frozen, or a discovered stage the
+    forward does not run with grad."""
+    def trainable(name: str) -> bool:
+        return any(p.requires_grad for p in model.get_submodule(name).parameters())
+
+    own = list(model.get_submodule(err.stage).parameters())
+    if own and not any(p.requires_grad for p in own):
+        train = [n for n in names if trainable(n)]
+        fix = (f"profile only the stages that train: stages={train} (--stages "
+               f"{','.join(train)})" if train else
+               "no stage has a parameter that requires grad, so there is nothing to "
+               "checkpoint: unfreeze what you train")
+        return UsageError(f"stage {err.stage!r} ran no backward op because its parameters are "
+                          "frozen (requires_grad=False) and no gradient flows into it, so it "
+                          f"saves nothing for backward; {fix}")
+    if not given:
+        return UsageError(f"{err}, and stage {err.stage!r} was found by stage discovery; pass "
+                          "stages= (--stages) listing only the stages that train")
+    return err
 
 
 def _kv_groups(model: nn.Module) -> int:

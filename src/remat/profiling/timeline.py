@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from remat.core.errors import RematError, UsageError
 from remat.measure import Event, Phase, StepMemory
 
-__all__ = ["Span", "StepSpans", "split_step"]
+__all__ = ["Span", "StageNotRun", "StepSpans", "split_step"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ class StepSpans:
     post_modules: frozenset[str]
     stage_ops: tuple[frozenset[str], ...]  # aten ops each stage's forward ran
 
+
+
+class StageNotRun(UsageError):
+    """A stage ran no op in a phase of the measured step (``stage``: its path); the
+    profiler says why where it can (frozen parameters)."""
+
+    def __init__(self, message: str, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
 
 def _inside(path: str, stage: str) -> bool:
     return path == stage or path.startswith(stage + ".")
@@ -93,9 +102,9 @@ def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
                     last[i] = k + 1
         for i, name in enumerate(stages):
             if i not in first:
-                raise UsageError(
+                raise StageNotRun(
                     f"stage {name!r} ran no {phase.value} op in the measured step; "
-                    "list only stages the forward runs with grad"
+                    "list only stages the forward runs with grad", name
                 )
         return [(first[i], last[i]) for i in range(len(stages))]
 

@@ -25,6 +25,7 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.core.profile_format import OPTIMIZERS
+from remat.measure.model_state import refuse_meta
 from remat.measure.step import make_optimizer
 from remat.runtime.compiled_stages import stages_compiled
 from remat.runtime.identity import stage_module
@@ -218,7 +219,10 @@ def verify(
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
         raise UsageError(f"lr={lr!r} is invalid; give a positive number")
     policy = parse_tolerance(tolerance)
+    if isinstance(model_or_factory, nn.Module):  # before copying what has no values
+        refuse_meta(model_or_factory, batch, fake=False)
     plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
+    refuse_meta(plain, batch, fake=False)
     resolved = resolve_plan(plan, twin)
     for path in resolved.stages:  # a plan for another model: one sentence, before anything
         stage_module(twin, resolved, path)

@@ -20,6 +20,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.measure.step import checked_loss
 from remat.runtime.install import applied
 
 __all__ = [
@@ -59,13 +60,7 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def scalar_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-    loss = loss_fn(model, batch)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-        raise UsageError(
-            f"loss_fn returned {type(loss).__name__}; it must run the forward and return the "
-            "scalar loss tensor that requires grad"
-        )
-    return loss
+    return checked_loss(model, batch, loss_fn)
 
 
 def _map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], label: str) -> Any:
