@@ -94,6 +94,10 @@ def test_gpt_at_100_percent_plans_no_checkpointing(gpt2: Profile) -> None:
 @pytest.mark.parametrize("spec, options", [
     ("mlp-hetero", dict(n_blocks=4, d_model=32, expansion=16, batch_size=32)),
     ("gpt", dict(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64, batch_size=4)),
+    # BatchNorm stages: keep's backward transient once carried the buffers a rebuild
+    # clones (16 bytes per channel and 8 per BatchNorm over at the last block's backward)
+    ("convnet-bn", dict(n_blocks=2, n_stages=1, channels=16, image_size=8)),
+    ("resnet", dict(width=8, image_size=16, batch_size=4)),
 ])
 def test_tiny_model_at_100_percent_plans_no_checkpointing(spec: str, options: dict) -> None:
     model, batch, loss_fn = load_model(spec, **options)
