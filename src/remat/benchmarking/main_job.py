@@ -58,6 +58,7 @@ from remat.core.solve.uncertainty import (
 )
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
+from remat.measure.model_state import refuse_meta
 from remat.measure.step import NO_GRAD
 from remat.profiling.noise import median_se
 from remat.profiling.profiler import most_over_ranks, profile
@@ -225,6 +226,7 @@ def torch_threads_kept() -> Iterator[None]:
 def first_step(model: Any, batch: Any, loss_fn: Callable[[Any, Any], Any]) -> None:
     """One plain training step (gradients dropped after), so that the user's own code
     fails here, named, instead of deep inside profiling."""
+    refuse_meta(model, batch, fake=False)  # no step to run: a usage error, not the user's code
     with step("the first training step"):
         loss = loss_fn(model, batch)
         if not isinstance(loss, torch.Tensor):

@@ -377,7 +377,7 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
     transformers_model = type(model).__module__.startswith("transformers.")
     for note in notes(result, transformers_model=transformers_model):
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note, stacklevel=4)  # _measured, profile, its wrapper: the caller
     total = len(part_names(options))
     progress("done", total, total)
     return result

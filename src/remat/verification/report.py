@@ -23,6 +23,7 @@ __all__ = [
 #: The checks verify runs, in report order.
 CHECK_NAMES = (
     "runs",
+    "finite",
     "loss",
     "input-gradients",
     "parameter-gradients",
