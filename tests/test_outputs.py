@@ -354,3 +354,19 @@ def test_a_plan_for_a_user_calibrated_device_says_so(
     said = f"note: device 'h200' is the entry of the user's device table {table} in place of"
     assert said in printed
     assert json.loads(out.read_text())["device_note"].startswith("note: device 'h200'")
+
+
+def test_a_plan_file_for_a_user_calibrated_device_carries_the_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from remat.core.devices import BUILT_IN, save_device
+
+    table = tmp_path / "devices.json"
+    monkeypatch.setenv("REMAT_DEVICES", str(table))
+    save_device(dataclasses.replace(BUILT_IN["h200"], source="remat calibrate here"))
+    out = tmp_path / "plan.json"
+    sets = ["--set=n_layer=2", "--set=n_embd=16", "--set=n_head=2", "--set=block_size=16"]
+    assert main(["plan", "--fake", "--device", "h200", "--model", "gpt", *sets,
+                 "--batch-size", "1", "--budget", "64MiB", "--json", str(out)]) == 0
+    notes = json.loads(out.read_text()).get("notes", [])
+    assert any(f"the user's device table {table}" in n for n in notes), notes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from rich import box
@@ -344,9 +345,11 @@ def run(args: argparse.Namespace) -> int:
         # the simplest of the plans tied within the noise
         result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
     result = with_made_for(result, source)
-    console.print(plan_table(result))
     for text in result.notes:  # what the solver chose on its own (a chain too long)
         console.print(f"note: {text}")
+    if note is not None:  # printed above; the plan file says it too
+        result = replace(result, notes=(*result.notes, note))
+    console.print(plan_table(result))
     if result.reshard_after_rebuild:
         console.print("FSDP2 units: each one a rebuild gathers is resharded after its call and "
                       "gathered again for its backward (less memory than keeping it gathered "
