@@ -48,7 +48,6 @@ class StepSpans:
     stage_ops: tuple[frozenset[str], ...]  # aten ops each stage's forward ran
 
 
-
 class StageNotRun(UsageError):
     """A stage ran no op in a phase of the measured step (``stage``: its path); the
     profiler says why where it can (frozen parameters)."""
@@ -56,6 +55,7 @@ class StageNotRun(UsageError):
     def __init__(self, message: str, stage: str) -> None:
         super().__init__(message)
         self.stage = stage
+
 
 def _inside(path: str, stage: str) -> bool:
     return path == stage or path.startswith(stage + ".")
