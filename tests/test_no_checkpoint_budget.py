@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import remat
 from remat.core.errors import CheckFailed
@@ -102,6 +103,30 @@ def test_gpt_at_100_percent_plans_no_checkpointing(gpt2: Profile) -> None:
 def test_tiny_model_at_100_percent_plans_no_checkpointing(spec: str, options: dict) -> None:
     model, batch, loss_fn = load_model(spec, **options)
     measured = profile(model, batch, loss_fn, repeats=1)
+    assert measured.predicted_peak_bytes == measured.measured_peak_bytes
+    plan = remat.plan(measured, "100%")
+    assert _checkpoints_nothing(plan), (plan.regions, plan.options)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def test_a_sequential_fed_the_batch_itself_counts_its_first_input_once() -> None:
+    # README's "Your own model": the first stage's input is the batch, alive from the
+    # step's start (Note [The first input at the start]); it was counted twice
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_Block(32) for _ in range(4)))
+    batch = torch.randn(64, 32)
+    measured = profile(model, batch, lambda m, b: m(b).pow(2).mean(), repeats=1)
+    assert measured.fixed.first_input_at_start_bytes == batch.nbytes
     assert measured.predicted_peak_bytes == measured.measured_peak_bytes
     plan = remat.plan(measured, "100%")
     assert _checkpoints_nothing(plan), (plan.regions, plan.options)

@@ -308,6 +308,10 @@ class FixedBytes:
     # (``post_chain_bytes`` is the larger); None in profiles from before they were kept.
     post_chain_forward_bytes: int | None = None
     post_chain_backward_bytes: int | None = None
+    # The bytes of the first stage's input that were alive when the step began (a
+    # Sequential model fed the batch itself, a learned query parameter): counted in
+    # ``inputs`` (or ``params``) already, and alive all step. Written only when set.
+    first_input_at_start_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
@@ -351,6 +355,7 @@ _OPTIONAL_FIXED_FIELDS = (
     ("backward_residue_bytes", "backward_residue"),
     ("post_chain_forward_bytes", "post_chain_forward"),
     ("post_chain_backward_bytes", "post_chain_backward"),
+    ("first_input_at_start_bytes", "first_input_at_start"),
 )
 _NULLABLE_FIXED_FIELDS = frozenset({"post_chain_forward_bytes", "post_chain_backward_bytes"})
 

@@ -250,6 +250,10 @@ def fixed_bytes(
     return FixedBytes(
         **m.counts,
         pre_chain_bytes=max(0, pre_chain),
+        # below zero: the first stage's input was alive at the step's start (the batch
+        # itself, a parameter), counted there already (Note [The first input at the start]
+        # in remat.core.solve.from_profile)
+        first_input_at_start_bytes=min(first_boundary_bytes, max(0, -pre_chain)),
         post_chain_bytes=max(
             0,
             spans.post_forward.peak_bytes - chain_end,

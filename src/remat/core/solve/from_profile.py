@@ -19,6 +19,16 @@ map one to one. The rest:
   the loss alive, so charging it there too (with ``pre_chain_bytes``, as before) counted
   it twice: a float32 loss and its gradient put the predicted peak without checkpointing
   8 bytes above the measured one wherever that peak is the post-chain's.
+* Note [The first input at the start]: where the first stage's input was alive when the
+  step began (a Sequential model fed the batch itself, a learned query parameter), the
+  simulator would count it twice, in ``input_bytes`` (or ``params_bytes``) and as the
+  chain's first boundary ``x_0``: every event over by its size, and the peak without
+  checkpointing of such a model with it (64 KiB on a 6-block MLP fed a 256 x 64 batch).
+  ``pre_chain_bytes`` then goes below zero by those bytes
+  (``fixed.first_input_at_start_bytes``), which is exact while ``x_0`` is held; after
+  stage 0's backward lets ``x_0`` go, the pre-chain's backward event is short of it as
+  much as it counts ``x_0``'s gradient, which a batch that does not require grad never
+  gets, and the pre-chain's bytes are back from the optimizer step on.
 * ``extra_bwd_s``: a selective option's measured cost (its unsaved ops rebuilt and its
   checkpoint frame); a profile of schema version 1 has none, and its options cost no time.
 * parameter gradients: the profile says which part creates each (stages' ``grad_bytes``,
@@ -93,7 +103,8 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         post_chain_grads_bytes=fixed.post_chain_grads_bytes,
         optimizer_step_bytes=fixed.optimizer_step_bytes,
         optimizer_bytes=fixed.optimizer_state_bytes,
-        pre_chain_bytes=fixed.pre_chain_bytes,
+        # Note [The first input at the start]
+        pre_chain_bytes=fixed.pre_chain_bytes - fixed.first_input_at_start_bytes,
         # The loss (and what autograd keeps with it), alive through the chain's backward to
         # the pre-chain's; the post-chain's figures, measured from the chain's end, have it.
         backward_residue_bytes=fixed.backward_residue_bytes,

@@ -319,7 +319,20 @@ class Problem(JsonArtifact):
                     "the next one's input, so give them the same size"
                 )
         for name in _FIXED_BYTES:
-            object.__setattr__(self, name, _bytes(getattr(self, name), name))
+            if name != "pre_chain_bytes":
+                object.__setattr__(self, name, _bytes(getattr(self, name), name))
+        # below zero by at most x_0: the first input was alive at the step's start (Note
+        # [The first input at the start] in from_profile.py)
+        pre, first = self.pre_chain_bytes, stages[0].boundary_bytes
+        if isinstance(pre, int) and not isinstance(pre, bool) and pre < 0:
+            if pre < -first:
+                raise UsageError(
+                    f"pre_chain_bytes={pre} is below minus the first stage's boundary_bytes "
+                    f"({first}); it goes below zero only by the bytes of the first input "
+                    "alive at the step's start, at most that boundary")
+        else:
+            pre = _bytes(pre, "pre_chain_bytes")
+        object.__setattr__(self, "pre_chain_bytes", pre)
         if self.post_chain_backward_bytes is not None:
             backward = _bytes(self.post_chain_backward_bytes, "post_chain_backward_bytes")
             object.__setattr__(self, "post_chain_backward_bytes", backward)
