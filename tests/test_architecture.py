@@ -27,6 +27,7 @@ LAYERS: tuple[str, ...] = (
     "remat.distributed",
     "remat.pipelining",
     "remat.benchmarking",
+    "remat.in_script",
     "remat.demo",
     "remat.cli",
     "remat",  # the package itself: remat/__init__.py and remat/__main__.py

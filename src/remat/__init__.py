@@ -1,7 +1,8 @@
 """remat: budget-optimal, automatic and verified activation checkpointing for PyTorch.
 
 The public entry points are plain functions: ``remat.profile``, ``remat.plan``,
-``remat.apply``/``remat.remove``, ``remat.verify``, ``remat.bench`` and ``remat.auto``.
+``remat.apply``/``remat.remove``, ``remat.verify``, ``remat.bench``, ``remat.auto`` and,
+in a training script, ``remat.auto_checkpoint``.
 The torch-free core (:mod:`remat.core`) imports without torch; everything is loaded on
 first use (PEP 562), so ``import remat`` stays cheap. ``docs/architecture.md`` maps the
 packages.
@@ -29,6 +30,7 @@ _LAZY: dict[str, str] = {
     "verify": "remat.verification.harness",
     "bench": "remat.benchmarking.run",
     "auto": "remat.benchmarking.main_job",
+    "auto_checkpoint": "remat.in_script.script_entry",
     "compile_stages": "remat.runtime.compiled_stages",
     "uncompile_stages": "remat.runtime.compiled_stages",
     "fake_mode": "remat.profiling.fake",
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from remat.core.plan_format import Plan, Region
     from remat.core.planner import plan
     from remat.core.profile_format import Profile
+    from remat.in_script.script_entry import auto_checkpoint
     from remat.profiling.fake import fake_mode
     from remat.profiling.profiler import profile
     from remat.runtime.compiled_stages import compile_stages, uncompile_stages
@@ -61,6 +64,7 @@ __all__ = [
     "applied",
     "apply",
     "auto",
+    "auto_checkpoint",
     "bench",
     "compile_stages",
     "fake_mode",

@@ -1,0 +1,214 @@
+"""``remat.auto_checkpoint``: one call in the user's own training script.
+
+It profiles the model on the batch, plans the fastest schedule under the budget, applies
+it and returns a handle whose ``report`` says what it did; the model's weights, buffers,
+gradients and flags are as they were (``remat.profile`` puts them back). The plan is kept
+on disk (Note [The plan cache] in :mod:`.plan_cache`), so the next launch of the same
+script applies it without profiling, unless the model, the batch's shapes, the device or
+torch changed, which it says.
+
+This first form plans for the one batch shape given; batches of other shapes run the
+same plan, which the profile did not price (docs/runtime.md, "Use it in your training
+script").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core import __version__
+from remat.core.errors import UsageError
+from remat.core.model_identity import fingerprint
+from remat.core.plan_format import Plan
+from remat.core.planner import plan as make_plan
+from remat.core.profile_format import OPTIMIZERS
+from remat.core.solve.budget import check_budget
+from remat.core.units import format_bytes
+from remat.in_script.plan_cache import (
+    cache_folder,
+    changed_fields,
+    load_entry,
+    save_entry,
+    slot_path,
+)
+from remat.measure.model_state import check_batch, refuse_meta
+from remat.measure.tracker import iter_tensors
+from remat.profiling.profiler import profile
+from remat.runtime.install import Handle, apply, check_free
+
+__all__ = ["AutoCheckpoint", "AutoCheckpointReport", "auto_checkpoint"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+@dataclass(frozen=True)
+class AutoCheckpointReport:
+    """What ``auto_checkpoint`` did: where the plan came from and what it predicts."""
+
+    source: str  # "profiled" or "cache"
+    why: str | None  # why it profiled (no plan cached, what changed); None from the cache
+    budget_bytes: int | None
+    predicted_peak_bytes: int | None
+    predicted_overhead: float | None  # step time over the step without checkpointing
+    regions: tuple[str, ...]
+    seconds: float
+    cache_path: Path | None
+
+    def __str__(self) -> str:
+        where = ("from the plan cache" if self.source == "cache"
+                 else f"profiled and planned ({self.why})")
+        regions = " ".join(self.regions) or "none"
+        parts = [f"remat: plan {where}, applied in {self.seconds:.2f} s; regions {regions}"]
+        if self.predicted_peak_bytes is not None and self.budget_bytes is not None:
+            parts.append(f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a "
+                         f"{format_bytes(self.budget_bytes)} budget")
+        if self.predicted_overhead is not None:
+            parts.append(f"predicted step time {self.predicted_overhead:+.1%}")
+        return "; ".join(parts)
+
+
+@dataclass(eq=False)
+class AutoCheckpoint:
+    """The plan ``auto_checkpoint`` applied: ``remove()`` undoes it (as
+    ``remat.remove(model)``), ``report`` says what was done."""
+
+    handle: Handle
+    plan: Plan
+    report: AutoCheckpointReport
+
+    @property
+    def active(self) -> bool:
+        return self.handle.active
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    def __repr__(self) -> str:
+        return f"AutoCheckpoint({self.report})"
+
+
+def _transformers_loss(model: nn.Module, batch: Any) -> Any:
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        raise UsageError("the transformers model returned no loss; put 'labels' in the batch "
+                         "or pass loss_fn(model, batch)")
+    return loss
+
+
+def _loss_for(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> LossFn | None:
+    """``loss_fn``; for a transformers model fed a mapping, ``model(**batch).loss``; else
+    None (the profile's default: the model's output, reduced)."""
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise UsageError(f"loss_fn is a {type(loss_fn).__name__}; pass a function "
+                             "loss_fn(model, batch) that returns the scalar loss")
+        return loss_fn
+    if type(model).__module__.startswith("transformers.") and isinstance(batch, Mapping):
+        return _transformers_loss
+    return None
+
+
+def _fields(model: nn.Module, batch: Any, optimizer: str) -> dict[str, Any]:
+    """What a cached plan depends on (Note [The plan cache])."""
+    tensors = [*(("param", n, p.shape, str(p.dtype)) for n, p in model.named_parameters()),
+               *(("buffer", n, b.shape, str(b.dtype)) for n, b in model.named_buffers()),
+               *(("flag", n, (), str(p.requires_grad)) for n, p in model.named_parameters())]
+    first = next(model.parameters(), None)
+    return {
+        "parameters": fingerprint(tensors),
+        "batch": [[list(t.shape), str(t.dtype).removeprefix("torch.")]
+                  for t in iter_tensors(batch)],
+        "device": str(first.device) if first is not None else "cpu",
+        "torch": str(torch.__version__),
+        "remat": __version__,
+        "optimizer": optimizer,
+    }
+
+
+def auto_checkpoint(
+    model: nn.Module,
+    budget: str | int | float,
+    *,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    optimizer: str = "adamw",
+    stages: list[str] | tuple[str, ...] | None = None,
+    cache: str | os.PathLike[str] | bool | None = None,
+    repeats: int = 2,
+) -> AutoCheckpoint:
+    """Profile ``model`` on ``batch``, plan it under ``budget`` and apply the plan.
+
+    ``budget``: the peak of a whole training step, in bytes or a size (``"12GiB"``), or a
+    fraction of the measured peak without checkpointing (``"60%"``). ``loss_fn(model,
+    batch)`` runs the forward and returns the scalar loss; by default ``model(**batch).loss``
+    for a transformers model fed a mapping, else the model's output (reduced).
+    ``optimizer``: what the step's optimizer state is measured as (``adamw``,
+    ``adamw-fused``, ``sgd``). ``stages``: the chain's module paths (default: discovered).
+    ``cache``: a folder for plans, or False for none (default ``REMAT_CACHE``, else
+    ``~/.cache/remat/plans``; Note [The plan cache]). ``repeats``: the profile's timed
+    rounds. Raises :class:`remat.CheckFailed` (naming the least budget) when no plan fits,
+    and ``UsageError`` for bad input, both with the model as it was.
+    """
+    began = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    check_free(model)
+    check_batch(batch)
+    refuse_meta(model, batch, fake=False)
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+        raise UsageError(f"optimizer={optimizer!r} is unknown; use one of "
+                         f"{', '.join(OPTIMIZERS)}")
+    if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
+        raise UsageError(f"budget={budget!r} is not a budget; give bytes, a size such as "
+                         "'12GiB', or a fraction such as '60%'")
+    check_budget(budget)
+    if stages is not None and (isinstance(stages, str) or not all(
+            isinstance(s, str) for s in stages)):
+        raise UsageError(f"stages={stages!r} is not a list of module paths")
+    loss = _loss_for(model, batch, loss_fn)
+    folder = cache_folder(cache)
+    fields = _fields(model, batch, optimizer)
+    slot = {"model": type(model).__name__, "stages": None if stages is None else list(stages),
+            "budget": str(budget), "optimizer": optimizer}
+    path = None if folder is None else slot_path(folder, slot)
+    entry = None if path is None else load_entry(path)
+    why = "the plan cache is off" if path is None else "no plan cached for this model"
+    if entry is not None:
+        changed = changed_fields(entry.fields, fields)
+        if entry.plan is not None and not changed:
+            try:
+                handle = apply(model, entry.plan)
+            except UsageError as err:  # the stages moved though the fields agree
+                why = f"the cached plan did not apply ({err})"
+            else:
+                return _result(handle, entry.plan, "cache", None, began, path)
+        else:
+            why = ("the cached entry was unreadable" if entry.plan is None
+                   else "; ".join(changed))
+    prof = profile(model, batch, loss, stages, optimizer, repeats=repeats)
+    plan = make_plan(prof, budget)
+    if path is not None:
+        save_entry(path, fields, plan)  # before apply: a bad folder changes nothing
+    handle = apply(model, plan)
+    return _result(handle, plan, "profiled", why, began, path)
+
+
+def _result(handle: Handle, plan: Plan, source: str, why: str | None, began: float,
+            path: Path | None) -> AutoCheckpoint:
+    t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
+    report = AutoCheckpointReport(
+        source=source, why=why, budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        predicted_overhead=t / t0 - 1 if t and t0 else None,
+        regions=tuple(str(r) for r in plan.regions),
+        seconds=time.perf_counter() - began, cache_path=path)
+    return AutoCheckpoint(handle, plan, report)

@@ -1,0 +1,171 @@
+"""``remat.auto_checkpoint``: one call in the user's own training script (issue 48, item 3,
+single-shape form): profile, plan, apply, the model's weights as they were, and the plan
+kept on disk for the next launch (Note [The plan cache] in ``remat.in_script.plan_cache``)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core.errors import CheckFailed, UsageError
+from remat.in_script import script_entry
+from remat.measure.step import measure_step
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _model(width: int = 32, depth: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(width) for _ in range(depth)))
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+BATCH = torch.randn(256, 32)
+
+
+def test_one_call_applies_a_plan_within_the_budget_and_leaves_the_weights(
+    tmp_path: Path,
+) -> None:
+    model = _model()
+    plain = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = remat.auto_checkpoint(model, "60%", batch=BATCH, loss_fn=_loss, cache=tmp_path)
+    assert done.active and remat.applied(model)
+    assert done.report.source == "profiled"
+    assert done.plan.regions or any(not o.is_keep for o in done.plan.parsed_options)
+    assert "no plan cached" in (done.report.why or "")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed"
+    # the user's own loop: the planned step fits the budget and trains as the plain model
+    step = measure_step(model, BATCH, _loss, torch.optim.SGD(model.parameters(), lr=0.0))
+    assert done.plan.budget_bytes is not None
+    assert step.peak_bytes <= done.plan.budget_bytes
+    for m in (model, plain):
+        m.zero_grad(set_to_none=True)
+        _loss(m, BATCH).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert "regions" in str(done.report)
+    done.remove()
+    assert not remat.applied(model)
+
+
+def test_a_second_launch_applies_the_cached_plan_without_profiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = remat.auto_checkpoint(_model(), "60%", batch=BATCH, loss_fn=_loss, cache=tmp_path)
+
+    def no_profile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached plan must apply without profiling")
+
+    monkeypatch.setattr(script_entry, "profile", no_profile)
+    model = _model()  # the next launch builds the model again
+    began = time.perf_counter()
+    again = remat.auto_checkpoint(model, "60%", batch=BATCH.clone(), loss_fn=_loss,
+                                  cache=tmp_path)
+    assert time.perf_counter() - began < 1.0
+    assert again.report.source == "cache" and again.report.why is None
+    assert again.plan == first.plan
+    assert remat.applied(model)
+
+
+@pytest.mark.parametrize("change, said", [
+    ("batch", "the batch's shapes or dtypes changed"),
+    ("model", "the model's parameters or buffers"),
+])
+def test_a_changed_batch_or_model_plans_again_and_says_why(
+    change: str, said: str, tmp_path: Path,
+) -> None:
+    remat.auto_checkpoint(_model(), "60%", batch=BATCH, loss_fn=_loss, cache=tmp_path)
+    model = _model(depth=7) if change == "model" else _model()
+    batch = torch.randn(512, 32) if change == "batch" else BATCH
+    again = remat.auto_checkpoint(model, "60%", batch=batch, loss_fn=_loss, cache=tmp_path)
+    assert again.report.source == "profiled"
+    assert said in (again.report.why or ""), again.report.why
+    # the entry now holds the new plan: a third launch takes it from the cache
+    model = _model(depth=7) if change == "model" else _model()
+    third = remat.auto_checkpoint(model, "60%", batch=batch, loss_fn=_loss, cache=tmp_path)
+    assert third.report.source == "cache"
+
+
+def test_the_cache_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REMAT_CACHE", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    done = remat.auto_checkpoint(_model(), "60%", batch=BATCH, loss_fn=_loss)
+    assert done.report.cache_path is None
+    assert done.report.why == "the plan cache is off"
+    assert not any(tmp_path.rglob("*.json"))
+    monkeypatch.setenv("REMAT_CACHE", str(tmp_path / "here"))
+    done.remove()
+    done = remat.auto_checkpoint(_model(), "60%", batch=BATCH, loss_fn=_loss)
+    assert done.report.cache_path is not None
+    assert done.report.cache_path.parent == tmp_path / "here"
+
+
+def test_an_unreadable_entry_is_planned_again(tmp_path: Path) -> None:
+    done = remat.auto_checkpoint(_model(), "60%", batch=BATCH, loss_fn=_loss, cache=tmp_path)
+    assert done.report.cache_path is not None
+    done.report.cache_path.write_bytes(b"\xff{ not json")
+    again = remat.auto_checkpoint(_model(), "60%", batch=BATCH, loss_fn=_loss, cache=tmp_path)
+    assert again.report.source == "profiled"
+    assert again.report.why == "the cached entry was unreadable"
+
+
+def test_no_plan_fits_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckFailed, match="no plan fits"):
+        remat.auto_checkpoint(model, "64KiB", batch=BATCH, loss_fn=_loss, cache=tmp_path)
+    assert not remat.applied(model)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not any(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(budget=None), "not a budget"),
+    (dict(budget=True), "not a budget"),
+    (dict(budget="12 parsecs"), "budget"),
+    (dict(optimizer="adam"), "unknown"),
+    (dict(batch=None), "batch is None"),
+    (dict(stages="0,1"), "not a list of module paths"),
+    (dict(cache=3), "not a folder"),
+])
+def test_bad_input_is_a_usage_error_before_any_work(kwargs: dict, said: str) -> None:
+    model = _model()
+    args = {"budget": "60%", "batch": BATCH, "loss_fn": _loss, "cache": False, **kwargs}
+    with pytest.raises(UsageError, match=said):
+        remat.auto_checkpoint(model, args.pop("budget"), **args)
+    assert not remat.applied(model)
+
+
+def test_a_transformers_model_trains_on_its_own_loss(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from remat.models import load_model
+
+    model, batch, _ = load_model("hf:llama", num_hidden_layers=3, hidden_size=32,
+                                 intermediate_size=64, num_attention_heads=2,
+                                 num_key_value_heads=2, batch_size=2)
+    done = remat.auto_checkpoint(model, "70%", batch=batch, cache=tmp_path)
+    assert done.plan.regions or any(not o.is_keep for o in done.plan.parsed_options)
+    loss = model(**batch).loss
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
