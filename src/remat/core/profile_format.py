@@ -214,6 +214,11 @@ class StageProfile(StageRecord):
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
+            **({"rebuild_grad_bytes": self.rebuild_grad_bytes} if self.rebuild_grad_bytes
+               else {}),
+            **({"cast_cache_bytes": self.cast_cache_bytes,
+                "cast_unsaved_bytes": self.cast_unsaved_bytes} if self.cast_cache_bytes
+               else {}),
             **({"identity": self.identity.to_dict()} if self.identity is not None else {}),
             **({"same_as": self.same_as} if self.same_as is not None else {}),
             **(
@@ -268,6 +273,9 @@ _OPTIONAL_STAGE_KEYS = (
     "input_kept_by_option",
     "reads",
     "pending_grad_bytes",
+    "rebuild_grad_bytes",
+    "cast_cache_bytes",
+    "cast_unsaved_bytes",
     "identity",
     "same_as",
     "time_spread",
@@ -312,6 +320,9 @@ class FixedBytes:
     # Sequential model fed the batch itself, a learned query parameter): counted in
     # ``inputs`` (or ``params``) already, and alive all step. Written only when set.
     first_input_at_start_bytes: int = 0
+    # Of pre_chain_bytes, the casts autocast's cache keeps that autograd does not save,
+    # gone at the forward's end (remat.profiling.casts). Written only when set.
+    pre_chain_cast_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
@@ -356,6 +367,7 @@ _OPTIONAL_FIXED_FIELDS = (
     ("post_chain_forward_bytes", "post_chain_forward"),
     ("post_chain_backward_bytes", "post_chain_backward"),
     ("first_input_at_start_bytes", "first_input_at_start"),
+    ("pre_chain_cast_bytes", "pre_chain_cast"),
 )
 _NULLABLE_FIXED_FIELDS = frozenset({"post_chain_forward_bytes", "post_chain_backward_bytes"})
 

@@ -132,6 +132,20 @@ class StageRecord:
     # connection's), alive from this stage's backward until backward passes the stage that
     # made them: they depend on where backward is, not on the plan.
     pending_grad_bytes: int = 0
+    # What this stage's backward holds when its first node asks a region ending here for
+    # its rebuild, beyond the gradient of the stage's output: under autocast, that gradient
+    # cast to the lower dtype for the stage's last op (a residual add of a bf16 branch).
+    # Alive through the rebuild of a region ending at this stage, gone by its backward's
+    # own peak (keep's backward transient has it). Note [What a rebuild starts with] in
+    # remat.core.solve.simulator.
+    rebuild_grad_bytes: int = 0
+    # Under autocast: the parameters' casts this stage's forward makes, which autocast's
+    # cache keeps until the autocast region exits (the end of the forward, or of a
+    # rebuild), whether autograd saves them or not; and of those, what a forward under
+    # keep does not save (a Linear's bias: its backward needs no bias). Note [Autocast's
+    # cast cache] in remat.core.solve.simulator.
+    cast_cache_bytes: int = 0
+    cast_unsaved_bytes: int = 0
     # Of saved_bytes, what the model's code between the previous stage and this one keeps
     # for backward (a block the chain does not list: a module between two stages the user named).
     link_saved_bytes: int = 0
@@ -143,6 +157,7 @@ class StageRecord:
         where = self.where
         for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
                      "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes",
+                     "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes",
                      "link_saved_bytes"):
             object.__setattr__(self, name, self.nbytes(getattr(self, name), name))
         if self.nosave_transient_bytes is not None:

@@ -16,6 +16,11 @@ the simulator's event for the same step:
 * each selective step (one option on every stage) gives what that option's backward
   needs beyond it: added to the stage's ``selective_bwd_transient_bytes``.
 
+* the step with one region per stage gives each stage's ``rebuild_grad_bytes``: what its
+  backward made before the rebuild began (measured directly, not as a difference);
+* one forward outside any plan gives what autocast's cache keeps of each stage's casts
+  (``cast_cache_bytes``, ``cast_unsaved_bytes``: :mod:`.casts`).
+
 A chain the simulator already counts to the byte (a transformer stack) gets zeros.
 Differences below zero (the simulator over by a conservative term) are left at zero.
 """
@@ -55,6 +60,19 @@ def calibrated(profile: Profile, m: Measurements) -> Profile:
         replace(s, pending_grad_bytes=s.pending_grad_bytes + p)
         for s, p in zip(profile.stages, pending, strict=True)
     ))
+    if m.rebuild_grads:  # measured, not a difference (Note [What a rebuild starts with])
+        profile = replace(profile, stages=tuple(
+            replace(s, rebuild_grad_bytes=r)
+            for s, r in zip(profile.stages, m.rebuild_grads, strict=True)
+        ))
+    if m.pre_chain_casts:
+        profile = replace(profile, fixed=replace(profile.fixed,
+                                                 pre_chain_cast_bytes=m.pre_chain_casts))
+    if any(m.cast_cache):  # measured (remat.profiling.casts)
+        profile = replace(profile, stages=tuple(
+            replace(s, cast_cache_bytes=c, cast_unsaved_bytes=u)
+            for s, c, u in zip(profile.stages, m.cast_cache, m.cast_unsaved, strict=True)
+        ))
     names = profile.stage_names
     short = {
         option: _shortfall(profile, Plan(names, options=(option,) * len(names)), spans)

@@ -48,6 +48,7 @@ from remat.core.stage_record import HeldRead
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step
 from remat.measure.tracker import iter_tensors
 from remat.profiling._tensors import buffers_restored
+from remat.profiling.casts import cast_cache
 from remat.profiling.identical import recording_signatures
 from remat.profiling.links import find_breaks
 from remat.profiling.noise import MAX_ADDED_ROUNDS, PAIRED_SE, extra_rounds, paired_se
@@ -56,7 +57,7 @@ from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.pooling import identical_groups
 from remat.profiling.stage_ops import eager_stage_ops
-from remat.profiling.timeline import Span, StepSpans, split_step
+from remat.profiling.timeline import Span, StepSpans, rebuild_starts, split_step
 from remat.profiling.timing import StepTimes, bare_step_s, timed_steps
 from remat.runtime import apply
 from remat.runtime.compiled_stages import compiled_flags
@@ -107,6 +108,14 @@ class Measurements:
     spanning_steps: tuple[StepTimes, ...] = ()
     # round by round: the plain step timed without hooks (timing.bare_step_s)
     bare_steps: tuple[float, ...] = ()
+    # per stage: what its backward made before its rebuild began, in a step with one
+    # region per stage (Note [What a rebuild starts with] in remat.core.solve.simulator)
+    rebuild_grads: tuple[int, ...] = ()
+    # per stage: what autocast's cache keeps of its parameters' casts, and what of that
+    # autograd does not save (remat.profiling.casts)
+    cast_cache: tuple[int, ...] = ()
+    cast_unsaved: tuple[int, ...] = ()
+    pre_chain_casts: int = 0
 
     @property
     def plain_step_s(self) -> tuple[float, ...]:
@@ -186,6 +195,28 @@ def _replayed(
         gc.unfreeze()
         handle.remove()
     return split_step(step, names).stage_backward
+
+
+def _rebuild_grads(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    names: tuple[str, ...],
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+) -> tuple[int, ...]:
+    """Per stage, what its backward made before its region's rebuild began, in one step
+    with ``plan`` (one region per stage): under autocast, the incoming gradient cast to the
+    lower dtype at a mixed-dtype residual add (:func:`.timeline.rebuild_starts`)."""
+    handle = apply(model, plan)
+    gc.freeze()
+    try:
+        with buffers_restored(model):
+            step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True)
+    finally:
+        gc.unfreeze()
+        handle.remove()
+    return rebuild_starts(step, names)
 
 
 def measure_all(
@@ -375,6 +406,12 @@ def measure_all(
         # A stage that runs none of an option's ops replays like save-nothing.
         selective_backward[NOTHING] = _replayed(model, batch, loss_fn, names, optimizer, NOTHING)
 
+    rebuild_grads = _rebuild_grads(model, batch, loss_fn, names, optimizer, per_stage)
+    # a compiled stage's casts happen inside its graph, out of sight: none counted there;
+    # a fake profile's tensors have no storage to tell casts apart by
+    cached, unsaved, pre_casts = (((), (), 0) if any(compiled) or not timed
+                                  else cast_cache(model, batch, loss_fn, names))
+
     part(parts[-1])
     overhead = region_overhead(dtype=dtype, device=device)
     return Measurements(
@@ -386,6 +423,10 @@ def measure_all(
         before_chain_grads=links.before_chain_grad_bytes,
         plain_steps=tuple(plain),
         per_stage_steps=tuple(rebuilt),
+        rebuild_grads=rebuild_grads,
+        cast_cache=cached,
+        cast_unsaved=unsaved,
+        pre_chain_casts=pre_casts,
         spanning=spanning,
         spanning_steps=tuple(spanned),
         bare_steps=tuple(bare),

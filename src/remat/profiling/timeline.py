@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from remat.core.errors import RematError, UsageError
 from remat.measure import Event, Phase, StepMemory
 
-__all__ = ["Span", "StageNotRun", "StepSpans", "split_step"]
+__all__ = ["Span", "StageNotRun", "StepSpans", "rebuild_starts", "split_step"]
 
 
 @dataclass(frozen=True)
@@ -134,4 +134,43 @@ def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
         pre_modules=modules(0, first_fwd),
         post_modules=modules(last_fwd, bwd_start),
         stage_ops=tuple(ops(a, b) for a, b in fwd),
+    )
+
+
+def rebuild_starts(step: StepMemory, stages: Sequence[str]) -> tuple[int, ...]:
+    """Per stage, in a step with one region per stage: what its backward had made when its
+    rebuild began, beyond what was alive when its backward began (at least 0).
+
+    A stage's backward begins at its first backward or rebuild op (the gradient of its
+    output is alive then, and all the previous stage's backward let go of is gone); its
+    rebuild at its first rebuild op. The ops between are the backward's nodes that need
+    no saved tensor: under autocast, the cast of the incoming gradient to the branch's
+    dtype at a mixed-dtype residual add (Note [What a rebuild starts with] in
+    ``remat.core.solve.simulator``). A stage whose rebuild ran no op (nothing to rebuild)
+    gets 0.
+    """
+    events = step.timeline
+    if events is None:
+        raise RematError("internal error: the step was measured without a timeline")
+    bwd_start = next((k for k, e in enumerate(events) if e.phase is Phase.BACKWARD),
+                     len(events))
+    first: dict[int, int] = {}
+    rebuild: dict[int, int] = {}
+    for k in range(bwd_start, len(events)):
+        e = events[k]
+        if e.phase not in (Phase.BACKWARD, Phase.REBUILD):
+            continue
+        i = next((j for j, s in enumerate(stages) if _inside(e.module_path, s)), -1)
+        if i < 0:
+            continue
+        first.setdefault(i, k)
+        if e.phase is Phase.REBUILD:
+            rebuild.setdefault(i, k)
+
+    def live_before(k: int) -> int:
+        return events[k - 1].live_bytes if k > 0 else step.start_bytes
+
+    return tuple(
+        max(0, live_before(rebuild[i]) - live_before(first[i])) if i in rebuild else 0
+        for i in range(len(stages))
     )

@@ -201,6 +201,10 @@ class Model:
         # the rebuild forwards of a level ending at p (none after the chain: T(0)).
         for p in range(1, n + 1):
             self.sg[p] += st[p - 1].pending_grad_bytes
+        # rg[e]: what the backward of stage e - 1 made before asking a region ending at e
+        # for its rebuild, alive through that rebuild (Note [What a rebuild starts with]
+        # in remat.core.solve.simulator)
+        self.rg = [0] + [s.rebuild_grad_bytes for s in st]
         # No gradient exists in the top-level forward: that much more room, in whole slots
         # of the budget (rounded down, so a plan accepted here fits in bytes).
         self.gs = (spare_bytes + problem.unattributed_grads_bytes) // q
@@ -371,7 +375,7 @@ class Model:
     def grads_during(self, e: int | None) -> int:
         """Gradients beyond the base during a forward in the level ending at ``e``: those of
         ``x_e`` and ``T(e)`` (None: the top-level forward, none)."""
-        return 0 if e is None else self.a[e] + self.sg[e]
+        return 0 if e is None else self.a[e] + self.sg[e] + self.rg[e]
 
     def fwd(self, k: int, j: int, h: int, e: int | None) -> int:
         """Forward with grad; ``e`` is the level's end (None at the top: no gradient yet,

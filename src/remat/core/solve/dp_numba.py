@@ -162,7 +162,9 @@ def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
     ns = np.array(model.ns, dtype=np.int64)
     fill(t.seg0, t.seg1, t.segp, t.kbase, t.ebase, first, sat, n, M, BLOCK, ROWS, workers,
          model.early_stop, model.q, nopt, kinds, t_run, t_open, bwd, fwd_base, hold, hold_open, inp,
-         np.array(model.a, dtype=np.int64), np.array(model.sg, dtype=np.int64),
+         np.array(model.a, dtype=np.int64),
+         # the kernel reads sg only in a level's forward, with the rebuild's gradients
+         np.array(model.sg, dtype=np.int64) + np.array(model.rg, dtype=np.int64),
          np.array(model.reb), ns,
          np.array(model.ao_cost), np.array(model.ao_need, dtype=np.int64), model.opens, model.ob)
     need_top = np.full((n, width), M + 1, dtype=np.int64)

@@ -136,7 +136,8 @@ class FlatInputs:
                                after + problem.optimizer_step_bytes - problem.pre_chain_bytes
                                - problem.backward_residue_bytes))),
             a=a,
-            g=a + sg,
+            # as dp.Model.grads_during: and what a rebuild starts with
+            g=a + sg + np.append(i64(0), ints(s.rebuild_grad_bytes for s in st)),
             nt=ints(s.nosave_peak_extra_bytes for s in st) + top_held,
             hold_b=ceil(held[0] + save),
             need_b=np.maximum(bwd_in[0], ceil(a[:n] + a[1:] + tf + top_held) - gs),

@@ -90,6 +90,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     backward = fixed.post_chain_backward_bytes
     if backward is not None:
         backward += let_go_at_return(profile, held_through, output_held)
+        # the casts autocast's cache let go of at the forward's end, which the simulator
+        # now lets go of itself (Note [Autocast's cast cache] in simulator.py)
+        backward += sum(s.cast_unsaved_bytes for s in stages)
     parts = (
         sum(s.grad_bytes for s in stages)
         + fixed.pre_chain_grads_bytes
@@ -108,6 +111,8 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         # The loss (and what autograd keeps with it), alive through the chain's backward to
         # the pre-chain's; the post-chain's figures, measured from the chain's end, have it.
         backward_residue_bytes=fixed.backward_residue_bytes,
+        pre_chain_cast_bytes=min(fixed.pre_chain_cast_bytes,
+                                 max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes)),
         post_chain_bytes=(fixed.post_chain_bytes if backward is None
                           else fixed.post_chain_forward_bytes or 0),
         post_chain_backward_bytes=backward,

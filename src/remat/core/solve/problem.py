@@ -177,6 +177,11 @@ class StageCost(StageRecord):
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
             **({"pending_grad_bytes": self.pending_grad_bytes} if self.pending_grad_bytes
                else {}),
+            **({"rebuild_grad_bytes": self.rebuild_grad_bytes} if self.rebuild_grad_bytes
+               else {}),
+            **({"cast_cache_bytes": self.cast_cache_bytes,
+                "cast_unsaved_bytes": self.cast_unsaved_bytes} if self.cast_cache_bytes
+               else {}),
             **({"held_through": self.held_through} if self.held_through is not None else {}),
             **({"output_held_through": self.output_held_through,
                 "output_held_bytes": self.output_held_bytes}
@@ -214,7 +219,7 @@ _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
     "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option", "link_s",
-    "gather_s",
+    "gather_s", "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",
@@ -245,7 +250,7 @@ _PROBLEM_KEYS_V1 = (
 )
 _PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
                  "post_chain_backward_bytes", "root_unit_bytes", "collective_copies",
-                 "backward_residue_bytes")
+                 "backward_residue_bytes", "pre_chain_cast_bytes")
 
 
 @dataclass(frozen=True)
@@ -295,6 +300,10 @@ class Problem(JsonArtifact):
     # reduce-scatter's input). Note [FSDP2 units] in simulator.py.
     root_unit_bytes: int = 0
     collective_copies: bool = False
+    # Of pre_chain_bytes, the casts autocast's cache keeps for the pre-chain that autograd
+    # does not save (an input projection's weight, when the batch needs no gradient): gone
+    # at the forward's end (Note [Autocast's cast cache] in simulator.py).
+    pre_chain_cast_bytes: int = 0
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -364,6 +373,11 @@ class Problem(JsonArtifact):
                                                            "root_unit_bytes"))
         object.__setattr__(self, "backward_residue_bytes",
                            _bytes(self.backward_residue_bytes, "backward_residue_bytes"))
+        object.__setattr__(self, "pre_chain_cast_bytes",
+                           _bytes(self.pre_chain_cast_bytes, "pre_chain_cast_bytes"))
+        if self.pre_chain_cast_bytes > max(0, self.pre_chain_bytes):
+            raise UsageError(f"pre_chain_cast_bytes={self.pre_chain_cast_bytes} is more than "
+                             f"pre_chain_bytes={self.pre_chain_bytes}; it is a part of them")
         if not isinstance(self.collective_copies, bool):
             raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
@@ -509,6 +523,8 @@ class Problem(JsonArtifact):
             data["post_chain_backward_bytes"] = self.post_chain_backward_bytes
         if self.backward_residue_bytes:
             data["backward_residue_bytes"] = self.backward_residue_bytes
+        if self.pre_chain_cast_bytes:
+            data["pre_chain_cast_bytes"] = self.pre_chain_cast_bytes
         if self.root_unit_bytes:
             data["root_unit_bytes"] = self.root_unit_bytes
         if self.collective_copies:

@@ -59,6 +59,9 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
 * gradients pending where backward is (``StageCost.pending_grad_bytes``: ones the
   model's code made for tensors it passed on, waiting for backward to reach their
   maker), from the rebuilds before a stage's backward through that backward.
+* what a region's last stage's backward made before it asked for the rebuild
+  (``StageCost.rebuild_grad_bytes``), through that rebuild only (Note [What a rebuild
+  starts with]).
 * boundaries the model's own code holds in the forward (``StageCost.held_through``: a
   skip list, a caller's frame), during the top-level forward only (those still held at
   the chain's end through the post-chain's events, whose figures are measured from the
@@ -71,6 +74,60 @@ Mirrors the runtime (remat.runtime.engine, Note [Which regions open when]):
   region from its forward (or its opening in the parent's rebuild) to the end of its
   backward: its rebuild needs them. A boundary counts once with its other holders; any
   other tensor once however many regions hold it.
+
+Note [What a rebuild starts with]
+A region's rebuild starts when the backward of its last stage first unpacks a saved
+tensor; the backward's nodes that ran before that unpack may have made tensors that are
+alive through the whole rebuild. In float32 they are none (the first node's input is the
+gradient of the stage's output, which the simulator counts). Under autocast the block's
+last op is often a mixed-dtype add (``x + mlp(ln(x))``, a float32 residual plus a
+bfloat16 branch), whose backward casts the incoming gradient to the branch's dtype before
+the branch's first node asks for its saved tensors: on gpt (n_embd 128, batch 8 x 128)
+256 KiB, alive through every rebuild and missed by the prediction (the peak of the minimum
+plan was measured 256 KiB over the budget). The profile measures it per stage
+(``rebuild_grad_bytes``) and the simulator holds it from the rebuild's start to its end;
+after it the stage's own backward runs, whose measured transient has it. A child region
+ending at the same stage is rebuilt after its parent's rebuild, with the same tensor
+alive: held again there, once. The dynamic program adds it to the gradients alive during
+a forward of a level ending at that stage (``Model.grads_during``).
+
+Note [Autocast's cast cache]
+Under ``torch.autocast`` the first use of a parameter (a leaf that requires grad) in a
+lower-precision op casts it, and autocast keeps the cast in a cache until the outermost
+autocast region exits: the end of ``loss_fn`` (the forward), or the end of a rebuild,
+whose checkpoint frame enters autocast again outside any region of the caller's (in
+backward none is open). So the casts a stage makes stay alive after it returns, whether
+autograd saves them or not:
+
+* a stage that runs without saving (in a region's forward, or a child region's in a
+  rebuild) leaves all of its casts (``cast_cache_bytes``: a bfloat16 copy of its
+  weights and biases) alive to the end of that forward or rebuild. On gpt (4 blocks of
+  128) 386 KiB per block; a plan of regions over three tiny blocks was measured 2.7% over
+  its budget in its forward before the cache was counted;
+* a stage under keep saves the weights' casts (its saved bytes, to its backward) and
+  leaves the rest (``cast_unsaved_bytes``: a Linear's bias, which its backward does not
+  need) in the cache: the simulator counts those with the stage's saved bytes until the
+  forward's (or the rebuild's) end, then drops them. A selective stage's cache saves op
+  outputs, not the weights' casts: all of its casts go then (its measured saved bytes
+  had them; gpt at 75% with two save-nothing stages was predicted 1.7% over before);
+* the profile's backward post-chain figure, measured from the chain's end of the step
+  without checkpointing, saw every stage's ``cast_unsaved_bytes`` go at the autocast's exit
+  before the post-chain's backward; the problem adds them back (``problem_from_profile``)
+  since the simulator now lets go of them itself. Without it, gpt at 75% was predicted
+  4.5 KiB under what it measured (the biases of its two region stages).
+
+The pre-chain's casts that autograd does not save (an input projection's weight, the batch
+needing no gradient) go at the forward's end too (``Problem.pre_chain_cast_bytes``, a
+part of ``pre_chain_bytes``): on mlp-hetero the prediction of every backward event was
+8 KiB over without it (1.1%).
+
+A stage's backward event still charges keep's saved bytes in full, its unsaved casts
+included (an upper bound of a few bytes of biases). The tables do not count the cache
+(it depends on where the forward ends, not on the item being decided), so problems with
+casts are solved as with reads from before a region: the simulator checks each table
+plan and the tables are filled again under any overshoot (Note [Reads from before a
+region] in ``remat.core.solve.solvers``), and the minimum named is the simulated peak of
+the tables' least plan.
 
 Note [FSDP2 units]
 ------------------
@@ -241,6 +298,12 @@ class _Walker:
         # events (their figures are measured from the chain's end with these alive)
         self.held_to_post: list[tuple[bool, int]] = []
         self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
+        # Note [Autocast's cast cache]: what each stage's casts leave in the cache, and the
+        # keys of the casts held now, to the forward's end or to the current rebuild's
+        self.cast = [s.cast_cache_bytes for s in stages]
+        self.unsaved = [s.cast_unsaved_bytes for s in stages]
+        self.any_casts = any(self.cast)
+        self.casts_held: list[Hashable] = []
         # tensors held by whoever needs them, counted once: a read tensor (by its id: regions
         # reading it from before them, readers of one a region made), a link (("link", start):
         # the regions starting there) -> how many hold it
@@ -623,6 +686,8 @@ class _Walker:
                 model_holds(item.start)
                 self.forward_gather(item.start)
                 self.taped(item.start, labels[item.start])
+                if self.any_casts:
+                    self.unsaved_to_cache(("cast", item.start))
                 self.forward_reshard(item.start)
                 model_lets_go(item.start)
                 continue
@@ -633,6 +698,7 @@ class _Walker:
                 model_holds(i)
                 self.forward_gather(i)
                 self.not_saved(i, f"{labels[i]} {where}")
+                self.cache_casts(("cast", i))
                 self.forward_reshard(i)
                 model_lets_go(i)
             if self.any_reads:
@@ -660,6 +726,8 @@ class _Walker:
                 if self.fsdp:
                     self.unshard(item.start, f"all-gather {names[item.start]} {for_region}")
                 self.taped(item.start, f"rebuild {names[item.start]} {for_region}")
+                if self.any_casts:
+                    self.unsaved_to_cache(("cast", region, item.start))
                 if self.fsdp:
                     self.after_rebuild_call(item.start, region)
             else:
@@ -670,6 +738,7 @@ class _Walker:
                     if self.fsdp:
                         self.unshard(i, f"all-gather {names[i]} {where}")
                     self.not_saved(i, f"rebuild {names[i]} {where}")
+                    self.cache_casts(("cast", region, i))
                     if self.fsdp:
                         self.after_rebuild_call(i, region)
             cur = item.stop
@@ -689,6 +758,39 @@ class _Walker:
             else:  # an offloaded stage after the last hand-over: nothing on the device
                 self.keep_saved(item.start, 0)
         self.release_current(cur)
+        self.casts_cleared()  # the rebuild's autocast region exits
+
+    def cache_casts(self, key: Hashable) -> None:
+        """A stage ran without saving: its parameters' casts stay in autocast's cache."""
+        i = key[-1]
+        assert isinstance(i, int)
+        if self.cast[i]:
+            self.add(key, self.cast[i])
+            self.casts_held.append(key)
+
+    def unsaved_to_cache(self, key: Hashable) -> None:
+        """A stage ran with grad: of its saved bytes, the casts autograd does not keep are
+        the cache's, gone when the autocast region exits (a move: live is unchanged).
+        Under keep those are ``cast_unsaved_bytes``; under a selective option all of its
+        casts (its selective cache saves op outputs, not the weights' casts)."""
+        i = key[-1]
+        assert isinstance(i, int)
+        saved = self.saved[i]
+        option = Option(self.options[i])
+        cast = (self.unsaved[i] if option.is_keep
+                else self.cast[i] if option.is_selective else 0)
+        if not cast or not saved:
+            return
+        moved = min(cast, saved)
+        self.saved[i] = saved - moved
+        self.blocks[key] = moved
+        self.casts_held.append(key)
+
+    def casts_cleared(self) -> None:
+        """The autocast region exits: its cache lets go of every cast it held."""
+        for key in self.casts_held:
+            self.drop(key)
+        self.casts_held.clear()
 
     def backward_level(self, items: Sequence[Item]) -> None:
         for item in reversed(items):
@@ -699,7 +801,11 @@ class _Walker:
             self.pending_at(item.stop - 1)
             self.pre_backward(item.stop - 1)
             self.add(("overhead", item.region), self.p.region_overhead_bytes)
+            # what the last stage's backward made before asking for the rebuild (Note
+            # [What a rebuild starts with]); its own backward's transient has it after
+            self.add(("rebuild grad", item.region), self.p.stages[item.stop - 1].rebuild_grad_bytes)
             self.rebuild(item.region, item.items)
+            self.drop(("rebuild grad", item.region))
             self.backward_level(item.items)
             self.drop(("overhead", item.region))
             self.close_region(item.region)
@@ -750,6 +856,10 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
             + p.backward_residue_bytes)
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
+    w.casts_cleared()  # the loss_fn's autocast region exits (Note [Autocast's cast cache])
+    if p.pre_chain_cast_bytes:
+        w.blocks["pre-chain"] -= p.pre_chain_cast_bytes
+        w.live -= p.pre_chain_cast_bytes
     w.end_forward()
     if w.fsdp:
         w.prefetch(n - 1)  # the root's pre-backward

@@ -249,8 +249,10 @@ def _has_units(problem: Problem) -> bool:
 
 def _least_is_exact(problem: Problem) -> bool:
     """Whether the tables count everything the simulator does, so their smallest peak is
-    every plan's (not with reads, links or FSDP2 units: Note [Reads from before a region])."""
-    return not (any(s.reads or s.link_saved_bytes or s.unit_bytes for s in problem.stages)
+    every plan's (not with reads, links, FSDP2 units or autocast's cast cache: Note [Reads
+    from before a region], Note [Autocast's cast cache] in simulator.py)."""
+    return not (any(s.reads or s.link_saved_bytes or s.unit_bytes or s.cast_cache_bytes
+                    for s in problem.stages)
                 or problem.root_unit_bytes)
 
 
