@@ -8,7 +8,7 @@ script applies it without profiling, unless the model, the batch's shapes, the d
 torch changed, which it says.
 
 This first form plans for the one batch shape given; batches of other shapes run the
-same plan, which the profile did not price (docs/runtime.md, "Use it in your training
+same plan, which the profile did not price (README, "Use it in your training
 script").
 """
 
