@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.measure.tracker import storage_key
 from remat.profiling._tensors import storage_bytes
 
 __all__ = ["cast_cache"]
@@ -45,7 +46,7 @@ class _Casts(TorchDispatchMode):
         super().__init__()
         # the stage running now (-1: the pre-chain), if autocast was on at its call
         self.stage: int | None = None
-        self.made: dict[int, tuple[int, torch.Tensor]] = {}  # storage -> (stage, cast)
+        self.made: dict[Any, tuple[int, torch.Tensor]] = {}  # storage -> (stage, cast)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -54,8 +55,9 @@ class _Casts(TorchDispatchMode):
                 and isinstance(args[0], torch.Tensor) and args[0].is_leaf
                 and args[0].requires_grad and isinstance(out, torch.Tensor)
                 and out.dtype != args[0].dtype):
-            key = out.untyped_storage().data_ptr()
-            self.made.setdefault(key, (self.stage, out.detach()))
+            key = storage_key(out)  # a DTensor's local shard's; None without a storage
+            if key is not None:
+                self.made.setdefault(key, (self.stage, out.detach()))
         return out
 
 
@@ -72,10 +74,12 @@ def cast_cache(
     first = next(model.parameters(), None)
     device_type = first.device.type if first is not None else "cpu"
     mode = _Casts()
-    packed: set[int] = set()
+    packed: set[Any] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        packed.add(t.untyped_storage().data_ptr())
+        key = storage_key(t)  # a DTensor's local shard's; None without a storage
+        if key is not None:
+            packed.add(key)
         return t
 
     handles = []
