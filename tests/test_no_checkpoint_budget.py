@@ -18,6 +18,7 @@ from remat.core.plan_format import KEEP, Plan
 from remat.core.profile_format import Profile
 from remat.core.solve import Problem, simulate, solve
 from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
+from remat.measure.step import measure_step
 from remat.models import load_model
 from remat.profiling.profiler import profile
 
@@ -130,3 +131,25 @@ def test_a_sequential_fed_the_batch_itself_counts_its_first_input_once() -> None
     assert measured.predicted_peak_bytes == measured.measured_peak_bytes
     plan = remat.plan(measured, "100%")
     assert _checkpoints_nothing(plan), (plan.regions, plan.options)
+
+
+def test_a_sequential_fed_the_batch_is_exact_under_a_plan() -> None:
+    # under a plan the peak moves to stage 0's backward, where the simulator counts the
+    # input's gradient, which a batch that needs none never gets (README's example: 512 KiB
+    # over at 'backward 0')
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_Block(32) for _ in range(4)))
+    batch = torch.randn(64, 32)
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).pow(2).mean()
+
+    measured = profile(model, batch, loss_fn, repeats=1)
+    plan = Plan(measured.stage_names, ((1, 2), (2, 4)),
+                ("selective:save-nothing", "keep", "keep", "keep"))
+    predicted = simulate(plan, problem_from_profile(measured))
+    assert predicted.peak_event == "backward 0", predicted.peak_event
+    handle = remat.apply(model, plan)
+    step = measure_step(model, batch, loss_fn, torch.optim.AdamW(model.parameters()))
+    handle.remove()
+    assert predicted.peak_bytes == step.peak_bytes

@@ -167,7 +167,11 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         for option in m.selective_options:
             if not Option(option).is_partitioned:
                 saved.setdefault(option, nosave.kept_bytes)
-        input_grad = nosave.boundary_bytes if nosave.input_requires_grad else 0
+        # The simulator counts the input's gradient at the stage's backward whether or not
+        # one is made; the measured rise has it only where the input requires grad, so a
+        # stage fed the batch itself (a Sequential's first) was over by its input there
+        # (README's own example: 512 KiB at 'backward 0', its peak under a plan)
+        input_grad = nosave.boundary_bytes
         clones = nosave.mutated_buffer_bytes
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
