@@ -186,15 +186,22 @@ def _replayed(
     """
     plan = option if isinstance(option, Plan) else Plan(
         stages=names, options=(option,) * len(names), solver="profile")
+    step = _planned_step(model, batch, loss_fn, optimizer, plan)
+    return split_step(step, names).stage_backward
+
+
+def _planned_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+                  optimizer: torch.optim.Optimizer, plan: Plan) -> StepMemory:
+    """One step with ``plan`` applied, its timeline kept, the buffers put back."""
     handle = apply(model, plan)
     gc.freeze()
     try:
         with buffers_restored(model):
-            step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True)
+            return measure_step(model, batch, loss_fn, optimizer, warmup_steps=0,
+                                timeline=True)
     finally:
         gc.unfreeze()
         handle.remove()
-    return split_step(step, names).stage_backward
 
 
 def _rebuild_grads(
@@ -208,15 +215,7 @@ def _rebuild_grads(
     """Per stage, what its backward made before its region's rebuild began, in one step
     with ``plan`` (one region per stage): under autocast, the incoming gradient cast to the
     lower dtype at a mixed-dtype residual add (:func:`.timeline.rebuild_starts`)."""
-    handle = apply(model, plan)
-    gc.freeze()
-    try:
-        with buffers_restored(model):
-            step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True)
-    finally:
-        gc.unfreeze()
-        handle.remove()
-    return rebuild_starts(step, names)
+    return rebuild_starts(_planned_step(model, batch, loss_fn, optimizer, plan), names)
 
 
 def measure_all(
