@@ -18,6 +18,16 @@ from remat.measure.tracker import LiveMemoryTracker, iter_tensors
 __all__ = ["measure_step"]
 
 
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that require grad; UsageError where there are none (no training
+    step to measure)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UsageError("the model has no parameters that require grad, so there is no "
+                         "training step to measure; unfreeze the parameters you train")
+    return params
+
+
 def make_optimizer(
     model: nn.Module, optimizer: str | torch.optim.Optimizer, *, lr: float = 1e-3,
     foreach: bool | None = None,
@@ -30,11 +40,7 @@ def make_optimizer(
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise UsageError(
-            "the model has no parameters that require grad; there is no step to measure"
-        )
+    params = trainable_parameters(model)
     if optimizer == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
     if optimizer == "adamw-fused":

@@ -47,7 +47,6 @@ class StageForward:
     boundary_bytes: int
     output_bytes: int
     output_is_new: bool  # the output's storage was made by the stage, not passed through
-    input_requires_grad: bool  # backward computes a gradient for the input
     # What autograd would save among the stage's input and output; known only from a
     # pass that saves nothing (its hook sees every tensor autograd offers to save).
     saves_input: bool = False
@@ -233,7 +232,6 @@ def forward_pass(
             boundary_bytes=storage_bytes(x),
             output_bytes=storage_bytes(y),
             output_is_new=y is not None and not same_storage(x, y),
-            input_requires_grad=x is not None and x.requires_grad,
             saves_input=offered_any(x),
             saves_output=offered_any(y),
             gets_previous_output=previous.get(i, False),

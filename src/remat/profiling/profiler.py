@@ -39,7 +39,12 @@ from remat.core.profile_format import (
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 from remat.core.units import first_names
 from remat.measure.model_state import check_batch, model_restored, refuse_meta
-from remat.measure.step import checked_loss, checking_loss, make_optimizer
+from remat.measure.step import (
+    checked_loss,
+    checking_loss,
+    make_optimizer,
+    trainable_parameters,
+)
 from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
@@ -233,9 +238,7 @@ def profile(
     else:
         refuse_meta(model, batch)
     check_batch(batch)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise UsageError("the model has no parameters that require grad, so there is no "
-                         "training step to measure; unfreeze the parameters you train")
+    trainable_parameters(model)  # before anything runs
     # the steps train the model: it is put back as it was, also after an error
     # (Note [The user's model is the user's])
     with model_restored(model, optimizer if isinstance(optimizer, torch.optim.Optimizer)

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.core.profile_format import OPTIMIZERS
 from remat.measure.model_state import refuse_meta
-from remat.measure.step import make_optimizer
+from remat.measure.step import checked_loss, make_optimizer
 from remat.runtime.compiled_stages import stages_compiled
 from remat.runtime.identity import stage_module
 from remat.runtime.install import Handle, apply, observe
@@ -43,7 +43,6 @@ from remat.verification.twins import (
     cuda_devices,
     fresh_batch,
     resolve_plan,
-    scalar_loss,
     seeded,
 )
 
@@ -70,7 +69,7 @@ def _step(
 ) -> torch.Tensor:
     if hooks is not None:
         hooks.begin()
-    loss = scalar_loss(model, batch, loss_fn)
+    loss = checked_loss(model, batch, loss_fn)
     if hooks is not None:
         hooks.before_backward()
     loss.backward()
@@ -219,8 +218,6 @@ def verify(
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
         raise UsageError(f"lr={lr!r} is invalid; give a positive number")
     policy = parse_tolerance(tolerance)
-    if isinstance(model_or_factory, nn.Module):  # before copying what has no values
-        refuse_meta(model_or_factory, batch, fake=False)
     plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
     refuse_meta(plain, batch, fake=False)
     resolved = resolve_plan(plan, twin)
@@ -270,7 +267,6 @@ class _Run:
     seed: int
     lr: float
     devices: list[int]
-    plain_losses: list[torch.Tensor] = field(default_factory=list)  # the trajectory's
 
     def all(
         self,
@@ -371,6 +367,7 @@ class _Run:
         trajectory, error = _guarded(
             lambda: self._trajectory(steps, optimizer, twin_loss, plain_loss, initial)
         )
+        later: list[torch.Tensor] = []  # the plain model's losses after step 1
         if trajectory is None:
             checks += [
                 Check("trajectory-losses", "error", f"a later step raised {error}"),
@@ -378,10 +375,11 @@ class _Run:
             ]
             runs = Check("runs", "pass", "both models ran step 1")
         else:
-            checks += trajectory
+            checks += trajectory[0]
+            later = trajectory[1]
             runs = Check("runs", "pass", f"both models ran {steps} training step(s)")
-        finite = _finite_check([*plain_values, *((f"step {t + 1} loss", loss) for t, loss
-                                                  in enumerate(self.plain_losses[1:], 1))])
+        finite = _finite_check([*plain_values, *((f"step {t + 2} loss", loss)
+                                                  for t, loss in enumerate(later))])
         return [runs, finite, *checks], divergence
 
     def _first_step(
@@ -403,8 +401,9 @@ class _Run:
     def _trajectory(
         self, steps: int, optimizer: str, twin_loss: torch.Tensor, plain_loss: torch.Tensor,
         initial: dict[str, torch.Tensor],
-    ) -> list[Check]:
-        """Step 1's gradients, then ``steps - 1`` more steps, all with one ``optimizer``."""
+    ) -> tuple[list[Check], list[torch.Tensor]]:
+        """Step 1's gradients, then ``steps - 1`` more steps, all with one ``optimizer``;
+        the checks, and the plain model's losses after step 1."""
         losses: tuple[list[torch.Tensor], list[torch.Tensor]] = ([twin_loss], [plain_loss])
         models = (self.twin, self.plain)
         opts = [make_optimizer(m, optimizer, lr=self.lr) for m in models]
@@ -419,7 +418,6 @@ class _Run:
                 opt.step()
         for model in models:
             model.zero_grad(set_to_none=True)
-        self.plain_losses = losses[1]
         ours, theirs = _state(self.twin), _state(self.plain)
         what = f"parameters and buffers after {steps} {optimizer} step(s)"
         checks = [
@@ -438,7 +436,7 @@ class _Run:
             checks[1] = _amplified(
                 checks[1], self._lockstep(steps, optimizer, initial, what),
                 "parameters", optimizer)
-        return checks
+        return checks, losses[1][1:]
 
     def _lockstep(
         self, steps: int, optimizer: str,

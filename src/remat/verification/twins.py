@@ -20,7 +20,6 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
-from remat.measure.step import checked_loss
 from remat.runtime.install import applied
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "default_loss",
     "fresh_batch",
     "resolve_plan",
-    "scalar_loss",
     "seeded",
 ]
 
@@ -57,10 +55,6 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             "the forward and returns the scalar loss"
         )
     return out if out.numel() == 1 else out.float().square().mean()
-
-
-def scalar_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-    return checked_loss(model, batch, loss_fn)
 
 
 def _map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], label: str) -> Any:
