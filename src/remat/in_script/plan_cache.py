@@ -6,8 +6,9 @@ A training script calls ``auto_checkpoint`` at every launch; profiling costs sec
 minutes, applying a known plan milliseconds. An entry is one JSON file per *slot*: the
 model's class, the stages, the budget and the optimizer (what the caller chose), so a
 launch finds the entry the previous launch of the same script wrote. Inside it, the
-*fields* a plan depends on: every parameter's and buffer's name, shape and dtype (a
-fingerprint), the batch's shapes and dtypes, the device, torch's and remat's versions. A
+*fields* a plan depends on: every parameter's and buffer's name, shape and dtype (the
+model's stage fingerprint), which parameters require grad, the batch's shapes and dtypes,
+the device, the optimizer, torch's and remat's versions. A
 launch whose fields equal the entry's applies its plan; one whose fields differ profiles
 and plans again, says which fields changed, and replaces the entry. Files are written
 whole (a temporary file, then a rename), so a crash never leaves half an entry.
@@ -94,6 +95,7 @@ def save_entry(path: Path, fields: dict[str, Any], plan: Plan) -> None:
 
 _WHAT = {
     "parameters": "the model's parameters or buffers (names, shapes or dtypes)",
+    "trainable": "which parameters require grad",
     "batch": "the batch's shapes or dtypes",
     "device": "the device",
     "torch": "torch's version",
@@ -108,6 +110,6 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if old.get(key) != new[key]:
             before, now = old.get(key), new[key]
             what = _WHAT.get(key, key)
-            said.append(f"{what} changed ({before} -> {now})" if key != "parameters"
-                        else f"{what} changed")
+            said.append(f"{what} changed ({before} -> {now})"
+                        if key not in ("parameters", "trainable") else f"{what} changed")
     return said

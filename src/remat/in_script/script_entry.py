@@ -26,7 +26,7 @@ from torch import nn
 
 from remat.core import __version__
 from remat.core.errors import UsageError
-from remat.core.model_identity import fingerprint
+from remat.core.model_identity import digest
 from remat.core.plan_format import Plan
 from remat.core.planner import plan as make_plan
 from remat.core.profile_format import OPTIMIZERS
@@ -42,6 +42,7 @@ from remat.in_script.plan_cache import (
 from remat.measure.model_state import check_batch, refuse_meta
 from remat.measure.tracker import iter_tensors
 from remat.profiling.profiler import profile
+from remat.runtime.identity import stage_identity
 from remat.runtime.install import Handle, apply, check_free
 
 __all__ = ["AutoCheckpoint", "AutoCheckpointReport", "auto_checkpoint"]
@@ -119,12 +120,10 @@ def _loss_for(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> LossFn | 
 
 def _fields(model: nn.Module, batch: Any, optimizer: str) -> dict[str, Any]:
     """What a cached plan depends on (Note [The plan cache])."""
-    tensors = [*(("param", n, p.shape, str(p.dtype)) for n, p in model.named_parameters()),
-               *(("buffer", n, b.shape, str(b.dtype)) for n, b in model.named_buffers()),
-               *(("flag", n, (), str(p.requires_grad)) for n, p in model.named_parameters())]
     first = next(model.parameters(), None)
     return {
-        "parameters": fingerprint(tensors),
+        "parameters": stage_identity(model).fingerprint,
+        "trainable": digest([n for n, p in model.named_parameters() if p.requires_grad]),
         "batch": [[list(t.shape), str(t.dtype).removeprefix("torch.")]
                   for t in iter_tensors(batch)],
         "device": str(first.device) if first is not None else "cpu",
