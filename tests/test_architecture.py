@@ -28,6 +28,7 @@ LAYERS: tuple[str, ...] = (
     "remat.pipelining",
     "remat.benchmarking",
     "remat.in_script",
+    "remat.integrations",
     "remat.demo",
     "remat.cli",
     "remat",  # the package itself: remat/__init__.py and remat/__main__.py
