@@ -1,0 +1,155 @@
+"""remat inside accelerate, Lightning and torchtitan (issue 48, item 4).
+
+For each framework, on tiny models: every training step's measured peak (remat's
+live-storage tracker, parameters, buffers, gradients, optimizer state and the batch
+counted from the start) stays within the budget; the losses equal the framework's own run
+without checkpointing from the same initial state, bit for bit; and the plan really runs
+(regions planned and rebuilt in backward).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core.errors import UsageError
+from remat.measure.tracker import LiveMemoryTracker, iter_tensors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WIDTH, DEPTH, ROWS, STEPS = 32, 6, 256, 3
+BUDGET = "50%"
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    """An input layer, a chain of blocks, a head: the blocks are the stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.Sequential(*(Block(WIDTH) for _ in range(DEPTH)))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x)))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _batches(n: int = STEPS, rows: int = ROWS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, WIDTH, generator=g), torch.randn(rows, 1, generator=g))
+            for _ in range(n)]
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+@contextmanager
+def _tracked(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+             peaks: list[int]) -> Iterator[None]:
+    """Track one training step: parameters, buffers, gradients, optimizer state and the
+    batch counted from the start; its peak appended to ``peaks``."""
+    gc.collect()
+    tracker = LiveMemoryTracker(device=torch.device("cpu"))
+    tracker.register_existing(model)
+    tracker.register_existing(optimizer)
+    tracker.register_existing(list(iter_tensors(batch)))
+    tracker.watch(model)
+    tracker.watch(optimizer)
+    with tracker:
+        yield
+    peaks.append(tracker.report().peak_bytes)
+
+
+def _fits(peaks: list[int], done: Any) -> None:
+    budget = done.plan.budget_bytes
+    assert budget is not None and peaks
+    assert max(peaks) <= budget, f"step peaks {peaks} over the budget {budget}"
+
+
+def _runs(done: Any, model: nn.Module) -> None:
+    assert done.plan.regions, "the plan has no region: the budget is too loose to test"
+    assert remat.applied(model)
+    assert done.handle.rebuilds > 0
+
+
+# -- accelerate --------------------------------------------------------------------------
+
+
+def _accelerate_run(plan: bool, tmp_path: Path, budget: str = BUDGET,
+                    ) -> tuple[list[float], list[int], Any, nn.Module]:
+    """accelerate's own loop on one process: prepare, backward, step; with remat planned
+    before prepare when ``plan``."""
+    from accelerate import Accelerator
+
+    from remat.integrations.accelerate_prepare import auto_checkpoint_before_prepare
+
+    accelerator = Accelerator(cpu=True)
+    model = _net()
+    batches = _batches()
+    done = None
+    if plan:
+        done = auto_checkpoint_before_prepare(accelerator, model, budget, batch=batches[0],
+                                              loss_fn=_loss, cache=tmp_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    losses, peaks = [], []
+    for batch in batches:
+        with _tracked(model, opt.optimizer, batch, peaks):
+            loss = _loss(model, batch)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, peaks, done, model
+
+
+def test_accelerate_steps_fit_the_budget_and_train_as_without_remat(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    losses, peaks, done, model = _accelerate_run(True, tmp_path)
+    _runs(done, model)
+    _fits(peaks, done)
+    plain, plain_peaks, _, _ = _accelerate_run(False, tmp_path)
+    assert losses == plain  # bit for bit: the same kernels on the same values
+    assert max(plain_peaks) > done.plan.budget_bytes  # the budget needed the plan
+
+
+def test_accelerate_refuses_a_prepared_model_and_the_plugins_own_checkpointing(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from remat.integrations.accelerate_prepare import auto_checkpoint_before_prepare
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_net())
+    with pytest.raises(UsageError, match=r"already given to accelerator\.prepare"):
+        auto_checkpoint_before_prepare(accelerator, model, BUDGET, batch=_batches(1)[0],
+                                       loss_fn=_loss, cache=tmp_path)
+    assert not remat.applied(model)
