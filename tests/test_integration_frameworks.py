@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -244,3 +245,108 @@ def test_accelerate_ddp_trains_as_without_remat_within_the_budget_plus_ddps_buck
         assert peaks[-1] <= budget, (peaks, budget)
         assert max(peaks) <= budget + grads, (peaks, budget, grads)
         assert max(r["runs"]["plain"]["peaks"]) > budget + grads
+
+
+# -- Lightning ---------------------------------------------------------------------------
+
+
+def _lightning_module(through_forward: bool = False) -> Any:
+    import lightning.pytorch as pl
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = _loss(self if through_forward else self.net, batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Regression()
+
+
+def _lightning_peaks() -> Any:
+    import lightning.pytorch as pl
+
+    class Peaks(pl.Callback):
+        """The tracker from each training batch's start to its end."""
+
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+            self.losses: list[float] = []
+            self._tracker: LiveMemoryTracker | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            gc.collect()
+            tracker = LiveMemoryTracker(device=torch.device("cpu"))
+            tracker.register_existing(pl_module)
+            tracker.register_existing(trainer.optimizers[0])
+            tracker.register_existing(list(iter_tensors(batch)))
+            tracker.watch(pl_module)
+            tracker.watch(trainer.optimizers[0])
+            tracker.__enter__()
+            self._tracker = tracker
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any,
+                               batch: Any, batch_idx: int) -> None:
+            assert self._tracker is not None
+            self._tracker.__exit__(None, None, None)
+            self.peaks.append(self._tracker.report().peak_bytes)
+            self.losses.append(outputs["loss"].item())
+
+    return Peaks()
+
+
+def _lightning_run(callback: Any, through_forward: bool = False,
+                   ) -> tuple[list[float], list[int], Any]:
+    import lightning.pytorch as pl
+
+    module = _lightning_module(through_forward)
+    peaks = _lightning_peaks()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[c for c in (callback, peaks) if c is not None])
+    loader = torch.utils.data.DataLoader(_batches(), batch_size=None)
+    trainer.fit(module, loader)
+    return peaks.losses, peaks.peaks, module
+
+
+@pytest.mark.parametrize("submodule", [None, "net"])
+def test_lightning_steps_fit_the_budget_and_train_as_without_remat(
+    submodule: str | None, tmp_path: Path,
+) -> None:
+    pytest.importorskip("lightning")
+    from remat.integrations.lightning_callback import RematCallback
+
+    callback = RematCallback(BUDGET, module=submodule, cache=tmp_path)
+    # the whole module where training_step calls its forward, else the model it calls
+    losses, peaks, module = _lightning_run(callback, through_forward=submodule is None)
+    done = callback.done
+    assert done is not None
+    _runs(done, module if submodule is None else module.net)
+    _fits(peaks, done)
+    plain, plain_peaks, _ = _lightning_run(None, through_forward=submodule is None)
+    assert losses == plain
+    assert max(plain_peaks) > done.plan.budget_bytes
+
+
+def test_lightning_names_the_submodule_when_training_step_skips_forward(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("lightning")
+    from remat.integrations.lightning_callback import RematCallback
+
+    callback = RematCallback(BUDGET, cache=tmp_path)  # training_step calls self.net
+    with pytest.raises(UsageError, match=re.escape("pass RematCallback(module=...) the "
+                                                   "submodule it calls ('net')")):
+        _lightning_run(callback)
+    assert callback.done is None
