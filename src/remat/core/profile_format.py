@@ -47,6 +47,7 @@ from remat.core.collectives import StageComms
 from remat.core.errors import UsageError
 from remat.core.model_identity import StageIdentity, digest
 from remat.core.plan_format import KEEP, Option
+from remat.core.shapes import ShapeFit
 from remat.core.stage_record import StageRecord
 
 __all__ = [
@@ -623,6 +624,9 @@ class Profile(JsonArtifact):
     # its times are the roofline's estimates for the target device, not measured
     # (remat.core.roofline); written only when true
     times_estimated: bool = False
+    # the figures' fits over a range of batch shapes (Note [Shape-aware profiles] in
+    # remat.core.shapes); written only when set
+    shapes: ShapeFit | None = None
 
     def __post_init__(self) -> None:
         if self.kernels is not None:
@@ -733,6 +737,7 @@ class Profile(JsonArtifact):
             **({"kernels": {stage: dict(calls) for stage, calls in self.kernels.items()}}
                if self.kernels is not None else {}),
             **({"times_estimated": True} if self.times_estimated else {}),
+            **({"shapes": self.shapes.to_dict()} if self.shapes is not None else {}),
         }
 
     @classmethod
@@ -760,9 +765,10 @@ class Profile(JsonArtifact):
             timing_noise=(TimingNoise.from_dict(data["timing_noise"])
                           if "timing_noise" in data else None),
             timed_rounds=_timed_rounds(data.get("timed_rounds")),
+            shapes=ShapeFit.from_dict(data["shapes"]) if "shapes" in data else None,
             **{k: data[k] for k in _PROFILE_SCALARS},
             **{k: data[k] for k in _OPTIONAL_PROFILE_KEYS
-               if k in data and k not in ("timing_noise", "timed_rounds")},
+               if k in data and k not in ("timing_noise", "timed_rounds", "shapes")},
         )
 
 
@@ -790,7 +796,8 @@ _PROFILE_KEYS = (
 )
 # written only when set
 _OPTIONAL_PROFILE_KEYS = ("model_stages", "batch_shapes", "timing_noise", "region_link_s",
-                          "timed_rounds", "compiled", "fake", "kernels", "times_estimated")
+                          "timed_rounds", "compiled", "fake", "kernels", "times_estimated",
+                          "shapes")
 
 
 def _timed_rounds(data: object) -> tuple[TimedRound, ...] | None:

@@ -1,0 +1,204 @@
+"""A profile over a range of shapes: fitted from profiles at a few shapes, evaluated at any.
+
+:func:`fit_profile` turns profiles of one model at the byte grid and at the timed shapes
+(Note [Shape-aware profiles] in :mod:`remat.core.shapes`) into one profile carrying a
+:class:`~remat.core.shapes.ShapeFit`; :func:`at_shape` gives the profile at any shape of
+the range, as a plain profile every planner and simulator takes. Torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from remat.core.errors import CheckFailed, UsageError
+from remat.core.profile_format import Profile, numeric_paths, set_path
+from remat.core.shapes import (
+    FitCheck,
+    Shape,
+    ShapeFit,
+    ShapeRange,
+    byte_grid,
+    eval_bytes,
+    eval_steps,
+    eval_time,
+    fit_bytes,
+    fit_times,
+    ladder,
+)
+from remat.core.solve.from_profile import predict_no_checkpoint_peak
+
+__all__ = ["at_shape", "fit_profile", "shape_of"]
+
+# Figures not carried across shapes: bookkeeping, the peaks (measured only at the shape
+# measured, predicted again by the simulator), the timed rounds and spreads (the timing of
+# the profile's own shape), and the region's fixed cost (a residual of noise, as in
+# remat.profiling.profiler's batch scaling): the largest shape's is kept.
+_NOT_FITTED = frozenset({"schema_version", "batch_size", "measured_peak_bytes",
+                         "predicted_peak_bytes", "profile_s", "region_overhead_s",
+                         "region_overhead_bytes"})
+_NOT_FITTED_UNDER = ("timed_rounds.", "timing_noise.", "batch_shapes.", "scaling.", "shapes.")
+
+
+_UNSHAPED = ("timed_rounds", "timing_noise", "batch_shapes", "scaling", "shapes", "time_spread",
+             "measured_peak_bytes", "predicted_peak_bytes", "batch_size")
+
+
+def _kind(path: str, value: float) -> str:
+    """``skip``, ``bytes`` (an exact polynomial), ``time`` (fitted) or ``same`` (must not
+    change with the shape: indices, counts)."""
+    if path in _NOT_FITTED or path.startswith(_NOT_FITTED_UNDER) or ".time_spread." in path:
+        return "skip"
+    if isinstance(value, float):
+        return "time"
+    if any("bytes" in part for part in path.split(".")):
+        return "bytes"
+    return "same"
+
+
+def _skeleton(node: Any) -> Any:
+    """``node`` with every whole number replaced by None and times and unfitted parts
+    dropped (a profile of bytes only has fewer times): two profiles of one model at two
+    shapes must have equal skeletons."""
+    if isinstance(node, Mapping):
+        return {k: _skeleton(v) for k, v in node.items()
+                if not isinstance(v, float) and k not in _UNSHAPED}
+    if isinstance(node, list):
+        return [_skeleton(v) for v in node]
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return None
+    return node
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    """Where two skeletons first differ, briefly."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return _first_difference(x, y, f"{path}.{k}" if path else str(k))
+    return f"{path or 'the profile'} ({repr(a)[:60]} against {repr(b)[:60]})"
+
+
+def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
+                timed: Sequence[Shape], inputs: Mapping[str, tuple[int, int]]) -> Profile:
+    """The profile at the largest timed shape, carrying the fit through ``profiles``.
+
+    ``profiles`` holds a profile at every shape of :func:`byte_grid` and of the
+    :func:`ladder` (their byte figures are read) and at each shape of ``timed`` (profiled
+    with their times). Each byte figure is the grid's polynomial where that matches every
+    profile, else stepped over the ladder (Note [Figures that are maxima]). Raises
+    :class:`CheckFailed` where the model's structure changes with the shape.
+    """
+    grid = byte_grid(dims)
+    rungs = ladder(dims)
+    rung_shapes = list(itertools.product(*rungs))
+    missing = [s for s in (*grid, *rung_shapes, *timed) if s not in profiles]
+    if missing:
+        raise UsageError(f"no profile at {dims.shape_text(missing[0])}; profile every shape "
+                         "of the byte grid, the ladder and the timed shapes")
+    at = max(timed, key=lambda s: (sum(s), s))
+    base = profiles[at]
+    data = {s: p.to_dict() for s, p in profiles.items()}
+    skeleton = _skeleton(data[at])
+    for shape, d in data.items():
+        if _skeleton(d) != skeleton:
+            raise CheckFailed(
+                f"the profile at {dims.shape_text(shape)} differs in structure from the one "
+                f"at {dims.shape_text(at)}: {_first_difference(_skeleton(d), skeleton)}; the "
+                "model does other work at other shapes, so profile each shape range apart")
+    numbers = {s: numeric_paths(d) for s, d in data.items()}
+    kinds = {path: _kind(path, v) for path, v in numbers[at].items()}
+    for path, kind in kinds.items():
+        if kind == "same":
+            for shape, found in numbers.items():
+                if found[path] != numbers[at][path]:
+                    raise CheckFailed(
+                        f"{path} is {found[path]} at {dims.shape_text(shape)} and "
+                        f"{numbers[at][path]} at {dims.shape_text(at)}; the model's stages "
+                        "behave differently across the range, so profile narrower ranges")
+    byte_paths = [p for p, k in kinds.items() if k == "bytes"]
+    fitted = fit_bytes(dims, grid, [{p: int(numbers[s][p]) for p in byte_paths} for s in grid])
+    polynomial: dict[str, Any] = {}
+    steps: dict[str, tuple[int, ...]] = {}
+    for path in byte_paths:
+        if all(_bytes_at(dims, fitted, numbers[grid[0]], path, s) == int(found[path])
+               for s, found in numbers.items()):
+            if path in fitted:
+                polynomial[path] = fitted[path]
+        else:
+            steps[path] = tuple(int(numbers[s][path]) for s in rung_shapes)
+    checks = []
+    for shape in timed:
+        if shape in grid:
+            continue
+        over = [eval_steps(dims, rungs, steps[p], shape) - int(numbers[shape][p])
+                for p in steps]
+        checks.append(FitCheck(shape, len(byte_paths),
+                               len(byte_paths) - sum(1 for d in over if d),
+                               max(over, default=0)))
+    time_paths = [p for p, k in kinds.items() if k == "time"]
+    times = fit_times(dims, list(timed), [{p: numbers[s][p] for p in time_paths}
+                                          for s in timed])
+    fit = ShapeFit(dims=dims, at=at, byte_points=grid, time_points=tuple(timed),
+                   bytes=polynomial, times=times, checks=tuple(checks), inputs=inputs,
+                   rungs=rungs, steps=steps)
+    return replace(base, shapes=fit)
+
+
+def _bytes_at(dims: ShapeRange, coefficients: Mapping[str, Any], constant: Mapping[str, float],
+              path: str, shape: Shape) -> int:
+    if path in coefficients:
+        return eval_bytes(dims, coefficients[path], shape)
+    return int(constant[path])
+
+
+def shape_of(profile: Profile, sizes: Mapping[str, int]) -> Shape:
+    """The shape (in the fit's order) from ``{dimension: size}``."""
+    fit = _fit_of(profile)
+    unknown = set(sizes) - set(fit.dims.names)
+    if unknown or set(fit.dims.names) - set(sizes):
+        raise UsageError(f"give a size for each of {', '.join(fit.dims.names)} (got "
+                         f"{', '.join(sorted(sizes)) or 'none'})")
+    return tuple(int(sizes[n]) for n in fit.dims.names)
+
+
+def _fit_of(profile: Profile) -> ShapeFit:
+    if profile.shapes is None:
+        raise UsageError("this profile covers one shape; profile a range with shapes= "
+                         "(remat profile --shapes) first")
+    return profile.shapes
+
+
+def at_shape(profile: Profile, shape: Sequence[int]) -> Profile:
+    """``profile`` (one carrying a :class:`ShapeFit`) at ``shape``: every byte figure from
+    its polynomial, every time from its fit, the no-checkpoint peak predicted again; the
+    measured peak and timed rounds only at the shape measured. At the profile's own shape
+    the measured figures stay (the fits pass through them or near them)."""
+    fit = _fit_of(profile)
+    shape = tuple(shape)
+    if not fit.dims.holds(shape):
+        raise UsageError(f"shape {shape} is not in the profile's range {fit.dims}")
+    if shape == fit.at:
+        return profile
+    data = profile.to_dict()
+    for path, coefficients in fit.bytes.items():
+        set_path(data, path, eval_bytes(fit.dims, coefficients, shape))
+    for path, values in fit.steps.items():
+        set_path(data, path, eval_steps(fit.dims, fit.rungs, values, shape))
+    for path, coefficients in fit.times.items():
+        set_path(data, path, eval_time(fit.dims, coefficients, shape))
+    data["measured_peak_bytes"] = None
+    for key in ("timed_rounds", "batch_shapes", "shapes"):
+        data.pop(key, None)
+    for stage in data["stages"]:
+        stage.pop("time_spread", None)
+    if "batch" in fit.dims.names:
+        data["batch_size"] = shape[fit.dims.names.index("batch")]
+    found = Profile.from_dict(data)
+    return replace(found, predicted_peak_bytes=predict_no_checkpoint_peak(found))

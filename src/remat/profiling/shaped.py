@@ -1,0 +1,302 @@
+"""Profiles over a range of batch shapes (Note [Shape-aware profiles] in remat.core.shapes).
+
+:func:`profile_shapes` profiles the model at the few shapes the fits need, made from one
+example batch by :func:`resize` (its content repeated along the varying axes, so token ids
+stay token ids), and returns one profile carrying the fit. :func:`infer_shapes` reads the
+range off a sample of real batches; :func:`batch_axes` says which axes of the batch's
+tensors each named dimension is (docs/shapes.md). :func:`check_fit` profiles a held-out
+shape and compares it with the fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.errors import UsageError
+from remat.core.profile_format import Profile, numeric_paths
+from remat.core.shape_profiles import at_shape, fit_profile
+from remat.core.shapes import (
+    Dim,
+    Shape,
+    ShapeRange,
+    byte_grid,
+    ladder,
+    middle,
+    parse_shapes,
+)
+from remat.profiling.profiler import Progress, profile
+
+__all__ = ["FitReport", "batch_axes", "check_fit", "infer_shapes", "profile_shapes",
+           "resize", "tensors_of", "time_shapes"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+Axes = dict[str, list[tuple[int, int]]]  # dimension -> (tensor index, axis) pairs
+
+
+def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a batch in a fixed order: a tensor, or lists, tuples and mappings
+    (transformers' ``BatchEncoding`` included) of them, nested."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_of(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from tensors_of(item)
+
+
+def _rebuild(obj: Any, fn: Callable[[torch.Tensor, int], torch.Tensor], count: list[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        count[0] += 1
+        return fn(obj, count[0] - 1)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return type(obj)(*(_rebuild(x, fn, count) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(x, fn, count) for x in obj)
+    if isinstance(obj, Mapping):
+        items = {k: _rebuild(v, fn, count) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    return obj
+
+
+def _first(tensors: Sequence[torch.Tensor], ok: Callable[[torch.Tensor], bool]) -> int | None:
+    return next((k for k, t in enumerate(tensors) if ok(t)), None)
+
+
+def batch_axes(batch: Any, dims: ShapeRange) -> Axes:
+    """Which ``(tensor, axis)`` pairs of ``batch`` each dimension is (docs/shapes.md):
+    ``batch`` axis 0, ``seq`` axis 1, ``height`` axis 2 and ``width`` axis 3, ``side``
+    both, ``axisN`` axis N, each in every tensor whose size there equals the first such
+    tensor's."""
+    tensors = list(tensors_of(batch))
+    if not tensors:
+        raise UsageError("the batch holds no tensors; give the example batch the loss takes")
+    out: Axes = {}
+    for d in dims.dims:
+        axes = {"batch": (0,), "seq": (1,), "height": (2,), "width": (3,), "side": (2, 3)}.get(
+            d.name) or (int(d.name.removeprefix("axis")),)
+        ref = _first(tensors, lambda t, axes=axes: t.dim() > max(axes) and (
+            len(axes) == 1 or t.shape[axes[0]] == t.shape[axes[1]]))
+        if ref is None:
+            raise UsageError(f"dimension {d.name} is axis {' and '.join(map(str, axes))} of "
+                             "the batch's tensors, and no tensor of the batch has it; name the "
+                             "dimension by the axis that varies (axisN)")
+        size = tensors[ref].shape[axes[0]]
+        out[d.name] = [(k, a) for k, t in enumerate(tensors) if t.dim() > max(axes)
+                       and all(t.shape[x] == size for x in axes) for a in axes]
+    return out
+
+
+def resize(batch: Any, axes: Axes, sizes: Mapping[str, int]) -> Any:
+    """``batch`` with each dimension's axes at ``sizes``: the content repeated (or cut)
+    along them, so ids, masks and labels keep their values."""
+    by_tensor: dict[int, list[tuple[int, int]]] = {}
+    for name, pairs in axes.items():
+        for k, axis in pairs:
+            by_tensor.setdefault(k, []).append((axis, int(sizes[name])))
+
+    def one(t: torch.Tensor, k: int) -> torch.Tensor:
+        for axis, n in by_tensor.get(k, ()):
+            if t.shape[axis] != n:
+                index = torch.arange(n, device=t.device) % t.shape[axis]
+                t = t.index_select(axis, index)
+        return t
+
+    return _rebuild(batch, one, [0])
+
+
+def infer_shapes(batches: Sequence[Any]) -> ShapeRange:
+    """The range a sample of real batches spans: each axis whose size varies, named by
+    :func:`batch_axes`' rules, from the least to the largest size seen, in steps of the
+    sizes' greatest common divisor (a collator padding to a multiple of 8 gives steps of 8
+    or more)."""
+    if isinstance(batches, (torch.Tensor, Mapping)) or not isinstance(batches, Sequence) or (
+            len(batches) < 2):
+        raise UsageError("batches must be a list of two or more real batches of different "
+                         "shapes; or give shapes= instead")
+    shapes = [[tuple(t.shape) for t in tensors_of(b)] for b in batches]
+    if any(len(s) != len(shapes[0]) or [len(x) for x in s] != [len(x) for x in shapes[0]]
+           for s in shapes):
+        raise UsageError("the batches differ in their tensors or their tensors' number of "
+                         "axes; give batches of one structure")
+    varying: dict[int, list[int]] = {}  # axis -> sizes seen, from the first tensor varying
+    for k in range(len(shapes[0])):
+        for axis in range(len(shapes[0][k])):
+            sizes = [s[k][axis] for s in shapes]
+            if len(set(sizes)) > 1 and axis not in varying:
+                varying[axis] = sizes
+    if not varying:
+        raise UsageError("the batches all have one shape; give batches of different shapes "
+                         "or shapes=")
+    names = {0: "batch", 1: "seq", 2: "height", 3: "width"}
+    if 2 in varying and 3 in varying and varying[2] == varying[3]:
+        del varying[3]
+        names[2] = "side"
+    dims = []
+    for axis, sizes in sorted(varying.items()):
+        step = math.gcd(*sizes)
+        lo, hi = min(sizes), max(sizes)
+        dims.append(Dim(names.get(axis, f"axis{axis}"), lo, hi, step))
+    return ShapeRange(tuple(dims))
+
+
+def time_shapes(dims: ShapeRange) -> tuple[Shape, ...]:
+    """The shapes timed for the time fits: the range's smallest, middle (the lattice value
+    nearest the geometric mean in each dimension) and largest."""
+    centre = tuple(middle(d) for d in dims.dims)
+    return tuple(dict.fromkeys((dims.lo, centre, dims.hi)))
+
+
+class _Inputs:
+    """Records the shapes of the tensors the model's forward receives (its first call)."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] | None = None
+
+    def __call__(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.shapes is None:
+            self.shapes = [tuple(t.shape) for t in tensors_of((args, kwargs))]
+
+
+def _forward_keys(dims: ShapeRange, seen: Mapping[Shape, list[tuple[int, ...]]]
+                  ) -> dict[str, tuple[int, int]]:
+    """Per dimension, the first (tensor, axis) of the forward's inputs whose size is the
+    dimension's value at every profiled shape: what the runtime reads."""
+    shapes = list(seen)
+    first = seen[shapes[0]]
+    out = {}
+    for j, d in enumerate(dims.dims):
+        for k, shape in enumerate(first):
+            axis = next((a for a in range(len(shape)) if all(
+                k < len(seen[s]) and a < len(seen[s][k]) and seen[s][k][a] == s[j]
+                for s in shapes)), None)
+            if axis is not None:
+                out[d.name] = (k, axis)
+                break
+        else:
+            raise UsageError(
+                f"no tensor the model's forward receives has an axis that follows dimension "
+                f"{d.name} across the shapes profiled; a plan set chooses its plan from the "
+                "forward's inputs, so give the dimensions the model itself receives")
+    return out
+
+
+def profile_shapes(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    shapes: str | Mapping[str, Any] | ShapeRange | None = None,
+    *,
+    batches: Sequence[Any] | None = None,
+    stages: Sequence[str] | None = None,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    repeats: int = 2,
+    progress: Progress | None = None,
+) -> Profile:
+    """Profile ``model`` over a range of batch shapes into one profile that carries the
+    fit (Note [Shape-aware profiles] in remat.core.shapes).
+
+    ``shapes``: the range (``"batch=1..16,seq=128..2048:8"``); without it, the range the
+    real ``batches`` span (:func:`infer_shapes`). ``batch``: the example the profiled
+    batches are made from (default: the first of ``batches``). The model is profiled with
+    bytes only at the byte grid (the bottom of the range) and timed at the smallest,
+    middle and largest shapes; it is as it was afterwards (each profile puts it back).
+    """
+    if shapes is None:
+        if batches is None:
+            raise UsageError("give shapes= (e.g. 'seq=128..2048') or batches= (real batches "
+                             "of different shapes) to profile a range")
+        dims = infer_shapes(batches)
+    else:
+        dims = parse_shapes(shapes)
+    sample = batch if batch is not None else (batches[0] if batches else None)
+    if sample is None:
+        raise UsageError("give batch= (an example batch) to make the profiled shapes from")
+    axes = batch_axes(sample, dims)
+    grid, timed = byte_grid(dims), time_shapes(dims)
+    todo = list(dict.fromkeys((*grid, *itertools.product(*ladder(dims)), *timed)))
+    found: dict[Shape, Profile] = {}
+    seen: dict[Shape, list[tuple[int, ...]]] = {}
+    names = list(stages) if stages is not None else None
+    for n, shape in enumerate(todo):
+        if progress is not None:
+            progress(f"shape {dims.shape_text(shape)}", n, len(todo))
+        sized = resize(sample, axes, dict(zip(dims.names, shape, strict=True)))
+        inputs = _Inputs()
+        hook = model.register_forward_pre_hook(inputs, with_kwargs=True)
+        try:
+            found[shape] = profile(model, sized, loss_fn, names, optimizer,
+                                   repeats=repeats, _timed=shape in timed)
+        finally:
+            hook.remove()
+        names = list(found[shape].stage_names)
+        if inputs.shapes is not None:
+            seen[shape] = inputs.shapes
+    if progress is not None:
+        progress("fitting", len(todo), len(todo))
+    return fit_profile(dims, found, timed, _forward_keys(dims, seen))
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """A held-out shape profiled and compared with the fit (:func:`check_fit`)."""
+
+    shape: Shape
+    byte_fields: int
+    bytes_wrong: tuple[tuple[str, int], ...]  # (path, measured - fitted), where they differ
+    stepped: frozenset[str]  # the figures read off the ladder (Note [Figures that are maxima])
+    step_s: float  # measured step without checkpointing
+    fitted_step_s: float
+    time_error: float  # the largest |fitted / measured - 1| of the step and stage times
+    timing_noise: float  # the profile's own spread of stage times (a fraction)
+
+    @property
+    def polynomial_exact(self) -> bool:
+        """Every figure the polynomial carries equal to the byte."""
+        return not any(p not in self.stepped for p, _ in self.bytes_wrong)
+
+    @property
+    def stepped_under(self) -> int:
+        """The most a stepped figure was measured above the fit (0: never under)."""
+        return max((d for p, d in self.bytes_wrong if p in self.stepped), default=0)
+
+
+def check_fit(model: nn.Module, batch: Any, loss_fn: LossFn | None, fitted: Profile,
+              shape: Sequence[int], *, repeats: int = 2) -> FitReport:
+    """Profile ``model`` at ``shape`` (a shape the fit did not use) and compare every byte
+    figure (exact) and the step and stage times (relative) with the fit's."""
+    fit = fitted.shapes
+    if fit is None:
+        raise UsageError("this profile covers one shape; give one from profile_shapes")
+    shape = tuple(shape)
+    axes = batch_axes(batch, fit.dims)
+    sized = resize(batch, axes, dict(zip(fit.dims.names, shape, strict=True)))
+    measured = profile(model, sized, loss_fn, list(fitted.stage_names), fitted.optimizer,
+                       repeats=repeats)
+    predicted = at_shape(fitted, shape)
+    got, want = numeric_paths(measured.to_dict()), numeric_paths(predicted.to_dict())
+    byte_paths = [p for p, v in want.items() if isinstance(v, int) and "bytes" in p
+                  and not p.startswith(("timed_rounds.", "timing_noise.", "shapes."))
+                  and p not in ("measured_peak_bytes", "predicted_peak_bytes",
+                                "region_overhead_bytes")]
+    wrong = tuple((p, int(got[p] - want[p])) for p in byte_paths if got.get(p) != want.get(p))
+    errors = [abs(predicted.step_s / measured.step_s - 1)] if measured.step_s else []
+    for a, b in zip(predicted.stages, measured.stages, strict=True):
+        for field in ("fwd_s", "bwd_s"):
+            if getattr(b, field) > 0:
+                errors.append(abs(getattr(a, field) / getattr(b, field) - 1))
+    noise = measured.timing_noise.stage_spread if measured.timing_noise is not None else 0.0
+    return FitReport(shape, len(byte_paths), wrong, frozenset(fit.steps), measured.step_s,
+                     predicted.step_s,
+                     max(errors, default=0.0), noise)
