@@ -1,0 +1,261 @@
+"""remat in Hugging Face's ``Trainer`` (and TRL's trainers, which subclass it).
+
+``RematCallback(budget)`` is a ``transformers.TrainerCallback``: when training begins it
+takes an example batch (the first ``per_device_train_batch_size`` examples of the train
+set, collated by the trainer's own collator, or the batch given), turns the model's own
+gradient checkpointing off where it is on, and calls :func:`remat.auto_checkpoint` on the
+model the trainer trains (a PEFT model too). ``add_remat(trainer, budget)`` is the one
+line that adds it. docs/integrations/transformers.md says what was measured.
+
+Importing this module imports transformers; ``import remat`` never does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from remat.core.errors import UsageError
+from remat.core.profile_format import OPTIMIZERS
+from remat.core.solve.budget import check_budget
+from remat.in_script.script_entry import AutoCheckpoint, auto_checkpoint
+from remat.runtime.existing import find
+from remat.runtime.install import applied, cache_off_for_training
+
+__all__ = ["RematCallback", "add_remat", "model_loss", "remat_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+#: TrainingArguments.optim -> what remat measures the optimizer state and step as
+_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw-fused",
+    "sgd": "sgd",
+}
+
+
+def remat_optimizer(optim: Any) -> str | None:
+    """remat's name for a ``TrainingArguments.optim`` value, or None where remat has no
+    measurement of that optimizer (it then plans as AdamW, and says so)."""
+    name = str(getattr(optim, "value", optim))
+    return _OPTIMIZERS.get(name)
+
+
+def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model(**batch).loss``: the loss ``Trainer.compute_loss`` trains on by default."""
+    if not isinstance(batch, Mapping):
+        raise UsageError(f"the example batch is a {type(batch).__name__}, not a mapping of "
+                         "the model's keyword arguments; pass loss_fn(model, batch)")
+    out = model(**batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        raise UsageError("the model returned no loss for the example batch; put 'labels' in "
+                         "the batch (the data collator usually does) or pass "
+                         "loss_fn(model, batch)")
+    return loss
+
+
+def _pad(batch: dict[str, Any], pad_to: int, pad_id: int) -> dict[str, Any]:
+    """The batch's (batch, sequence) tensors padded on the right to ``pad_to`` positions:
+    ``input_ids`` with ``pad_id``, ``labels`` with -100 (no loss), the rest with 0 (an
+    attention mask's padding)."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise UsageError("pad_to needs an 'input_ids' tensor of shape (batch, sequence) in "
+                         "the example batch; pass batch= padded yourself instead")
+    length = ids.shape[1]
+    if length > pad_to:
+        raise UsageError(f"pad_to={pad_to} is shorter than the example batch's {length} "
+                         "positions; give the longest sequence length the run will see")
+    out = dict(batch)
+    for key, value in batch.items():
+        if (isinstance(value, torch.Tensor) and value.dim() == 2
+                and value.shape == ids.shape):
+            fill = pad_id if key == "input_ids" else -100 if key == "labels" else 0
+            extra = value.new_full((value.shape[0], pad_to - length), fill)
+            out[key] = torch.cat([value, extra], dim=1)
+    return out
+
+
+def _example_batch(dataloader: Any, size: int) -> Any:
+    """The first ``size`` examples of the dataloader's dataset, through its collator.
+
+    Not the dataloader's own first batch: iterating it would draw from the random number
+    generators (shuffling) and move accelerate's dataloader state, so the run would see
+    other data than it does without remat.
+    """
+    dataset = getattr(dataloader, "dataset", None)
+    collate = getattr(dataloader, "collate_fn", None)
+    if dataset is None or collate is None:
+        raise UsageError("the trainer's train dataloader has no dataset and collator to take "
+                         "an example batch from; pass RematCallback(..., batch=...)")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        examples = list(itertools.islice(iter(dataset), size))
+    else:
+        examples = [dataset[i] for i in range(min(size, len(dataset)))]
+    if not examples:
+        raise UsageError("the train dataset is empty; there is no batch to plan on")
+    return collate(examples)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _hf_checkpointing_off(model: nn.Module, args: Any) -> str | None:
+    """Turn transformers' own gradient checkpointing off on ``model`` and in ``args``;
+    return the sentence that says so, or None when it was off."""
+    in_args = [name for name in ("activation_checkpointing", "gradient_checkpointing")
+               if getattr(args, name, False) is True]
+    flagged = find(model).flagged
+    if not in_args and not flagged:
+        return None
+    if flagged:
+        with warnings.catch_warnings():  # transformers 5 deprecates the gradient_ names
+            warnings.simplefilter("ignore", FutureWarning)
+            for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+                disable = getattr(model, name, None)
+                if callable(disable):
+                    disable()
+                    break
+        for path in find(model).flagged:  # a model without the method: the flags themselves
+            setattr(model.get_submodule(path), "gradient_checkpointing", False)  # noqa: B010
+    for name in in_args:  # else a later trainer.train() turns it on again
+        setattr(args, name, False)
+    where = " and ".join(
+        ([f"TrainingArguments.{in_args[0]}=True"] if in_args else [])
+        + ([f"the model's flag on {len(flagged)} modules"] if flagged else []))
+    return (f"remat: gradient checkpointing was on ({where}); remat turned transformers' "
+            "checkpointing off (and the argument to False, so the Trainer does not turn it "
+            "on again) and checkpoints by its own plan under the budget instead")
+
+
+class RematCallback(TrainerCallback):  # type: ignore[misc]
+    """Apply a remat plan under ``budget`` to the model when ``Trainer.train()`` begins.
+
+    ``budget``: the peak of a whole training step, in bytes, a size (``"12GiB"``) or a
+    fraction of the measured peak without checkpointing (``"60%"``). ``batch``: the
+    example batch to plan on (default: the first ``per_device_train_batch_size`` examples
+    of the train set through the trainer's collator). ``pad_to``: pad the example batch's
+    sequences to this length; under dynamic padding give the longest length the run will
+    see (a plan for the longest is within the budget for shorter batches too).
+    ``loss_fn(model, batch)``: default ``model(**batch).loss``. ``optimizer``: remat's
+    name for the trainer's optimizer (default from ``TrainingArguments.optim``).
+    ``stages``, ``cache``, ``repeats``: as :func:`remat.auto_checkpoint`.
+
+    After ``on_train_begin``, ``checkpoint`` is the :class:`remat.AutoCheckpoint` (its
+    ``report`` says what was done; ``checkpoint.remove()`` takes the plan off) and
+    ``turned_off`` the sentence saying transformers' own checkpointing was turned off,
+    or None.
+    """
+
+    def __init__(
+        self,
+        budget: str | int | float,
+        *,
+        batch: Any = None,
+        pad_to: int | None = None,
+        loss_fn: LossFn | None = None,
+        optimizer: str | None = None,
+        stages: list[str] | tuple[str, ...] | None = None,
+        cache: str | os.PathLike[str] | bool | None = None,
+        repeats: int = 2,
+    ) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
+            raise UsageError(f"budget={budget!r} is not a budget; give bytes, a size such as "
+                             "'12GiB', or a fraction such as '60%'")
+        check_budget(budget)
+        if optimizer is not None and optimizer not in OPTIMIZERS:
+            raise UsageError(f"optimizer={optimizer!r} is unknown; use one of "
+                             f"{', '.join(OPTIMIZERS)}")
+        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int)
+                                   or pad_to < 1):
+            raise UsageError(f"pad_to={pad_to!r} is not a sequence length; give a whole "
+                             "number of positions, the longest the run will see")
+        if loss_fn is not None and not callable(loss_fn):
+            raise UsageError(f"loss_fn is a {type(loss_fn).__name__}; pass a function "
+                             "loss_fn(model, batch) that returns the scalar loss")
+        self.budget = budget
+        self.batch = batch
+        self.pad_to = pad_to
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.stages = stages
+        self.cache = cache
+        self.repeats = repeats
+        self.checkpoint: AutoCheckpoint | None = None
+        self.turned_off: str | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        if model is None:
+            raise UsageError("the trainer passed no model to RematCallback.on_train_begin; "
+                             "call remat.auto_checkpoint(model, ...) before training instead")
+        self.turned_off = _hf_checkpointing_off(model, args)
+        if self.turned_off:
+            warnings.warn(self.turned_off, stacklevel=2)
+            logger.warning(self.turned_off)
+        if self.checkpoint is not None and self.checkpoint.active and applied(model):
+            return  # a later trainer.train(): the plan is on already
+        cache_off_for_training(model)  # a rebuild must not append to a key/value cache
+        optimizer = self.optimizer or remat_optimizer(getattr(args, "optim", "adamw_torch"))
+        if optimizer is None:
+            optimizer = "adamw"
+            warnings.warn(f"remat: TrainingArguments.optim={args.optim!s} is not one remat "
+                          "measures; the plan prices the optimizer state as AdamW's "
+                          "(pass RematCallback(..., optimizer=) to say otherwise)", stacklevel=2)
+        if getattr(args, "gradient_accumulation_steps", 1) > 1:
+            warnings.warn("remat: with gradient_accumulation_steps > 1 the later micro-steps "
+                          "hold every gradient through their forward, which the plan does not "
+                          "price; leave headroom in the budget", stacklevel=2)
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            batch = self.batch
+            if batch is None:
+                if train_dataloader is None:
+                    raise UsageError("the trainer has no train dataloader to take an example "
+                                     "batch from; pass RematCallback(..., batch=...)")
+                batch = _example_batch(train_dataloader, args.per_device_train_batch_size)
+            batch = _to(batch, device)
+            if self.pad_to is not None:
+                config = getattr(model, "config", None)
+                pad_id = getattr(config, "pad_token_id", None)
+                batch = _pad(dict(batch), self.pad_to, pad_id if isinstance(pad_id, int) else 0)
+            was_training = model.training
+            model.train()
+            try:
+                self.checkpoint = auto_checkpoint(
+                    model, self.budget, batch=batch, loss_fn=self.loss_fn or model_loss,
+                    optimizer=optimizer, stages=self.stages, cache=self.cache,
+                    repeats=self.repeats)
+            finally:
+                model.train(was_training)
+        logger.info("%s", self.checkpoint.report)
+
+
+def add_remat(trainer: Any, budget: str | int | float, **kwargs: Any) -> RematCallback:
+    """``trainer.add_callback(RematCallback(budget, **kwargs))``, returning the callback:
+    the one line that makes ``trainer.train()`` checkpoint under ``budget``."""
+    if not callable(getattr(trainer, "add_callback", None)):
+        raise UsageError(f"add_remat got a {type(trainer).__name__}, not a transformers "
+                         "Trainer; pass the Trainer (or TRL trainer) you call train() on")
+    callback = RematCallback(budget, **kwargs)
+    trainer.add_callback(callback)
+    return callback
