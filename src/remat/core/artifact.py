@@ -19,6 +19,7 @@ T = TypeVar("T", bound="JsonArtifact")
 # missing key. Keyed by ``JsonArtifact.artifact`` where the kind is one.
 KINDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "plan": (("regions", "options"), "plan", "remat plan --json"),
+    "plan-set": (("buckets", "plans"), "plan set", "remat plan --shapes --json"),
     "profile": (("fixed_bytes", "measured_peak_bytes"), "profile", "remat profile --json"),
     "problem": (("params_bytes", "measured_no_checkpoint_peak_bytes"), "problem file",
                 "Problem.save"),

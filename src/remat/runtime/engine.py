@@ -73,6 +73,16 @@ frame) and always reaches the child's first call (early stop cannot end it befor
 child's input is saved), hands the child the rebuilt values (``children_at``). In the
 common case they are alive then anyway: a later stage of the parent saved them.
 
+Note [One engine, several plans]
+--------------------------------
+A plan set (Note [Plan sets] in remat.core.plan_set) runs one plan per batch shape. The
+engine keeps one :class:`Layout` per plan (what a call reads of a plan: its regions,
+options, which stages are hooked) and the root's shape hook picks one before each pass
+begins (:meth:`Engine.use`: a few attribute assignments). The stage hooks of every plan
+are installed once; a stage no region of the running plan spans ignores them. A region
+remembers the layout that opened it, and its rebuild, in a backward that may come after
+the next forward began with another plan, runs under that layout.
+
 Note [Buffers mutated in forward]
 ---------------------------------
 A rebuild re-runs stage code, so in-place buffer updates (BatchNorm's running_mean,
@@ -255,6 +265,7 @@ class _Entry:
     externals: dict[int, torch.Tensor] = field(default_factory=dict)
     children_at: dict[int, list[_Entry]] = field(default_factory=dict)
     rebuilt: int = 0  # how many times backward rebuilt it (Note [Backward in passes])
+    layout: Layout | None = None  # the plan that opened it (Note [One engine, several plans])
 
     def dead_after(self) -> list[list[int]]:
         """Per step, the slots no later step (nor a child region opening later) reads: a
@@ -305,6 +316,45 @@ def main_output(out: object) -> torch.Tensor | None:
     else:
         return None
     return first if isinstance(first, torch.Tensor) else None
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """What the engine reads of one plan at every call (Note [One engine, several plans])."""
+
+    plan: Plan
+    policies: tuple[StagePolicy, ...]
+    parent: tuple[int, ...]  # each region's parent's index, -1 at the top
+    opens_at: tuple[tuple[int, ...], ...]  # per stage, the regions opening there
+    closes_at: tuple[tuple[int, ...], ...]
+    plain: tuple[bool, ...]  # stages whose forward outside regions needs nothing from us
+    hooked: tuple[int, ...]  # stages inside multi-stage regions (Note [Stages with hooks ...])
+    saves_routing: tuple[bool, ...]  # per region (Note [Routing saved in regions])
+
+
+def make_layout(plan: Plan, policies: Sequence[StagePolicy],
+                stage_routes: Sequence[Any]) -> Layout:
+    n = len(plan.stages)
+    regions = plan.regions
+    index = {r: k for k, r in enumerate(regions)}
+    parents = (plan.parent(r) for r in regions)
+    opens: list[list[int]] = [[] for _ in range(n)]
+    closes: list[list[int]] = [[] for _ in range(n)]
+    for k, r in enumerate(regions):
+        opens[r.start].append(k)  # outermost first
+        closes[r.stop - 1].insert(0, k)  # innermost first
+    return Layout(
+        plan=plan,
+        policies=tuple(policies),
+        parent=tuple(-1 if p is None else index[p] for p in parents),
+        opens_at=tuple(map(tuple, opens)),
+        closes_at=tuple(map(tuple, closes)),
+        plain=tuple(not opens[i] and policies[i].is_keep for i in range(n)),
+        hooked=tuple(i for i in range(n) if any(
+            r.start <= i < r.stop and r.stop - r.start > 1 for r in regions)),
+        saves_routing=tuple(any(stage_routes[i] for i in range(r.start, r.stop))
+                            for r in regions),
+    )
 
 
 def _never_rebuilt(*_args: Any) -> None:
@@ -367,18 +417,6 @@ class Engine:
         n = len(plan.stages)
         self.names = plan.stages
         self.modules = tuple(modules)
-        self.policies = tuple(policies)
-        self.regions = plan.regions  # sorted by (start, -stop): parents before children
-        index = {r: k for k, r in enumerate(self.regions)}
-        parents = (plan.parent(r) for r in self.regions)
-        self.parent = tuple(-1 if p is None else index[p] for p in parents)
-        opens: list[list[int]] = [[] for _ in range(n)]
-        closes: list[list[int]] = [[] for _ in range(n)]
-        for k, r in enumerate(self.regions):
-            opens[r.start].append(k)  # outermost first
-            closes[r.stop - 1].insert(0, k)  # innermost first
-        self.opens_at = tuple(map(tuple, opens))
-        self.closes_at = tuple(map(tuple, closes))
         # Submodules with buffers, and those with running statistics, per stage
         # (Note [Buffers mutated in forward]); walking module.buffers() per call is slow.
         self.buffer_owners = tuple(
@@ -388,25 +426,16 @@ class Engine:
             tuple(m for m in owners if "num_batches_tracked" in m._buffers)
             for owners in self.buffer_owners
         )
-        # Stages whose forward outside regions needs nothing from us (the fast path).
-        self.plain = tuple(not opens[i] and self.policies[i].is_keep for i in range(n))
-        # Stages inside multi-stage regions see their calls through hooks of ours that run
-        # first and last (Note [Stages with hooks of their own]).
-        self.hooked = tuple(
-            i for i in range(n)
-            if any(r.start <= i < r.stop and r.stop - r.start > 1 for r in self.regions)
-        )
+        # Regions over a stage that routes keep its routing decisions (Note [Routing saved
+        # in regions]).
+        self.routes = tuple(routes(module) for module in self.modules)
+        # The plan's layout; a plan set has one per plan (Note [One engine, several plans])
+        self.layouts = (make_layout(plan, policies, self.routes),)
+        self._set_layout(self.layouts[0])
         self.hook_ids: list[tuple[nn.Module, int, int]] = []
         self.entered: tuple[int, tuple[Any, ...], dict[str, Any]] | None = None
         self.gap_due: CallRecord | None = None  # the call whose forward hook opens the GAP
         self.units_checked = False  # FSDP units made after apply: checked at the first pass
-        self.reshard_after_rebuild = plan.reshard_after_rebuild  # see reshard_units
-        # Regions over a stage that routes keep its routing decisions (Note [Routing saved
-        # in regions]).
-        self.routes = tuple(routes(module) for module in self.modules)
-        self.saves_routing = tuple(
-            any(self.routes[i] for i in range(r.start, r.stop)) for r in self.regions
-        )
 
         self.phase = Phase.IDLE
         self.next_stage = 0
@@ -432,8 +461,6 @@ class Engine:
         self.frames: type[CheckpointFrame] | type[RebuildOnceFrame] = (
             RebuildOnceFrame if split_backward else CheckpointFrame)
         self.observer: StageObserver | None = None
-        # what a copy is made from (Note [Copies of an applied model])
-        self.plan = plan
         self.split_backward = split_backward
         # Note [torch.compile sees the engine as one opaque call]
         self.opaque_call = opaque(self.call)
@@ -453,11 +480,41 @@ class Engine:
         new.__init__(self.plan, modules, self.policies,  # type: ignore[misc]
                      preserve_rng_state=self.preserve_rng_state,
                      split_backward=self.split_backward)
+        new.layouts = self.layouts  # immutable, no modules in them
+        new._set_layout(self.layout)
         new.hook_ids = [(copy.deepcopy(m, memo), pre, post) for m, pre, post in self.hook_ids]
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UsageError(NOT_PICKLED)
+
+    def _set_layout(self, layout: Layout) -> None:
+        self.layout = layout
+        # what a copy is made from (Note [Copies of an applied model])
+        self.plan = layout.plan
+        self.policies = layout.policies
+        self.regions = layout.plan.regions  # sorted by (start, -stop): parents first
+        self.parent = layout.parent
+        self.opens_at = layout.opens_at
+        self.closes_at = layout.closes_at
+        self.plain = layout.plain
+        self.hooked = layout.hooked
+        self.hooked_set = frozenset(layout.hooked)
+        self.saves_routing = layout.saves_routing
+        self.reshard_after_rebuild = layout.plan.reshard_after_rebuild  # see reshard_units
+
+    def add_layouts(self, plans: Sequence[Plan], policies: Sequence[Sequence[StagePolicy]]
+                    ) -> None:
+        """The plans of a plan set, each with its stages' policies; the first is used."""
+        self.layouts = tuple(make_layout(p, pol, self.routes)
+                             for p, pol in zip(plans, policies, strict=True))
+        self._set_layout(self.layouts[0])
+
+    def use(self, k: int) -> None:
+        """Run plan ``k`` of a plan set from the pass beginning now (Note [One engine,
+        several plans])."""
+        if self.layout is not self.layouts[k]:
+            self._set_layout(self.layouts[k])
 
     # -- installation -------------------------------------------------------------------
 
@@ -468,7 +525,7 @@ class Engine:
     def install_stage_hooks(self) -> list[RemovableHandle]:
         """Hooks on the stages inside multi-stage regions (Note [Stages with hooks ...])."""
         handles = []
-        for i in self.hooked:
+        for i in sorted({i for layout in self.layouts for i in layout.hooked}):
             module = self.modules[i]
             pre = module.register_forward_pre_hook(
                 StageHook(self, i, enter=True), prepend=True, with_kwargs=True
@@ -481,7 +538,7 @@ class Engine:
     def enter_stage(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Stage ``i``'s call begins, before any other hook of it: end the glue recording
         and note what the model passes (Note [Stages with hooks of their own])."""
-        if self.phase is Phase.IDLE:
+        if self.phase is Phase.IDLE or i not in self.hooked_set:
             return
         if self.phase is Phase.FORWARD and self.stack and self.stack[-1].kind is Kind.GAP:
             self._unwind(len(self.stack) - 1)
@@ -490,6 +547,8 @@ class Engine:
     def leave_stage(self, i: int, output: Any) -> None:
         """Stage ``i``'s call ends, after every other hook of it: its output is what the
         model receives; the code after it is recorded from here."""
+        if i not in self.hooked_set:
+            return
         record, self.gap_due = self.gap_due, None
         if record is None or record.stage != i or self.phase is not Phase.FORWARD:
             return
@@ -768,7 +827,7 @@ class Engine:
                 f"argument is {type(boundary).__name__}, not a tensor; start regions at stages "
                 "that take the hidden state as their first positional argument"
             )
-        entry = _Entry(k, kind, None)
+        entry = _Entry(k, kind, None, layout=self.layout)
         if kind is Kind.OPEN:
             entry.input_slot = self.tape.give(boundary, self.next_stage - 1)
             entry.first_slot = self.tape.count
@@ -789,6 +848,8 @@ class Engine:
     def _rebuild(self, entry: _Entry, boundary: torch.Tensor) -> None:
         """Replay region ``entry.region``'s calls (torch calls this from backward)."""
         saved = (self.phase, self.next_stage, self.current)
+        running = self.layout  # a later pass may run another plan of a plan set
+        self._set_layout(entry.layout)
         depth = len(self.stack)
         self.stack.append(_Entry(entry.region, Kind.REPLAYING, None, entry.calls))
         self.phase = Phase.REBUILD
@@ -827,6 +888,7 @@ class Engine:
         finally:
             self._unwind(depth)
             self.phase, self.next_stage, self.current = saved
+            self._set_layout(running)
 
     # -- options ------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import copy
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -39,7 +39,9 @@ from torch.utils.hooks import RemovableHandle
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Plan
+from remat.core.plan_set import OUTSIDE, PlanSet
 from remat.runtime._torch_checkpoint import check_available
+from remat.runtime.batch_shape import ShapeHook
 from remat.runtime.compiled_stages import CompiledForward, stages_compiled
 from remat.runtime.engine import NOT_PICKLED, Engine, PassHook, StageObserver
 from remat.runtime.existing import check_apply
@@ -132,7 +134,7 @@ class AppliedPlan:
     """What a plan applied to a model leaves with the caller: ``remove()`` undoes it, as
     ``remat.remove(model)`` does; ``active`` says whether it is still applied."""
 
-    def __init__(self, model: nn.Module, plan: Plan, installation: Any) -> None:
+    def __init__(self, model: nn.Module, plan: Plan | PlanSet, installation: Any) -> None:
         self.model = model
         self.plan = plan
         self._installation = installation
@@ -158,6 +160,11 @@ class Handle(AppliedPlan):
     def stages(self) -> tuple[nn.Module, ...]:
         """The stage modules, in plan order."""
         return self._installation.stages
+
+    @property
+    def running(self) -> Plan:
+        """The plan the last training forward ran (of a plan set: its bucket's)."""
+        return self._installation.engine.plan
 
     @property
     def rebuilds(self) -> int:
@@ -187,6 +194,9 @@ class Handle(AppliedPlan):
         return {i: frozenset(ops) for i, ops in saved.items()}
 
     def __repr__(self) -> str:
+        if isinstance(self.plan, PlanSet):
+            return (f"Handle(plan set of {len(self.plan.plans)} plans over "
+                    f"{self.plan.dims}, active={self.active})")
         return (
             f"Handle({len(self.plan.stages)} stages, {len(self.plan.regions)} regions, "
             f"solver={self.plan.solver!r}, active={self.active})"
@@ -261,14 +271,20 @@ def _check_compiled(model: nn.Module, plan: Plan) -> None:
 
 def apply(
     model: nn.Module,
-    plan: Plan,
+    plan: Plan | PlanSet,
     *,
     preserve_rng_state: bool = True,
     force: bool = False,
     allow_compile_mismatch: bool = False,
     split_backward: bool = False,
+    outside: str | None = None,
 ) -> Handle:
     """Apply ``plan`` to ``model`` in place and return a :class:`Handle`.
+
+    ``plan`` may be a :class:`~remat.core.plan_set.PlanSet` (``remat plan --shapes``):
+    each training forward then runs the plan of the bucket its batch's shape falls in
+    (Note [One engine, several plans] in engine.py); ``outside`` (``error`` or
+    ``conservative``) overrides what the set does with a batch outside its range.
 
     Training-mode forwards with grad enabled then run the plan's regions and options;
     eval or no-grad forwards call each stage's own forward directly.
@@ -295,6 +311,18 @@ def apply(
     backward in passes] in remat.runtime.rebuild_once). Plans with nested regions or a
     selective option inside a region are refused with it.
     """
+    plan_set: PlanSet | None = None
+    if isinstance(plan, PlanSet):
+        if outside is not None and outside not in OUTSIDE:
+            raise UsageError(f"outside={outside!r} is not one of {', '.join(OUTSIDE)}")
+        plan_set = plan if outside is None else replace(plan, outside=outside)
+        if split_backward:
+            raise UsageError("split_backward=True runs one plan; apply a single plan, not a "
+                             "plan set")
+        plan = plan_set.plans[0]
+    elif outside is not None:
+        raise UsageError("outside= is for plan sets; a single plan runs at every shape")
+    plans = plan_set.plans if plan_set is not None else (plan,)
     check_target(model, plan)
     for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force),
                        ("allow_compile_mismatch", allow_compile_mismatch),
@@ -302,7 +330,8 @@ def apply(
         if not isinstance(flag, bool):
             raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
     check_free(model)
-    plan.validate()  # again: a frozen dataclass can still be changed behind its back
+    for each in plans:
+        each.validate()  # again: a frozen dataclass can still be changed behind its back
     if split_backward:
         check_split_backward(plan)
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
@@ -311,8 +340,10 @@ def apply(
     check_fsdp_units(model, plan.stages, stages, plan.regions)  # again at the first pass
     notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
     if not allow_compile_mismatch:
-        _check_compiled(model, plan)
-    if plan.regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
+        for each in plans:
+            _check_compiled(model, each)
+    regions = any(each.regions for each in plans)
+    if regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
         # transformers: a key/value cache appended to in forward is appended to again by
         # every rebuild, so the rebuilt attention sees other keys (remat verify: hazard).
@@ -324,6 +355,13 @@ def apply(
             stacklevel=2,
         )
     policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
+    all_policies = [[resolve(opt, name) for name, opt in zip(p.stages, p.options, strict=True)]
+                    for p in plans]
+    if plan_set is not None and any(
+            isinstance(m.__dict__.get("forward"), CompiledForward) for m in stages) and any(
+            not q.is_keep for pol in all_policies for q in pol):
+        raise UsageError("a plan set with selective options cannot run on compiled stages "
+                         "yet; plan it for eager stages, or apply one plan")
 
     for note in notes:  # before any change: a warning turned into an error leaves no trace
         warnings.warn(note, stacklevel=2)
@@ -345,12 +383,17 @@ def apply(
     # Everything is checked: from here on nothing can fail half-way.
     engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state,
                     split_backward=split_backward)
+    if plan_set is not None:
+        engine.add_layouts(plans, all_policies)
     previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
     for i, module in enumerate(stages):
         module.forward = engine.wrap(i, forwards[i])
         _WRAPPED.add(module)
     begin = PassHook(engine, begin=True)
+    chooser = () if plan_set is None else (  # before the pass begins: it picks the plan
+        model.register_forward_pre_hook(ShapeHook(engine, plan_set), with_kwargs=True),)
     hooks = (  # objects, not closures: Note [Copies of an applied model] in engine.py
+        *chooser,
         model.register_forward_pre_hook(begin),
         model.register_forward_hook(PassHook(engine, begin=False), always_call=True),
         *engine.install_stage_hooks(),  # Note [Stages with hooks of their own] in engine.py
@@ -358,7 +401,7 @@ def apply(
     installation = _Installation(engine, stages, previous, hooks, weakref.ref(model))
     begin.installation = installation  # a deep copy of the model copies it
     _APPLIED[model] = installation
-    return Handle(model, plan, installation)
+    return Handle(model, plan_set if plan_set is not None else plan, installation)
 
 
 def check_split_backward(plan: Plan) -> None:

@@ -1,0 +1,293 @@
+"""Plan sets: one plan per bucket of batch shapes, each predicted within the budget.
+
+Note [Plan sets]
+~~~~~~~~~~~~~~~~
+A single plan for the longest shape pays that shape's rebuilds on every shorter batch; a
+plan for a short shape goes over the budget on a long one. :func:`plan_set` takes a
+profile over a range of shapes (Note [Shape-aware profiles] in :mod:`remat.core.shapes`)
+and a budget, and chooses:
+
+1. the profile at every shape of the range's lattice (:func:`at_shape`), priced by the
+   simulator, and the optimal plan at every lattice shape (at most ``SOLVED_SHAPES``; a
+   larger lattice is solved at an even sub-lattice that keeps both ends of each
+   dimension);
+2. each of those plans priced at every lattice shape: it *covers* a shape where its
+   predicted peak is within the budget and its predicted step time within ``within``
+   (2%) of the best time there (the shape's own optimal where it was solved, else the
+   fastest plan that fits there);
+3. greedily, the plans that cover the most shapes not yet covered, until every shape is;
+   each shape then runs the fastest chosen plan that covers it. A *bucket* is the shapes
+   one plan runs, written as boxes (a range per dimension).
+
+So every lattice shape is predicted within the budget by the plan that runs it, by the
+simulator, not by an argument about monotonicity. Shapes outside the range (or off its
+step) get what ``outside`` says: ``error`` (a UsageError naming the shape and the range)
+or ``conservative``: the plan of least predicted peak at the range's largest shape, with
+one warning. The runtime reads the shape off the forward's inputs (``inputs``: per
+dimension, a tensor's position among the tensors of the forward's args then kwargs, and
+an axis) and picks the bucket's plan at each forward (:mod:`remat.runtime.install`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from remat.core.artifact import JsonArtifact
+from remat.core.errors import CheckFailed, UsageError
+from remat.core.plan_format import Plan
+from remat.core.planner import made_for
+from remat.core.profile_format import Profile
+from remat.core.shape_profiles import at_shape
+from remat.core.shapes import Shape, ShapeRange
+from remat.core.solve import solve
+from remat.core.solve.budget import parse_budget
+from remat.core.solve.from_profile import problem_from_profile
+from remat.core.solve.simulator import simulate
+
+__all__ = ["OUTSIDE", "PlanSet", "plan_set"]
+
+#: What a batch outside the range gets (Note [Plan sets]).
+OUTSIDE = ("error", "conservative")
+#: The most lattice shapes solved for their own optimal plan.
+SOLVED_SHAPES = 256
+#: The most lattice shapes a plan set prices; a larger range needs a coarser step.
+LATTICE_LIMIT = 8192
+
+Box = tuple[tuple[int, int], ...]  # per dimension, the least and largest value
+
+
+@dataclass(frozen=True)
+class PlanSet(JsonArtifact):
+    """Plans for a range of batch shapes (Note [Plan sets]); ``buckets[k]`` are the boxes
+    of shapes ``plans[k]`` runs."""
+
+    artifact: ClassVar[str] = "plan-set"
+    written_by: ClassVar[str] = "remat plan --shapes --json"
+
+    dims: ShapeRange
+    plans: tuple[Plan, ...]
+    buckets: tuple[tuple[Box, ...], ...]
+    inputs: Mapping[str, tuple[int, int]] = field(hash=False)
+    budget_bytes: int
+    conservative: int  # the plan outside shapes get with outside="conservative"
+    outside: str = "error"
+    shapes: int = 0  # lattice shapes priced
+    solved: int = 0  # of them, solved for their own optimal plan
+    slowest_ratio: float = 1.0  # the most a shape's plan is over its shape's best time
+    solve_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.outside not in OUTSIDE:
+            raise UsageError(f"outside={self.outside!r} is not one of {', '.join(OUTSIDE)}")
+        plans, buckets = tuple(self.plans), tuple(tuple(b) for b in self.buckets)
+        if not plans or not all(isinstance(p, Plan) for p in plans):
+            raise UsageError("a plan set needs at least one plan")
+        if len(buckets) != len(plans):
+            raise UsageError(f"a plan set has {len(plans)} plans and {len(buckets)} buckets; "
+                             "give one bucket per plan")
+        if len({p.stages for p in plans}) != 1:
+            raise UsageError("the plans of a plan set must name the same stages")
+        if not 0 <= self.conservative < len(plans):
+            raise UsageError(f"conservative={self.conservative} is not a plan of the set")
+        missing = set(self.dims.names) - set(self.inputs)
+        if missing:
+            raise UsageError(f"the plan set does not say where to read {', '.join(missing)} "
+                             "from the forward's inputs; plan it from a profile_shapes profile")
+        object.__setattr__(self, "plans", plans)
+        object.__setattr__(self, "buckets", tuple(
+            tuple(tuple((int(a), int(b)) for a, b in box) for box in boxes)
+            for boxes in buckets))
+        object.__setattr__(self, "inputs", MappingProxyType(
+            {k: (int(v[0]), int(v[1])) for k, v in self.inputs.items()}))
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return self.plans[0].stages
+
+    def choose(self, shape: Sequence[int]) -> int | None:
+        """The index of the plan ``shape`` runs, or None outside the range."""
+        shape = tuple(shape)
+        if not self.dims.holds(shape):
+            return None
+        for k, boxes in enumerate(self.buckets):
+            for box in boxes:
+                if all(lo <= v <= hi for v, (lo, hi) in zip(shape, box, strict=True)):
+                    return k
+        return None
+
+    def describe(self) -> list[str]:
+        """One line per plan: the shapes it covers and what it checkpoints."""
+        lines = []
+        for k, (plan, boxes) in enumerate(zip(self.plans, self.buckets, strict=True)):
+            where = "; ".join(_box_text(self.dims, b) for b in boxes[:4])
+            more = f" (+{len(boxes) - 4} boxes)" if len(boxes) > 4 else ""
+            regions = " ".join(str(r) for r in plan.regions) or "none"
+            peak = plan.predicted_peak_bytes
+            lines.append(f"plan {k}: {where}{more}: regions {regions}"
+                         + (f", predicted peak up to {peak} bytes" if peak else ""))
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dims": self.dims.to_dict(),
+            "plans": [p.to_dict() for p in self.plans],
+            "buckets": [[[list(r) for r in box] for box in boxes] for boxes in self.buckets],
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "budget_bytes": self.budget_bytes,
+            "conservative": self.conservative,
+            "outside": self.outside,
+            "shapes": self.shapes,
+            "solved": self.solved,
+            "slowest_ratio": self.slowest_ratio,
+            "solve_time_s": self.solve_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanSet:
+        keys = {"dims", "plans", "buckets", "inputs", "budget_bytes", "conservative",
+                "outside", "shapes", "solved", "slowest_ratio", "solve_time_s"}
+        if not isinstance(data, Mapping) or set(data) != keys:
+            raise UsageError("a plan set must have exactly the keys "
+                             f"{', '.join(sorted(keys))}; write it with remat plan --shapes")
+        try:
+            return cls(
+                dims=ShapeRange.from_dict(data["dims"]),
+                plans=tuple(Plan.from_dict(p) for p in data["plans"]),
+                buckets=tuple(tuple(tuple(tuple(r) for r in box) for box in boxes)
+                              for boxes in data["buckets"]),
+                inputs={k: tuple(v) for k, v in data["inputs"].items()},
+                **{k: data[k] for k in ("budget_bytes", "conservative", "outside", "shapes",
+                                        "solved", "slowest_ratio", "solve_time_s")},
+            )
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"the plan set could not be read ({err}); write it again with "
+                             "remat plan --shapes") from err
+
+
+def _box_text(dims: ShapeRange, box: Box) -> str:
+    return ",".join(f"{d.name}={lo}" if lo == hi else f"{d.name}={lo}..{hi}"
+                    for d, (lo, hi) in zip(dims.dims, box, strict=True))
+
+
+def _sub_lattice(dims: ShapeRange, most: int) -> list[Shape]:
+    """An even sub-lattice of at most ``most`` shapes keeping both ends of each dimension."""
+    per = max(2, int(most ** (1 / len(dims.dims))))
+    axes = []
+    for d in dims.dims:
+        values = list(d.values())
+        if len(values) <= per:
+            axes.append(values)
+        else:
+            picks = {values[round(k * (len(values) - 1) / (per - 1))] for k in range(per)}
+            axes.append(sorted(picks))
+    return list(itertools.product(*axes))
+
+
+def _key(plan: Plan) -> tuple[Any, ...]:
+    return (plan.regions, plan.options)
+
+
+def _boxes(points: list[Shape]) -> tuple[Box, ...]:
+    """Runs along the last dimension, the others fixed (the lattice's order)."""
+    out: list[Box] = []
+    for point in sorted(points):
+        if out and out[-1][:-1] == tuple((v, v) for v in point[:-1]):
+            lo = out[-1][-1][0]
+            out[-1] = (*out[-1][:-1], (lo, point[-1]))
+            continue
+        out.append(tuple((v, v) for v in point))
+    return tuple(out)
+
+
+def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.02,
+             outside: str = "error") -> PlanSet:
+    """The plan set for ``profile``'s range under ``budget`` (Note [Plan sets]).
+
+    ``budget`` is bytes or a size (the peak of a whole step), or a fraction of the
+    measured peak without checkpointing at the range's largest shape. Raises
+    :class:`CheckFailed` naming the shape and the least budget where no plan fits.
+    """
+    began = time.perf_counter()
+    fit = profile.shapes
+    if fit is None:
+        raise UsageError("this profile covers one shape; profile a range (shapes=) to plan "
+                         "a plan set, or plan it with remat.plan")
+    if outside not in OUTSIDE:
+        raise UsageError(f"outside={outside!r} is not one of {', '.join(OUTSIDE)}")
+    if not 0 <= within < 1:
+        raise UsageError(f"within={within!r} must be a fraction from 0 to 1, e.g. 0.02")
+    dims = fit.dims
+    if dims.size > LATTICE_LIMIT:
+        raise UsageError(f"the range {dims} holds {dims.size} shapes, more than the "
+                         f"{LATTICE_LIMIT} a plan set prices; give the dimensions a coarser "
+                         "step (e.g. seq=128..2048:8), as a padding collator rounds them")
+    lattice = list(dims.lattice())
+    profiles = {x: at_shape(profile, x) for x in lattice}
+    problems = {x: problem_from_profile(p) for x, p in profiles.items()}
+    limit = parse_budget(budget, problem_from_profile(profile))
+    solved_at = lattice if len(lattice) <= SOLVED_SHAPES else _sub_lattice(dims, SOLVED_SHAPES)
+    candidates: dict[tuple[Any, ...], Plan] = {}
+    best: dict[Shape, float] = {}
+    for x in solved_at:
+        try:
+            found = solve("optimal", problems[x], limit)
+        except CheckFailed as err:
+            raise CheckFailed(f"at {dims.shape_text(x)}: {err}") from err
+        best[x] = found.predicted_step_time_s or 0.0
+        candidates.setdefault(_key(found), found)
+    plans = list(candidates.values())
+    fits: list[dict[Shape, float]] = []  # per candidate: shape -> its time where it fits
+    for plan in plans:
+        fits.append({})
+        for x in lattice:
+            sim = simulate(plan, problems[x])
+            if sim.peak_bytes <= limit:
+                fits[-1][x] = sim.step_time_s
+    for x in lattice:
+        if x not in best:
+            times = [f[x] for f in fits if x in f]
+            if not times:
+                found = solve("optimal", problems[x], limit)  # raises CheckFailed itself
+                plans.append(found)
+                fits.append({y: simulate(found, problems[y]).step_time_s for y in lattice
+                             if simulate(found, problems[y]).peak_bytes <= limit})
+                times = [fits[-1][x]]
+            best[x] = min(times)
+    covers = [{x for x, t in f.items() if t <= (1 + within) * best[x] + 1e-12} for f in fits]
+    chosen: list[int] = []
+    left = set(lattice)
+    while left:
+        k = max(range(len(plans)), key=lambda j: (len(covers[j] & left), -j))
+        if not covers[k] & left:  # cannot happen: each shape's best plan covers it
+            raise CheckFailed(f"no plan covers {dims.shape_text(next(iter(left)))}")
+        chosen.append(k)
+        left -= covers[k]
+    runs: dict[int, list[Shape]] = {k: [] for k in chosen}
+    slowest = 1.0
+    for x in lattice:
+        k = min((j for j in chosen if x in covers[j]), key=lambda j: fits[j][x])
+        runs[k].append(x)
+        if best[x] > 0:
+            slowest = max(slowest, fits[k][x] / best[x])
+    used = [k for k in chosen if runs[k]]
+    out_plans = []
+    for k in used:
+        peak = max(simulate(plans[k], problems[x]).peak_bytes for x in runs[k])
+        at = max(runs[k], key=lambda x: (sum(x), x))
+        out_plans.append(replace(plans[k], budget_bytes=limit, predicted_peak_bytes=peak,
+                                 made_for=made_for(profiles[at])))
+    hi = dims.hi
+    conservative = min(range(len(used)),
+                       key=lambda j: simulate(plans[used[j]], problems[hi]).peak_bytes)
+    return PlanSet(
+        dims=dims, plans=tuple(out_plans), buckets=tuple(_boxes(runs[k]) for k in used),
+        inputs=fit.inputs, budget_bytes=limit, conservative=conservative, outside=outside,
+        shapes=len(lattice), solved=len(solved_at), slowest_ratio=slowest,
+        solve_time_s=time.perf_counter() - began,
+    )
+
