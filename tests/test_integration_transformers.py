@@ -123,7 +123,8 @@ def train(make_trainer: Any, callback: tt.RematCallback | None) -> Run:
 
 def arguments(tmp: Path, checkpointing: bool, config: type | None = None, **kw: Any) -> Any:
     cls = config or transformers.TrainingArguments
-    return cls(output_dir=str(tmp), per_device_train_batch_size=BATCH, max_steps=STEPS,
+    kw.setdefault("max_steps", STEPS)
+    return cls(output_dir=str(tmp), per_device_train_batch_size=BATCH,
                logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
                disable_tqdm=True, gradient_checkpointing=checkpointing, **kw)
 
@@ -194,6 +195,23 @@ def test_trainer_gradient_checkpointing_is_replaced_by_remat_and_said(
     trainer_runs: tuple[Run, Run],
 ) -> None:
     check_replaced(trainer_runs)
+
+
+def test_a_second_train_keeps_transformers_checkpointing_off_and_the_plan_on(
+    trainer_runs: tuple[Run, Run], tmp_path: Path,
+) -> None:
+    callback = trainer_runs[0].callback
+    assert callback is not None and callback.cache is not None
+    data = [{"input_ids": ids} for ids in token_lists(BATCH, (SEQ, SEQ))]
+    trainer = transformers.Trainer(
+        model=tiny_llama(dropout=0.1), args=arguments(tmp_path, True, max_steps=1),
+        train_dataset=data, data_collator=collate)
+    again = tt.add_remat(trainer, "60%", cache=callback.cache)  # the plan from the cache
+    for _ in range(2):  # Trainer.train() turns transformers' checkpointing on if asked
+        trainer.train()
+        assert not find(trainer.model).flagged
+    assert again.checkpoint is not None and again.checkpoint.report.source == "cache"
+    assert again.checkpoint.handle.rebuilds == 2 * len(again.checkpoint.plan.regions)
 
 
 # --------------------------------------------------------------------------- PEFT LoRA

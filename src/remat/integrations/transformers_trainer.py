@@ -139,7 +139,7 @@ def _hf_checkpointing_off(model: nn.Module, args: Any) -> str | None:
     for name in in_args:  # else a later trainer.train() turns it on again
         setattr(args, name, False)
     where = " and ".join(
-        ([f"TrainingArguments.{in_args[0]}=True"] if in_args else [])
+        ([f"TrainingArguments.{' and '.join(in_args)}=True"] if in_args else [])
         + ([f"the model's flag on {len(flagged)} modules"] if flagged else []))
     return (f"remat: gradient checkpointing was on ({where}); remat turned transformers' "
             "checkpointing off (and the argument to False, so the Trainer does not turn it "
@@ -210,7 +210,6 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
         self.turned_off = _hf_checkpointing_off(model, args)
         if self.turned_off:
             warnings.warn(self.turned_off, stacklevel=2)
-            logger.warning(self.turned_off)
         if self.checkpoint is not None and self.checkpoint.active and applied(model):
             return  # a later trainer.train(): the plan is on already
         cache_off_for_training(model)  # a rebuild must not append to a key/value cache
