@@ -97,18 +97,39 @@ def _fits(peaks: list[int], done: Any) -> None:
     assert max(peaks) <= budget, f"step peaks {peaks} over the budget {budget}"
 
 
-def _runs(done: Any, model: nn.Module) -> None:
+@contextmanager
+def _counting(model: nn.Module, calls: list[int]) -> Iterator[None]:
+    """Count the forward calls of ``model``'s leaf modules into ``calls[0]``: a plan that
+    checkpoints runs some of them again in backward (regions and selective options)."""
+    def count(*_: Any) -> None:
+        calls[0] += 1
+
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules()
+             if not list(m.children())]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _runs(done: Any, model: nn.Module, calls: int, plain_calls: int) -> None:
+    """The plan checkpoints, is applied, and recomputes in the training steps: more
+    leaf-module calls than the run without it, and region rebuilds where it has regions
+    (the planner picks regions or selective options by the measured times)."""
     assert done.plan.regions or any(not o.is_keep for o in done.plan.parsed_options), (
         "the plan checkpoints nothing: the budget is too loose to test")
     assert remat.applied(model)
-    assert done.handle.rebuilds > 0
+    assert calls > plain_calls, (calls, plain_calls)
+    if done.plan.regions:
+        assert done.handle.rebuilds > 0
 
 
 # -- accelerate --------------------------------------------------------------------------
 
 
 def _accelerate_run(plan: bool, tmp_path: Path, budget: str = BUDGET,
-                    ) -> tuple[list[float], list[int], Any, nn.Module]:
+                    ) -> tuple[list[float], list[int], Any, nn.Module, int]:
     """accelerate's own loop on one process: prepare, backward, step; with remat planned
     before prepare when ``plan``."""
     from accelerate import Accelerator
@@ -124,23 +145,23 @@ def _accelerate_run(plan: bool, tmp_path: Path, budget: str = BUDGET,
                                               loss_fn=_loss, cache=tmp_path)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
-    losses, peaks = [], []
+    losses, peaks, calls = [], [], [0]
     for batch in batches:
-        with _tracked(model, opt.optimizer, batch, peaks):
+        with _tracked(model, opt.optimizer, batch, peaks), _counting(model, calls):
             loss = _loss(model, batch)
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, peaks, done, model
+    return losses, peaks, done, model, calls[0]
 
 
 def test_accelerate_steps_fit_the_budget_and_train_as_without_remat(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    losses, peaks, done, model = _accelerate_run(True, tmp_path)
-    _runs(done, model)
+    losses, peaks, done, model, calls = _accelerate_run(True, tmp_path)
+    plain, plain_peaks, _, _, plain_calls = _accelerate_run(False, tmp_path)
+    _runs(done, model, calls, plain_calls)
     _fits(peaks, done)
-    plain, plain_peaks, _, _ = _accelerate_run(False, tmp_path)
     assert losses == plain  # bit for bit: the same kernels on the same values
     assert max(plain_peaks) > done.plan.budget_bytes  # the budget needed the plan
 
@@ -201,15 +222,16 @@ def _accelerate_rank(rank: int, store: str, out: str, fsdp: bool) -> None:
                     cache=Path(out) / "cache")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             wrapped, opt = accelerator.prepare(model, opt)
-            losses, peaks = [], []
+            losses, peaks, calls = [], [], [0]
             for batch in batches:
-                with _tracked(model, opt.optimizer, batch, peaks):
+                with _tracked(model, opt.optimizer, batch, peaks), _counting(model, calls):
                     loss = _loss(wrapped, batch)
                     accelerator.backward(loss)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 losses.append(loss.item())
-            runs["remat" if planned else "plain"] = {"losses": losses, "peaks": peaks}
+            runs["remat" if planned else "plain"] = {"losses": losses, "peaks": peaks,
+                                                      "calls": calls[0]}
             if done is not None:
                 result.update(wrapper=type(wrapped).__name__, source=done.report.source,
                               plan=done.plan.to_dict(), budget=done.plan.budget_bytes,
@@ -237,10 +259,12 @@ def test_accelerate_ddp_trains_as_without_remat_within_the_budget_plus_ddps_buck
         assert r["distributed_type"] == "DistributedType.MULTI_CPU"
         assert r["wrapper"] == "DistributedDataParallel"
     assert [r["source"] for r in ranks] == ["profiled", "main process"]
-    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["plan"]["regions"]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
     grads = sum(p.numel() * p.element_size() for p in _net().parameters())
     for r in ranks:
-        assert r["applied"] and r["rebuilds"] > 0
+        assert r["applied"]
+        assert r["runs"]["remat"]["calls"] > r["runs"]["plain"]["calls"]
+        assert r["rebuilds"] > 0 or not r["plan"]["regions"]
         assert r["runs"]["remat"]["losses"] == r["runs"]["plain"]["losses"]
         peaks, budget = r["runs"]["remat"]["peaks"], r["budget"]
         # the single-process plan does not count DDP's gradient buckets: the step after
@@ -284,6 +308,8 @@ def _lightning_peaks() -> Any:
         def __init__(self) -> None:
             self.peaks: list[int] = []
             self.losses: list[float] = []
+            self.calls = [0]
+            self._counter: Any = None
             self._tracker: LiveMemoryTracker | None = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
@@ -297,10 +323,13 @@ def _lightning_peaks() -> Any:
             tracker.watch(trainer.optimizers[0])
             tracker.__enter__()
             self._tracker = tracker
+            self._counter = _counting(pl_module, self.calls)
+            self._counter.__enter__()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any,
                                batch: Any, batch_idx: int) -> None:
             assert self._tracker is not None
+            self._counter.__exit__(None, None, None)
             self._tracker.__exit__(None, None, None)
             self.peaks.append(self._tracker.report().peak_bytes)
             self.losses.append(outputs["loss"].item())
@@ -309,7 +338,7 @@ def _lightning_peaks() -> Any:
 
 
 def _lightning_run(callback: Any, through_forward: bool = False,
-                   ) -> tuple[list[float], list[int], Any]:
+                   ) -> tuple[list[float], list[int], Any, int]:
     import lightning.pytorch as pl
 
     module = _lightning_module(through_forward)
@@ -320,7 +349,7 @@ def _lightning_run(callback: Any, through_forward: bool = False,
                          callbacks=[c for c in (callback, peaks) if c is not None])
     loader = torch.utils.data.DataLoader(_batches(), batch_size=None)
     trainer.fit(module, loader)
-    return peaks.losses, peaks.peaks, module
+    return peaks.losses, peaks.peaks, module, peaks.calls[0]
 
 
 @pytest.mark.parametrize("submodule", [None, "net"])
@@ -332,12 +361,13 @@ def test_lightning_steps_fit_the_budget_and_train_as_without_remat(
 
     callback = RematCallback(BUDGET, module=submodule, cache=tmp_path)
     # the whole module where training_step calls its forward, else the model it calls
-    losses, peaks, module = _lightning_run(callback, through_forward=submodule is None)
+    losses, peaks, module, calls = _lightning_run(callback, through_forward=submodule is None)
+    plain, plain_peaks, _, plain_calls = _lightning_run(None,
+                                                        through_forward=submodule is None)
     done = callback.done
     assert done is not None
-    _runs(done, module if submodule is None else module.net)
+    _runs(done, module if submodule is None else module.net, calls, plain_calls)
     _fits(peaks, done)
-    plain, plain_peaks, _ = _lightning_run(None, through_forward=submodule is None)
     assert losses == plain
     assert max(plain_peaks) > done.plan.budget_bytes
 
@@ -443,23 +473,23 @@ def _titan_model(ac: Any) -> nn.Module:
     return model
 
 
-def _titan_run(ac: Any) -> tuple[list[float], list[int], nn.Module]:
+def _titan_run(ac: Any) -> tuple[list[float], list[int], nn.Module, int]:
     from remat.integrations.torchtitan_mode import token_loss
 
     model = _titan_model(ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(2)
-    losses, peaks = [], []
+    losses, peaks, calls = [], [], [0]
     for _ in range(STEPS):
         batch = (torch.randint(0, TT_VOCAB, (TT_BATCH, TT_SEQ), generator=g),
                  torch.randint(0, TT_VOCAB, (TT_BATCH, TT_SEQ), generator=g))
-        with _tracked(model, opt, batch, peaks):
+        with _tracked(model, opt, batch, peaks), _counting(model, calls):
             loss = token_loss(model, batch)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, peaks, model
+    return losses, peaks, model, calls[0]
 
 
 def test_torchtitan_remat_mode_fits_the_budget_and_trains_as_without_checkpointing() -> None:
@@ -468,11 +498,11 @@ def test_torchtitan_remat_mode_fits_the_budget_and_trains_as_without_checkpointi
     _torchtitan_llama3()
     ac = RematAC.Config(budget=TT_BUDGET, local_batch_size=TT_BATCH, seq_len=TT_SEQ).build()
     assert isinstance(ac, RematAC)
-    losses, peaks, model = _titan_run(ac)
+    losses, peaks, model, calls = _titan_run(ac)
+    plain, plain_peaks, _, plain_calls = _titan_run(None)
     assert ac.plan is not None and ac.handle is not None
     assert ac.plan.stages == tuple(f"layers.{i}" for i in range(TT_LAYERS))
-    _runs(types.SimpleNamespace(plan=ac.plan, handle=ac.handle), model)
+    _runs(types.SimpleNamespace(plan=ac.plan, handle=ac.handle), model, calls, plain_calls)
     _fits(peaks, types.SimpleNamespace(plan=ac.plan))
-    plain, plain_peaks, _ = _titan_run(None)
     assert losses == plain
     assert max(plain_peaks) > ac.plan.budget_bytes
