@@ -146,7 +146,7 @@ def _hf_checkpointing_off(model: nn.Module, args: Any) -> str | None:
             "on again) and checkpoints by its own plan under the budget instead")
 
 
-class RematCallback(TrainerCallback):  # type: ignore[misc]
+class RematCallback(TrainerCallback):
     """Apply a remat plan under ``budget`` to the model when ``Trainer.train()`` begins.
 
     ``budget``: the peak of a whole training step, in bytes, a size (``"12GiB"``) or a
