@@ -33,6 +33,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +58,8 @@ def fake_twin(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     made: dict[int, torch.Tensor] = {}
     with mode:
         for module in twin.modules():
-            for table in (module._parameters, module._buffers):
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
                 for name, t in list(table.items()):
                     if t is None:
                         continue
