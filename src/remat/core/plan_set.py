@@ -105,6 +105,9 @@ class PlanSet(JsonArtifact):
         object.__setattr__(self, "inputs", MappingProxyType(
             {k: (int(v[0]), int(v[1])) for k, v in self.inputs.items()}))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PlanSet:
+        return self  # immutable (a copy of a model with the set applied shares it)
+
     @property
     def stages(self) -> tuple[str, ...]:
         return self.plans[0].stages

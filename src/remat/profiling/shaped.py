@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,25 +32,13 @@ from remat.core.shapes import (
     parse_shapes,
 )
 from remat.profiling.profiler import Progress, profile
+from remat.runtime.batch_shape import tensors_of
 
 __all__ = ["FitReport", "batch_axes", "check_fit", "infer_shapes", "profile_shapes",
            "resize", "tensors_of", "time_shapes"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 Axes = dict[str, list[tuple[int, int]]]  # dimension -> (tensor index, axis) pairs
-
-
-def tensors_of(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch in a fixed order: a tensor, or lists, tuples and mappings
-    (transformers' ``BatchEncoding`` included) of them, nested."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from tensors_of(item)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from tensors_of(item)
 
 
 def _rebuild(obj: Any, fn: Callable[[torch.Tensor, int], torch.Tensor], count: list[int]) -> Any:
@@ -269,7 +257,7 @@ class FitReport:
     @property
     def stepped_under(self) -> int:
         """The most a stepped figure was measured above the fit (0: never under)."""
-        return max((d for p, d in self.bytes_wrong if p in self.stepped), default=0)
+        return max(0, max((d for p, d in self.bytes_wrong if p in self.stepped), default=0))
 
 
 def check_fit(model: nn.Module, batch: Any, loss_fn: LossFn | None, fitted: Profile,

@@ -1,0 +1,178 @@
+"""Shape-aware profiles and plan sets on a real model (issue 48, items 1 and 2): bytes fitted
+exactly at a shape never profiled for the fit, every shape of the range run within the
+budget by its bucket's plan with gradients equal to the plain model's, batches outside
+the range refused or run conservatively as the user chose."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from remat.core.errors import UsageError
+from remat.core.plan_format import Plan
+from remat.core.plan_set import PlanSet, plan_set
+from remat.core.shape_profiles import at_shape
+from remat.measure.step import measure_step
+from remat.models.gpt import gpt
+from remat.profiling.shaped import check_fit, infer_shapes, profile_shapes, resize, batch_axes
+
+RANGE = "seq=8..64:8"
+
+
+def _model() -> tuple[torch.nn.Module, Any, Any]:
+    return gpt(n_layer=4, n_embd=32, n_head=2, block_size=64, vocab_size=64, batch_size=2,
+               seed=0)
+
+
+def _cut(batch: Any, seq: int) -> Any:
+    return tuple(t[:, :seq] for t in batch)
+
+
+@pytest.fixture(scope="module")
+def ranged() -> Any:
+    model, batch, loss = _model()
+    prof = profile_shapes(model, _cut(batch, 16), loss, RANGE, repeats=1)
+    return model, batch, loss, prof
+
+
+def test_a_range_profile_is_exact_in_bytes_at_a_shape_the_fit_never_saw(ranged: Any) -> None:
+    model, batch, loss, prof = ranged
+    fit = prof.shapes
+    assert fit is not None and str(fit.dims) == RANGE and fit.inputs == {"seq": (0, 1)}
+    seen = {*fit.byte_points, *fit.time_points}
+    assert (40,) not in seen and 40 not in fit.rungs[0]
+    report = check_fit(model, _cut(batch, 16), loss, prof, (40,), repeats=1)
+    assert report.byte_fields > 50
+    assert report.polynomial_exact, report.bytes_wrong
+    assert report.stepped_under == 0, report.bytes_wrong  # a stepped figure is never under
+    # the polynomial figures are most of them: sums of tensors, exact at every shape
+    assert len(report.stepped) < report.byte_fields / 2
+
+
+def test_the_profile_at_a_profiled_shape_is_the_profile_itself(ranged: Any) -> None:
+    prof = ranged[3]
+    assert at_shape(prof, prof.shapes.at) is prof
+    with pytest.raises(UsageError, match="not in the profile's range"):
+        at_shape(prof, (12,))
+
+
+def test_every_shape_runs_within_the_budget_and_trains_as_the_plain_model(
+        ranged: Any, tmp_path: Path) -> None:
+    model, batch, loss, prof = ranged
+    plain = copy.deepcopy(model)
+    chosen = plan_set(prof, "80%")
+    assert chosen.shapes == 8 and len(chosen.plans) >= 2  # short batches run a cheaper plan
+    assert chosen.slowest_ratio <= 1.02
+    path = tmp_path / "set.json"
+    chosen.save(path)
+    loaded = PlanSet.load(path)
+    assert loaded.to_dict() == chosen.to_dict()
+    with pytest.raises(UsageError, match="is a plan set, not a plan"):
+        Plan.load(path)
+    handle = remat.apply(model, loaded)
+    try:
+        ran = set()
+        for seq in range(8, 65, 8):
+            k = loaded.choose((seq,))
+            step = measure_step(model, _cut(batch, seq), loss,
+                                torch.optim.SGD(model.parameters(), lr=0.0))
+            assert handle.running == loaded.plans[k]
+            ran.add(k)
+            assert step.peak_bytes <= loaded.budget_bytes, seq
+            for m in (model, plain):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(seq)
+                loss(m, _cut(batch, seq)).backward()
+            for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (seq, name)
+        assert len(ran) == len(loaded.plans)
+    finally:
+        handle.remove()
+
+
+def test_two_forwards_of_different_shapes_before_one_backward_rebuild_each_its_own_plan(
+        ranged: Any) -> None:
+    model, batch, loss, prof = ranged
+    model.zero_grad(set_to_none=True)
+    plain = copy.deepcopy(model)
+    stages = prof.stage_names
+    # the long shape's plan nests a region and runs a selective stage inside it: its
+    # rebuild must open the child and the option of the plan that ran its forward, not
+    # of the short shape's plan (no regions) that the later forward switched to
+    nested = Plan(stages, regions=((0, 4), (0, 2)),
+                  options=("keep", "selective:save-matmuls", "keep", "keep"))
+    chosen = PlanSet(dims=prof.shapes.dims, plans=(Plan(stages), nested),
+                     buckets=((((8, 56),),), (((64, 64),),)), inputs={"seq": (0, 1)},
+                     budget_bytes=1 << 40, conservative=1)
+    handle = remat.apply(model, chosen)
+    try:
+        for m in (model, plain):  # gradient accumulation over two shapes
+            torch.manual_seed(3)
+            (loss(m, _cut(batch, 64)) + loss(m, _cut(batch, 8))).backward()
+        assert handle.rebuilds == 2
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    finally:
+        handle.remove()
+
+
+def test_a_batch_outside_the_range_is_refused_or_runs_the_least_memory_plan(
+        ranged: Any) -> None:
+    model, batch, loss, prof = ranged
+    chosen = plan_set(prof, "80%")
+    remat.apply(model, chosen)
+    try:
+        with pytest.raises(UsageError, match=r"seq=12 is outside the plan set's range seq=8\.\."):
+            loss(model, _cut(batch, 12))
+        model.eval()  # eval forwards run no plan: any shape
+        with torch.no_grad():
+            loss(model, _cut(batch, 12))
+        model.train()
+    finally:
+        remat.remove(model)
+    handle = remat.apply(model, chosen, outside="conservative")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss(model, _cut(batch, 12)).backward()
+            loss(model, _cut(batch, 20)).backward()
+        said = [w for w in caught if "outside the plan set's range" in str(w.message)]
+        assert len(said) == 1  # once
+        assert handle.running == chosen.plans[chosen.conservative]
+    finally:
+        handle.remove()
+    with pytest.raises(UsageError, match="outside="):
+        remat.apply(model, chosen, outside="ignore")
+
+
+def test_remove_after_a_plan_set_leaves_no_hook_and_copies_keep_their_own(
+        ranged: Any) -> None:
+    model, batch, loss, prof = ranged
+    hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
+    chosen = plan_set(prof, "80%")
+    remat.apply(model, chosen)
+    twin = copy.deepcopy(model)
+    remat.remove(model)
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
+    assert remat.applied(twin)
+    loss(twin, _cut(batch, 64)).backward()  # the copy runs its own plans
+    remat.remove(twin)
+
+
+def test_the_range_is_read_off_real_batches_and_batches_are_resized_along_it() -> None:
+    _, batch, _ = _model()
+    batches = [_cut(batch, 24), _cut(batch, 64), _cut(batch, 40)]
+    dims = infer_shapes(batches)
+    assert str(dims) == "seq=24..64:8"
+    axes = batch_axes(batch, dims)
+    assert axes == {"seq": [(0, 1), (1, 1)]}
+    longer = resize(_cut(batch, 16), axes, {"seq": 40})
+    assert longer[0].shape == (2, 40) and torch.equal(longer[0][:, 16:32], longer[0][:, :16])
+    with pytest.raises(UsageError, match="two or more"):
+        infer_shapes([batch])
