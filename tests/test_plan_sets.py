@@ -20,7 +20,7 @@ from remat.core.plan_set import PlanSet, plan_set
 from remat.core.shape_profiles import at_shape
 from remat.measure.step import measure_step
 from remat.models.gpt import gpt
-from remat.profiling.shaped import check_fit, infer_shapes, profile_shapes, resize, batch_axes
+from remat.profiling.shaped import batch_axes, check_fit, infer_shapes, profile_shapes, resize
 
 RANGE = "seq=8..64:8"
 
