@@ -350,3 +350,34 @@ def test_the_trainers_optimizer_is_priced_as_remat_names_it() -> None:
     assert tt.remat_optimizer("adamw_torch_fused") == "adamw-fused"
     assert tt.remat_optimizer(transformers.training_args.OptimizerNames.ADAMW_TORCH) == "adamw"
     assert tt.remat_optimizer("adafactor") is None
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_example_batch_is_the_given_one_or_the_first_examples_collated_and_the_rng_stays(
+    given: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = [{"input_ids": ids} for ids in token_lists(3 * BATCH, (8, 8))]
+    trainer = transformers.Trainer(model=tiny_llama(), args=arguments(tmp_path, False),
+                                   train_dataset=data, data_collator=collate)
+    seen: dict[str, Any] = {}
+
+    def fake(model: Any, budget: Any, **kwargs: Any) -> Any:
+        torch.rand(3)  # a profile draws from the RNG: the callback forks it
+        seen.update(kwargs, model=model, training=model.training)
+        return type("Done", (), {"report": "stub"})()
+
+    monkeypatch.setattr(tt, "auto_checkpoint", fake)
+    mine = collate(data[5:7])
+    callback = tt.RematCallback("60%", batch=mine if given else None, optimizer="sgd",
+                                cache=False)
+    trainer.model.eval()
+    rng = torch.get_rng_state()
+    callback.on_train_begin(trainer.args, trainer.state, trainer.control, model=trainer.model,
+                            train_dataloader=trainer.get_train_dataloader())
+    assert torch.equal(torch.get_rng_state(), rng)
+    expected = mine if given else collate(data[:BATCH])
+    assert seen["batch"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(seen["batch"][key], value), key
+    assert seen["model"] is trainer.model and seen["training"] and not trainer.model.training
+    assert seen["loss_fn"] is tt.model_loss and seen["optimizer"] == "sgd"
