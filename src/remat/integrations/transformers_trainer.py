@@ -65,10 +65,13 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-def _pad(batch: dict[str, Any], pad_to: int, pad_id: int) -> dict[str, Any]:
+def _pad(batch: Any, pad_to: int, pad_id: int) -> dict[str, Any]:
     """The batch's (batch, sequence) tensors padded on the right to ``pad_to`` positions:
     ``input_ids`` with ``pad_id``, ``labels`` with -100 (no loss), the rest with 0 (an
     attention mask's padding)."""
+    if not isinstance(batch, Mapping):
+        raise UsageError(f"pad_to needs an example batch that maps names to tensors, not a "
+                         f"{type(batch).__name__}; pass batch= padded yourself instead")
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise UsageError("pad_to needs an 'input_ids' tensor of shape (batch, sequence) in "
@@ -236,7 +239,7 @@ class RematCallback(TrainerCallback):
             if self.pad_to is not None:
                 config = getattr(model, "config", None)
                 pad_id = getattr(config, "pad_token_id", None)
-                batch = _pad(dict(batch), self.pad_to, pad_id if isinstance(pad_id, int) else 0)
+                batch = _pad(batch, self.pad_to, pad_id if isinstance(pad_id, int) else 0)
             was_training = model.training
             model.train()
             try:
