@@ -14,6 +14,7 @@ from torch import nn
 
 import remat
 from remat.core.errors import CheckFailed, UsageError
+from remat.core.plan_set import PlanSet
 from remat.in_script import script_entry
 from remat.measure.step import measure_step
 
@@ -145,7 +146,7 @@ def test_no_plan_fits_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     (dict(budget=True), "not a budget"),
     (dict(budget="12 parsecs"), "budget"),
     (dict(optimizer="adam"), "unknown"),
-    (dict(batch=None), "batch is None"),
+    (dict(batch=None), "give batch="),
     (dict(stages="0,1"), "not a list of module paths"),
     (dict(cache=3), "not a folder"),
 ])
@@ -169,3 +170,54 @@ def test_a_transformers_model_trains_on_its_own_loss(tmp_path: Path) -> None:
     loss = model(**batch).loss
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+class _Tokens(nn.Module):
+    """A tiny sequence model: the sequence axis varies, attention keeps s * s."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.0, batch_first=True)
+            for _ in range(depth))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def test_batches_of_several_shapes_give_a_plan_set_cached_for_the_next_launch(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = _Tokens()
+    batches = [torch.randint(0, 32, (4, s)) for s in (16, 64, 40)]
+    done = remat.auto_checkpoint(model, "85%", batches=batches, loss_fn=_token_loss,
+                                 cache=tmp_path, repeats=1)
+    assert isinstance(done.plan, PlanSet) and str(done.plan.dims) == "seq=16..64:8"
+    assert done.report.buckets and "seq=" in str(done.report)
+    for seq in (16, 24, 64):  # every shape of the range within the budget
+        step = measure_step(model, torch.randint(0, 32, (4, seq)), _token_loss,
+                            torch.optim.SGD(model.parameters(), lr=0.0))
+        assert step.peak_bytes <= done.plan.budget_bytes, seq
+    with pytest.raises(remat.UsageError, match="outside the plan set's range"):
+        _token_loss(model, torch.randint(0, 32, (4, 72)))
+    done.remove()
+    again = remat.auto_checkpoint(model, "85%", batches=batches, loss_fn=_token_loss,
+                                  cache=tmp_path)
+    assert again.report.source == "cache" and again.report.seconds < 1.0
+    assert again.plan.to_dict() == done.plan.to_dict()
+    again.remove()
+    wider = remat.auto_checkpoint(model, "85%", shapes="seq=16..72:8", batch=batches[0],
+                                  loss_fn=_token_loss, cache=tmp_path, repeats=1)
+    assert wider.report.source == "profiled"
+    assert "the range of batch shapes changed (seq=16..64:8 -> seq=16..72:8)" in (
+        wider.report.why or "")
+    wider.remove()

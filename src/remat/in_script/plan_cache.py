@@ -8,7 +8,8 @@ model's class, the stages, the budget and the optimizer (what the caller chose),
 launch finds the entry the previous launch of the same script wrote. Inside it, the
 *fields* a plan depends on: every parameter's and buffer's name, shape and dtype (the
 model's stage fingerprint), which parameters require grad, the batch's shapes and dtypes,
-the device, the optimizer, torch's and remat's versions. A
+the device, the optimizer, torch's and remat's versions; for a plan set, the range of
+shapes it covers and the batch's dtypes and number of axes instead of its shapes. A
 launch whose fields equal the entry's applies its plan; one whose fields differ profiles
 and plans again, says which fields changed, and replaces the entry. Files are written
 whole (a temporary file, then a rename), so a crash never leaves half an entry.
@@ -29,6 +30,7 @@ from remat.core.artifact import write_text
 from remat.core.errors import UsageError
 from remat.core.model_identity import digest
 from remat.core.plan_format import Plan
+from remat.core.plan_set import PlanSet
 
 __all__ = ["CacheEntry", "cache_folder", "changed_fields", "load_entry", "save_entry"]
 
@@ -57,7 +59,7 @@ class CacheEntry:
 
     path: Path
     fields: dict[str, Any]
-    plan: Plan | None  # None: there was a file, but not one this remat can read
+    plan: Plan | PlanSet | None  # None: there was a file, but not one this remat can read
 
 
 def slot_path(folder: Path, slot: dict[str, Any]) -> Path:
@@ -76,12 +78,15 @@ def load_entry(path: Path) -> CacheEntry | None:
     try:
         if data.get("schema") != SCHEMA:
             return CacheEntry(path, {}, None)
-        return CacheEntry(path, dict(data["fields"]), Plan.from_dict(data["plan"]))
+        found = data["plan"]
+        plan = (PlanSet.from_dict(found) if isinstance(found, dict) and "buckets" in found
+                else Plan.from_dict(found))
+        return CacheEntry(path, dict(data["fields"]), plan)
     except (AttributeError, KeyError, TypeError, ValueError):  # UsageError is a ValueError
         return CacheEntry(path, {}, None)
 
 
-def save_entry(path: Path, fields: dict[str, Any], plan: Plan) -> None:
+def save_entry(path: Path, fields: dict[str, Any], plan: Plan | PlanSet) -> None:
     """Write the entry whole; a folder that cannot be written is a UsageError."""
     text = json.dumps({"schema": SCHEMA, "fields": fields, "plan": plan.to_dict()}, indent=1)
     try:
@@ -97,6 +102,7 @@ _WHAT = {
     "parameters": "the model's parameters or buffers (names, shapes or dtypes)",
     "trainable": "which parameters require grad",
     "batch": "the batch's shapes or dtypes",
+    "shapes": "the range of batch shapes",
     "device": "the device",
     "torch": "torch's version",
     "remat": "remat's version",

@@ -7,16 +7,17 @@ on disk (Note [The plan cache] in :mod:`.plan_cache`), so the next launch of the
 script applies it without profiling, unless the model, the batch's shapes, the device or
 torch changed, which it says.
 
-This first form plans for the one batch shape given; batches of other shapes run the
-same plan, which the profile did not price (README, "Use it in your training
-script").
+Given one ``batch``, it plans for that batch's shape. Given ``shapes=`` (a range) or
+``batches=`` (a few real batches of different shapes), it profiles the range and applies
+a plan set: each forward runs the plan of its batch's shape, every shape of the range
+predicted within the budget (Note [Plan sets] in remat.core.plan_set; docs/shapes.md).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,10 @@ from remat.core import __version__
 from remat.core.errors import UsageError
 from remat.core.model_identity import digest
 from remat.core.plan_format import Plan
+from remat.core.plan_set import OUTSIDE, PlanSet, plan_set
 from remat.core.planner import plan as make_plan
 from remat.core.profile_format import OPTIMIZERS
+from remat.core.shapes import ShapeRange, parse_shapes
 from remat.core.solve.budget import check_budget
 from remat.core.units import format_bytes
 from remat.in_script.plan_cache import (
@@ -40,8 +43,9 @@ from remat.in_script.plan_cache import (
     slot_path,
 )
 from remat.measure.model_state import check_batch, refuse_meta
-from remat.measure.tracker import iter_tensors
 from remat.profiling.profiler import profile
+from remat.profiling.shaped import infer_shapes, profile_shapes
+from remat.runtime.batch_shape import tensors_of
 from remat.runtime.identity import stage_identity
 from remat.runtime.install import Handle, apply, check_free
 
@@ -57,11 +61,12 @@ class AutoCheckpointReport:
     source: str  # "profiled" or "cache"
     why: str | None  # why it profiled (no plan cached, what changed); None from the cache
     budget_bytes: int | None
-    predicted_peak_bytes: int | None
+    predicted_peak_bytes: int | None  # a plan set's: the most any of its shapes reaches
     predicted_overhead: float | None  # step time over the step without checkpointing
-    regions: tuple[str, ...]
+    regions: tuple[str, ...]  # a plan set's: those of the plan for its largest shape
     seconds: float
     cache_path: Path | None
+    buckets: tuple[str, ...] = ()  # a plan set: one line per plan, the shapes it runs
 
     def __str__(self) -> str:
         where = ("from the plan cache" if self.source == "cache"
@@ -73,7 +78,7 @@ class AutoCheckpointReport:
                          f"{format_bytes(self.budget_bytes)} budget")
         if self.predicted_overhead is not None:
             parts.append(f"predicted step time {self.predicted_overhead:+.1%}")
-        return "; ".join(parts)
+        return "; ".join(parts) + "".join(f"\n  {line}" for line in self.buckets)
 
 
 @dataclass(eq=False)
@@ -82,7 +87,7 @@ class AutoCheckpoint:
     ``remat.remove(model)``), ``report`` says what was done."""
 
     handle: Handle
-    plan: Plan
+    plan: Plan | PlanSet
     report: AutoCheckpointReport
 
     @property
@@ -118,14 +123,16 @@ def _loss_for(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> LossFn | 
     return None
 
 
-def _fields(model: nn.Module, batch: Any, optimizer: str) -> dict[str, Any]:
+def _fields(model: nn.Module, batch: Any, optimizer: str, dims: ShapeRange | None
+            ) -> dict[str, Any]:
     """What a cached plan depends on (Note [The plan cache])."""
     first = next(model.parameters(), None)
     return {
         "parameters": stage_identity(model).fingerprint,
         "trainable": digest([n for n, p in model.named_parameters() if p.requires_grad]),
-        "batch": [[list(t.shape), str(t.dtype).removeprefix("torch.")]
-                  for t in iter_tensors(batch)],
+        "batch": [[list(t.shape) if dims is None else t.dim(),
+                   str(t.dtype).removeprefix("torch.")] for t in tensors_of(batch)],
+        **({"shapes": str(dims)} if dims is not None else {}),
         "device": str(first.device) if first is not None else "cpu",
         "torch": str(torch.__version__),
         "remat": __version__,
@@ -137,7 +144,10 @@ def auto_checkpoint(
     model: nn.Module,
     budget: str | int | float,
     *,
-    batch: Any,
+    batch: Any = None,
+    batches: Sequence[Any] | None = None,
+    shapes: str | Mapping[str, Any] | None = None,
+    outside: str = "error",
     loss_fn: LossFn | None = None,
     optimizer: str = "adamw",
     stages: list[str] | tuple[str, ...] | None = None,
@@ -145,6 +155,14 @@ def auto_checkpoint(
     repeats: int = 2,
 ) -> AutoCheckpoint:
     """Profile ``model`` on ``batch``, plan it under ``budget`` and apply the plan.
+
+    With ``shapes`` (``"batch=1..16,seq=128..2048:8"``) or ``batches`` (a few real batches
+    of different shapes; the range they span), it profiles the range and applies a plan
+    set instead (docs/shapes.md): every shape of the range is predicted within the budget
+    by the plan that runs it, and a batch outside it raises (``outside="error"``) or runs
+    the plan of least memory with one warning (``outside="conservative"``). ``batch`` is
+    then the example the profiled shapes are made from (default: the first of
+    ``batches``), and a fractional budget is of the peak at the range's largest shape.
 
     ``budget``: the peak of a whole training step, in bytes or a size (``"12GiB"``), or a
     fraction of the measured peak without checkpointing (``"60%"``). ``loss_fn(model,
@@ -161,8 +179,22 @@ def auto_checkpoint(
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     check_free(model)
+    ranged = shapes is not None or batches is not None
+    if outside not in OUTSIDE:
+        raise UsageError(f"outside={outside!r} is not one of {', '.join(OUTSIDE)}")
+    if batches is not None and (isinstance(batches, (torch.Tensor, Mapping, str))
+                                or not isinstance(batches, Sequence) or not batches):
+        raise UsageError("batches must be a list of real batches of different shapes")
+    if batch is None:
+        if not batches:
+            raise UsageError("give batch= (the example batch loss_fn(model, batch) takes), "
+                             "or batches= / shapes= for a range of shapes")
+        batch = batches[0]
     check_batch(batch)
     refuse_meta(model, batch, fake=False)
+    dims = None
+    if ranged:
+        dims = parse_shapes(shapes) if shapes is not None else infer_shapes(batches or ())
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise UsageError(f"optimizer={optimizer!r} is unknown; use one of "
                          f"{', '.join(OPTIMIZERS)}")
@@ -175,9 +207,10 @@ def auto_checkpoint(
         raise UsageError(f"stages={stages!r} is not a list of module paths")
     loss = _loss_for(model, batch, loss_fn)
     folder = cache_folder(cache)
-    fields = _fields(model, batch, optimizer)
+    fields = _fields(model, batch, optimizer, dims)
     slot = {"model": type(model).__name__, "stages": None if stages is None else list(stages),
-            "budget": str(budget), "optimizer": optimizer}
+            "budget": str(budget), "optimizer": optimizer,
+            **({"shapes": "range", "outside": outside} if ranged else {})}
     path = None if folder is None else slot_path(folder, slot)
     entry = None if path is None else load_entry(path)
     why = "the plan cache is off" if path is None else "no plan cached for this model"
@@ -193,16 +226,34 @@ def auto_checkpoint(
         else:
             why = ("the cached entry was unreadable" if entry.plan is None
                    else "; ".join(changed))
-    prof = profile(model, batch, loss, stages, optimizer, repeats=repeats)
-    plan = make_plan(prof, budget)
+    plan: Plan | PlanSet
+    if dims is not None:
+        ranged_profile = profile_shapes(model, batch, loss, dims, stages=stages,
+                                        optimizer=optimizer, repeats=repeats)
+        plan = plan_set(ranged_profile, budget, outside=outside)
+    else:
+        plan = make_plan(profile(model, batch, loss, stages, optimizer, repeats=repeats),
+                         budget)
     if path is not None:
         save_entry(path, fields, plan)  # before apply: a bad folder changes nothing
     handle = apply(model, plan)
     return _result(handle, plan, "profiled", why, began, path)
 
 
-def _result(handle: Handle, plan: Plan, source: str, why: str | None, began: float,
-            path: Path | None) -> AutoCheckpoint:
+def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,
+            began: float, path: Path | None) -> AutoCheckpoint:
+    if isinstance(plan, PlanSet):
+        largest = plan.plans[plan.choose(plan.dims.hi) or 0]
+        peaks = [p.predicted_peak_bytes for p in plan.plans if p.predicted_peak_bytes]
+        t, t0 = largest.predicted_step_time_s, largest.baseline_step_time_s
+        report = AutoCheckpointReport(
+            source=source, why=why, budget_bytes=plan.budget_bytes,
+            predicted_peak_bytes=max(peaks, default=None),
+            predicted_overhead=t / t0 - 1 if t and t0 else None,
+            regions=tuple(str(r) for r in largest.regions),
+            seconds=time.perf_counter() - began, cache_path=path,
+            buckets=tuple(plan.describe()))
+        return AutoCheckpoint(handle, plan, report)
     t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
     report = AutoCheckpointReport(
         source=source, why=why, budget_bytes=plan.budget_bytes,
