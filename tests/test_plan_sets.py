@@ -176,3 +176,29 @@ def test_the_range_is_read_off_real_batches_and_batches_are_resized_along_it() -
     assert longer[0].shape == (2, 40) and torch.equal(longer[0][:, 16:32], longer[0][:, :16])
     with pytest.raises(UsageError, match="two or more"):
         infer_shapes([batch])
+
+
+def test_the_command_line_profiles_a_range_and_plans_a_set_a_model_can_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from remat.cli import main
+
+    tiny = ["--model", "gpt", "--set", "n_layer=4", "--set", "n_embd=32", "--set",
+            "block_size=64", "--set", "vocab_size=64", "--batch-size", "2"]
+    prof, chosen = tmp_path / "p.json", tmp_path / "set.json"
+    assert main(["profile", *tiny, "--shapes", RANGE, "--repeats", "1", "--json",
+                 str(prof)]) == 0
+    said = capsys.readouterr()
+    assert "equal the fit's to the byte" in said.out + said.err
+    assert main(["plan", "--profile", str(prof), "--budget", "80%", "--json",
+                 str(chosen)]) == 0
+    said = capsys.readouterr()
+    assert "predicted within the budget by the plan" in said.out + said.err
+    loaded = PlanSet.load(chosen)
+    model, batch, loss = _model()
+    remat.apply(model, loaded)
+    try:
+        loss(model, _cut(batch, 56)).backward()
+    finally:
+        remat.remove(model)
+    assert main(["plan", "--profile", str(prof), "--shapes", RANGE, "--budget", "80%"]) == 2
+    assert "drop --shapes" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from remat.cli.common import (
     stage_list,
 )
 from remat.cli.output import add_json_option, console_for, write_json
+from remat.cli.shape_ranges import add_shapes_option, plan_range
 from remat.core.coverage import coverage_lines
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.profile_format import Profile
@@ -81,6 +82,7 @@ def add_parser(sub: Any, name: str) -> None:
             "from fake profiles at two micro-batches fitted linearly (docs/fake.md)"
         ),
     )
+    add_shapes_option(p, outside=True)
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -313,7 +315,16 @@ def run(args: argparse.Namespace) -> int:
             f"--slots {args.slots} is outside 1..{MAX_SLOTS} (default 500); the solver's "
             "tables grow with it (a million slots take 2.6 GB for 12 stages)"
         )
+    if args.shapes is not None:
+        if args.profile is not None:
+            raise UsageError("--profile already fixes the range its shapes cover; drop "
+                             "--shapes, or profile the model again with --shapes")
+        if args.model is None:
+            args.model = "gpt"
+        return plan_range(args, None)
     source = _problem_source(args)
+    if isinstance(source, Profile) and source.shapes is not None:
+        return plan_range(args, source)
     console = console_for(args.json)
     note = device_note(target)
     if note is not None:

@@ -23,6 +23,7 @@ from remat.cli.common import (
     runs_one_thread,
 )
 from remat.cli.output import add_json_option, console_for, write_json
+from remat.cli.shape_ranges import add_shapes_option, profile_range
 from remat.core.coverage import coverage_lines
 from remat.core.plan_format import Option
 from remat.core.profile_format import OPTIONS
@@ -50,6 +51,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--repeats", type=int, default=2,
                    help="timed rounds of steps (default 2, at most 1000)")
     add_fake_option(p)
+    add_shapes_option(p, outside=False)
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -144,6 +146,8 @@ def _summary(console: Console, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shapes is not None:
+        return profile_range(args)
     device = fake_device(args)
     model, batch, loss_fn, stages, description = load_for_profile(args)
     result = profile_with_progress(

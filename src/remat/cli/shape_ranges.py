@@ -1,0 +1,145 @@
+"""``--shapes``: ``remat profile`` over a range of batch shapes, ``remat plan`` a plan set.
+
+docs/shapes.md: a profile over a range fits every byte figure exactly (or steps it over a
+ladder) and every time; a plan set gives each bucket of shapes its plan, every shape of
+the range predicted within the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from remat.cli.common import load_for_profile
+from remat.cli.output import console_for, write_json
+from remat.core.errors import UsageError
+from remat.core.profile_format import Profile
+from remat.core.units import format_bytes
+
+__all__ = ["add_shapes_option", "plan_range", "profile_range"]
+
+
+def add_shapes_option(p: argparse.ArgumentParser, *, outside: bool) -> None:
+    p.add_argument("--shapes", default=None, metavar="RANGE", help=(
+        "profile a range of batch shapes, e.g. batch=1..16,seq=128..2048:8 (dimensions "
+        "batch, seq, side, height, width, axisN; docs/shapes.md)"))
+    if outside:
+        p.add_argument("--outside", default="error", choices=("error", "conservative"),
+                       help=("what a batch outside the range gets at run time: an error "
+                             "(default), or the plan of least memory with one warning"))
+
+
+def _ranged_profile(args: argparse.Namespace) -> Profile:
+    from remat.profiling.shaped import profile_shapes
+
+    if getattr(args, "fake", False):
+        raise UsageError("--shapes profiles real steps at several shapes; drop --fake")
+    if getattr(args, "compile", False):
+        raise UsageError("--shapes does not compile the stages yet; drop --compile")
+    model, batch, loss_fn, stages, _ = load_for_profile(args)
+    console = console_for(args.json)
+    began = time.perf_counter()
+    with console.status("profiling the range") as status:
+        def progress(what: str, done: int, total: int) -> None:
+            status.update(f"profiling the range: {what} ({done + 1}/{total})")
+
+        found = profile_shapes(model, batch, loss_fn, args.shapes, stages=stages,
+                               optimizer=args.optimizer, repeats=getattr(args, "repeats", 2),
+                               progress=progress)
+    assert found.shapes is not None
+    fit = found.shapes
+    shapes = len({*fit.byte_points, *fit.time_points, *_ladder_shapes(fit)})
+    console.print(
+        f"profiled {found.model} over {fit.dims}: {shapes} shapes, {len(fit.time_points)} "
+        f"of them timed, in {time.perf_counter() - began:.1f} s")
+    return found
+
+
+def _ladder_shapes(fit: Any) -> set[tuple[int, ...]]:
+    import itertools
+
+    return set(itertools.product(*fit.rungs))
+
+
+def _fit_lines(prof: Profile) -> list[str]:
+    fit = prof.shapes
+    assert fit is not None
+    lines = [
+        f"bytes: {len(fit.bytes)} figures grow as exact polynomials (degree 1 in batch, 2 in "
+        f"the others), {len(fit.steps)} are maxima read off a ladder of "
+        f"{len(_ladder_shapes(fit))} shapes (exact there, never under between: "
+        "docs/shapes.md), the rest do not change with the shape",
+    ]
+    for check in fit.checks:
+        over = (f"; the stepped ones up to {format_bytes(check.most_over)} over"
+                if check.most_over else "")
+        lines.append(f"checked at {fit.dims.shape_text(check.shape)}, a shape the "
+                     f"polynomials were not fitted at: {check.exact} of {check.fields} byte "
+                     f"figures equal the fit's to the byte{over}")
+    return lines
+
+
+def profile_range(args: argparse.Namespace) -> int:
+    """``remat profile --shapes``."""
+    from remat.core.shape_profiles import at_shape
+
+    prof = _ranged_profile(args)
+    fit = prof.shapes
+    assert fit is not None
+    console = console_for(args.json)
+    for line in _fit_lines(prof):
+        console.print(line)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title="a step without checkpointing across the range (predicted)")
+    for title in ("shape", "peak", "step"):
+        table.add_column(title, justify="right" if title != "shape" else "left")
+    for shape in dict.fromkeys((fit.dims.lo, *fit.time_points, fit.dims.hi)):
+        at = at_shape(prof, shape)
+        table.add_row(fit.dims.shape_text(shape), format_bytes(at.predicted_peak_bytes or 0),
+                      f"{at.step_s * 1e3:.2f} ms")
+    console.print(table)
+    write_json(prof.to_dict(), args.json)
+    return 0
+
+
+def plan_range(args: argparse.Namespace, source: Profile | None) -> int:
+    """``remat plan --shapes`` (or ``--profile`` of a range): the plan set."""
+    from remat.core.plan_set import plan_set
+
+    if args.budget is None:
+        raise UsageError("a plan set needs --budget, e.g. --budget 60% (of the peak at the "
+                         "range's largest shape) or --budget 6GiB")
+    if args.solver != "optimal" or args.world is not None or args.largest_batch:
+        raise UsageError("a plan set is planned by the optimal solver for one process; drop "
+                         "--solver, --world and --largest-batch")
+    prof = source if source is not None else _ranged_profile(args)
+    console = console_for(args.json)
+    chosen = plan_set(prof, args.budget, outside=args.outside)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=f"plan set over {chosen.dims}, budget "
+                        f"{format_bytes(chosen.budget_bytes)}")
+    for title in ("plan", "shapes", "regions", "options", "predicted peak", "step"):
+        table.add_column(title)
+    for k, (plan, boxes) in enumerate(zip(chosen.plans, chosen.buckets, strict=True)):
+        where = "; ".join(",".join(f"{d.name}={lo}" if lo == hi else f"{d.name}={lo}..{hi}"
+                                   for d, (lo, hi) in zip(chosen.dims.dims, b, strict=True))
+                          for b in boxes[:3]) + (" ..." if len(boxes) > 3 else "")
+        options = sorted({str(o) for o in plan.options} - {"keep"}) or ["keep"]
+        t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
+        table.add_row(str(k), where, " ".join(str(r) for r in plan.regions) or "-",
+                      " ".join(options), format_bytes(plan.predicted_peak_bytes or 0),
+                      f"{t / t0 - 1:+.1%}" if t and t0 else "-")
+    console.print(table)
+    console.print(
+        f"every one of the {chosen.shapes} shapes is predicted within the budget by the plan "
+        f"that runs it; each plan is within {chosen.slowest_ratio - 1:.1%} of its shape's "
+        f"best predicted time (solved at {chosen.solved} shapes); a batch outside the range: "
+        f"{chosen.outside}; planned in {chosen.solve_time_s:.1f} s")
+    console.print("step: the plan's predicted step time over no checkpointing, at the shape "
+                  "it was solved for")
+    write_json(chosen.to_dict(), args.json)
+    return 0
