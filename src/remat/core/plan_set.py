@@ -130,8 +130,10 @@ class PlanSet(JsonArtifact):
             where = "; ".join(_box_text(self.dims, b) for b in boxes[:4])
             more = f" (+{len(boxes) - 4} boxes)" if len(boxes) > 4 else ""
             regions = " ".join(str(r) for r in plan.regions) or "none"
+            options = sorted({str(o) for o in plan.options} - {"keep"})
             peak = plan.predicted_peak_bytes
             lines.append(f"plan {k}: {where}{more}: regions {regions}"
+                         + (f", options {' '.join(options)}" if options else "")
                          + (f", predicted peak up to {peak} bytes" if peak else ""))
         return lines
 
