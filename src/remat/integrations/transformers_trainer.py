@@ -5,7 +5,9 @@ takes an example batch (the first ``per_device_train_batch_size`` examples of th
 set, collated by the trainer's own collator, or the batch given), turns the model's own
 gradient checkpointing off where it is on, and calls :func:`remat.auto_checkpoint` on the
 model the trainer trains (a PEFT model too). ``add_remat(trainer, budget)`` is the one
-line that adds it. docs/integrations/transformers.md says what was measured.
+line that adds it. With ``shapes=`` (a range of batch shapes, for dynamic padding) it
+applies a plan set made from that example batch: each step runs the plan for its batch's
+shape. docs/integrations/transformers.md says what was measured.
 
 Importing this module imports transformers; ``import remat`` never does.
 """
@@ -24,7 +26,9 @@ from torch import nn
 from transformers import TrainerCallback
 
 from remat.core.errors import UsageError
+from remat.core.plan_set import OUTSIDE
 from remat.core.profile_format import OPTIMIZERS
+from remat.core.shapes import Dim, ShapeRange, parse_shapes
 from remat.core.solve.budget import check_budget
 from remat.in_script.script_entry import AutoCheckpoint, auto_checkpoint
 from remat.runtime.existing import find
@@ -111,6 +115,45 @@ def _example_batch(dataloader: Any, size: int) -> Any:
     return collate(examples)
 
 
+def pad_multiple(collate: Any, args: Any = None) -> int | None:
+    """The multiple the collator pads each batch's sequence length to (its
+    ``pad_to_multiple_of``, through the Trainer's column-removing wrapper), else
+    ``TrainingArguments.pad_to_multiple_of`` (TRL's SFTConfig has one), else None."""
+    for _ in range(4):  # RemoveColumnsCollator.data_collator, and the like
+        found = getattr(collate, "pad_to_multiple_of", None)
+        if found is not None:
+            break
+        collate = getattr(collate, "data_collator", None)
+        if collate is None:
+            break
+    if found is None:
+        found = getattr(args, "pad_to_multiple_of", None)
+    return found if isinstance(found, int) and not isinstance(found, bool) and found > 1 \
+        else None
+
+
+def on_multiples(dims: ShapeRange, multiple: int | None) -> ShapeRange:
+    """``dims`` with its ``seq`` dimension on the lengths a collator padding to
+    ``multiple`` makes: a ``seq`` given without a step gets step ``multiple``, its ends
+    rounded up to multiples of it (a batch of the least and the largest length is padded
+    so); a ``seq`` whose lattice misses some of those lengths is refused."""
+    if multiple is None or "seq" not in dims.names:
+        return dims
+    out = []
+    for d in dims.dims:
+        if d.name == "seq" and d.step == 1 and d.lo < d.hi:
+            d = Dim("seq", -(-d.lo // multiple) * multiple, -(-d.hi // multiple) * multiple,
+                    multiple)
+        elif d.name == "seq" and (d.lo % multiple or multiple % d.step):
+            lo, hi = -(-d.lo // multiple) * multiple, -(-d.hi // multiple) * multiple
+            raise UsageError(
+                f"the collator pads every batch to a multiple of {multiple} positions, and "
+                f"the range's {d} does not hold all of those lengths; give "
+                f"seq={lo}..{hi}:{multiple}, or seq={d.lo}..{d.hi} and remat uses that step")
+        out.append(d)
+    return ShapeRange(tuple(out))
+
+
 def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
@@ -158,6 +201,14 @@ class RematCallback(TrainerCallback):
     of the train set through the trainer's collator). ``pad_to``: pad the example batch's
     sequences to this length; under dynamic padding give the longest length the run will
     see (a plan for the longest is within the budget for shorter batches too).
+    ``shapes``: instead of ``pad_to``, the range of shapes the run's batches have
+    (``"seq=32..512"`` or ``{"seq": (32, 512)}``, as :func:`remat.auto_checkpoint`): the
+    callback applies a plan set made from the example batch, and each step runs the plan
+    for its batch's shape. Where the collator pads to a multiple (``pad_to_multiple_of``),
+    a ``seq`` given without a step gets that step, its ends rounded up to multiples of
+    it; the range planned is then ``planned``. ``outside``: what a batch outside the
+    range does, ``"error"`` (a UsageError) or ``"conservative"`` (the plan of least
+    memory, with one warning).
     ``loss_fn(model, batch)``: default ``model(**batch).loss``. ``optimizer``: remat's
     name for the trainer's optimizer (default from ``TrainingArguments.optim``).
     ``stages``, ``cache``, ``repeats``: as :func:`remat.auto_checkpoint`.
@@ -165,7 +216,9 @@ class RematCallback(TrainerCallback):
     After ``on_train_begin``, ``checkpoint`` is the :class:`remat.AutoCheckpoint` (its
     ``report`` says what was done; ``checkpoint.remove()`` takes the plan off) and
     ``turned_off`` the sentence saying transformers' own checkpointing was turned off,
-    or None.
+    or None. With ``shapes``, ``checkpoint.plan`` is a plan set
+    (:class:`remat.core.plan_set.PlanSet`) and ``checkpoint.handle.running`` the plan the
+    last step ran.
     """
 
     def __init__(
@@ -174,6 +227,8 @@ class RematCallback(TrainerCallback):
         *,
         batch: Any = None,
         pad_to: int | None = None,
+        shapes: str | Mapping[str, Any] | None = None,
+        outside: str | None = None,
         loss_fn: LossFn | None = None,
         optimizer: str | None = None,
         stages: list[str] | tuple[str, ...] | None = None,
@@ -191,12 +246,29 @@ class RematCallback(TrainerCallback):
                                    or pad_to < 1):
             raise UsageError(f"pad_to={pad_to!r} is not a sequence length; give a whole "
                              "number of positions, the longest the run will see")
+        if shapes is not None:
+            if pad_to is not None:
+                raise UsageError("give pad_to (one plan for the longest batch) or shapes (a "
+                                 "plan per shape of a range), not both")
+            if not isinstance(shapes, (str, Mapping)):
+                raise UsageError(f"shapes is a {type(shapes).__name__}; give a range such as "
+                                 "'seq=32..512' or {'seq': (32, 512)}")
+            parse_shapes(shapes)  # a bad range is refused here, in its own words
+        if outside is not None:
+            if shapes is None:
+                raise UsageError(f"outside={outside!r} says what a batch outside shapes= "
+                                 "does; give shapes= too, or leave outside out")
+            if outside not in OUTSIDE:
+                raise UsageError(f"outside={outside!r} is not one of {', '.join(OUTSIDE)}")
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"loss_fn is a {type(loss_fn).__name__}; pass a function "
                              "loss_fn(model, batch) that returns the scalar loss")
         self.budget = budget
         self.batch = batch
         self.pad_to = pad_to
+        self.shapes = shapes
+        self.outside = outside
+        self.planned: ShapeRange | None = None
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.stages = stages
@@ -240,13 +312,22 @@ class RematCallback(TrainerCallback):
                 config = getattr(model, "config", None)
                 pad_id = getattr(config, "pad_token_id", None)
                 batch = _pad(batch, self.pad_to, pad_id if isinstance(pad_id, int) else 0)
+            ranged: dict[str, Any] = {}
+            if self.shapes is not None:
+                collate = getattr(train_dataloader, "collate_fn", None)
+                self.planned = on_multiples(parse_shapes(self.shapes), pad_multiple(collate, args))
+                if str(self.planned) != str(parse_shapes(self.shapes)):
+                    logger.info("remat: the collator pads to a multiple of %s; planning %s",
+                                self.planned.dims[self.planned.names.index("seq")].step,
+                                self.planned)
+                ranged = {"shapes": str(self.planned), "outside": self.outside or "error"}
             was_training = model.training
             model.train()
             try:
                 self.checkpoint = auto_checkpoint(
                     model, self.budget, batch=batch, loss_fn=self.loss_fn or model_loss,
                     optimizer=optimizer, stages=self.stages, cache=self.cache,
-                    repeats=self.repeats)
+                    repeats=self.repeats, **ranged)
             finally:
                 model.train(was_training)
         logger.info("%s", self.checkpoint.report)
