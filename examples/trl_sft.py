@@ -2,12 +2,14 @@
 
     .venv/bin/python examples/trl_sft.py
 
-Examples of 16 to 128 tokens make every batch a different shape. remat plans once, for
-the longest batch the run can see (``pad_to=`` the ``max_length`` sequences are cut
-to), and that plan is within the budget for the shorter batches too. SFTConfig turns
-gradient checkpointing on by default; remat replaces it and says so. A tiny Llama and a
-word-level tokenizer built in memory: nothing is downloaded
-(docs/integrations/transformers.md).
+Examples of 16 to 128 tokens make every batch a different shape; the collator pads each
+batch to its longest example, rounded up to a multiple of 8. ``shapes="seq=16..128"``
+makes remat plan a plan set over that range (with the collator's multiple as its step:
+seq=16..128:8): each step runs the fastest plan predicted within the budget at its own
+length, so short batches rebuild less than the longest needs. SFTConfig turns gradient
+checkpointing on by default; remat replaces it and says so. ``bf16=False``: a plan set
+cannot be profiled under autocast yet (docs/integrations/transformers.md). A tiny Llama
+and a word-level tokenizer built in memory: nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -44,16 +46,16 @@ def main() -> None:
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0))
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=8,
-        max_length=MAX_LENGTH, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        logging_steps=2, disable_tqdm=True)
+        max_length=MAX_LENGTH, pad_to_multiple_of=8, use_cpu=True, bf16=False, report_to=[],
+        save_strategy="no", logging_steps=2, disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer(),
                          train_dataset=Dataset.from_dict({"text": texts}))
 
-    remat = add_remat(trainer, "60%", pad_to=MAX_LENGTH)
+    remat = add_remat(trainer, "60%", shapes=f"seq=16..{MAX_LENGTH}")
 
     trainer.train()
     assert remat.checkpoint is not None
-    print(remat.checkpoint.report)
+    print(remat.checkpoint.report)  # one line per plan: the lengths it runs
 
 
 if __name__ == "__main__":
