@@ -34,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 
 import remat  # noqa: E402
 from remat.core.errors import CheckFailed, UsageError  # noqa: E402
+from remat.core.plan_set import PlanSet  # noqa: E402
 from remat.core.shapes import parse_shapes  # noqa: E402
 from remat.integrations import transformers_trainer as tt  # noqa: E402
 from remat.measure.tracker import LiveMemoryTracker, iter_tensors  # noqa: E402
@@ -450,14 +451,19 @@ def test_trl_plan_set_conservative_runs_a_longer_batch_with_one_warning(tmp_path
     assert running.plans[1:] == [plans.plans[plans.conservative]] * 2
 
 
-@pytest.mark.xfail(raises=CheckFailed, strict=True, reason=(
-    "plan-set bug: profile_shapes' bytes-only profiles (_timed=False) skip the autocast "
-    "cast-cache measurement, so under bf16 autocast their stages lack cast_cache_bytes "
-    "and fit_profile refuses the range as 'differs in structure'"))
 def test_trl_plan_set_under_bf16_autocast(tmp_path: Path) -> None:
-    trainer = sft_trainer(tmp_path, sft_lists((32,)), True, bf16=True)  # SFTConfig's default
-    tt.add_remat(trainer, "60%", shapes="seq=8..32", cache=False, repeats=1)
+    # SFTConfig's default: the bytes-only profiles of the range count autocast's cast
+    # cache as the timed ones do (they once skipped it, and the range was refused)
+    trainer = sft_trainer(tmp_path, sft_lists((32,)), True, bf16=True)
+    with pytest.raises(CheckFailed, match=r"the range seq=8\.\.32:8 needs at least"):
+        tt.add_remat(trainer, "60%", shapes="seq=8..32", cache=False, repeats=1)
+        trainer.train()  # 60% of seq=32's peak is under seq=8's least
+    trainer = sft_trainer(tmp_path, sft_lists((32,)), True, bf16=True)
+    callback = tt.add_remat(trainer, "90%", shapes="seq=8..32", cache=False, repeats=1)
     trainer.train()
+    assert callback.checkpoint is not None
+    assert isinstance(callback.checkpoint.plan, PlanSet)
+    assert trainer.state.global_step >= 1
 
 
 # --------------------------------------------------------------------------- the API

@@ -44,10 +44,11 @@ from remat.core.planner import made_for
 from remat.core.profile_format import Profile
 from remat.core.shape_profiles import at_shape
 from remat.core.shapes import Shape, ShapeRange
-from remat.core.solve import solve
+from remat.core.solve import minimum_budget, solve
 from remat.core.solve.budget import parse_budget
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.simulator import simulate
+from remat.core.units import format_bytes
 
 __all__ = ["OUTSIDE", "PlanSet", "plan_set"]
 
@@ -209,6 +210,20 @@ def _boxes(points: list[Shape]) -> tuple[Box, ...]:
     return tuple(out)
 
 
+def _too_small(dims: ShapeRange, problems: Mapping[Shape, Any], limit: int) -> CheckFailed:
+    """No plan fits some shape: the least budget the whole range needs, and where."""
+    least = {x: minimum_budget(p) for x, p in problems.items()}
+    worst = max(least, key=lambda x: (least[x], x))
+    first = min((x for x in least if least[x] > limit), key=lambda x: (sum(x), x))
+    err = CheckFailed(
+        f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes) at "
+        f"{dims.shape_text(first)}; the range {dims} needs at least "
+        f"{format_bytes(least[worst])} ({least[worst]} bytes, the least peak at "
+        f"{dims.shape_text(worst)}): give that budget or narrow the range")
+    err.minimum_budget_bytes = least[worst]  # type: ignore[attr-defined]
+    return err
+
+
 def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.02,
              outside: str = "error") -> PlanSet:
     """The plan set for ``profile``'s range under ``budget`` (Note [Plan sets]).
@@ -242,7 +257,7 @@ def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.0
         try:
             found = solve("optimal", problems[x], limit)
         except CheckFailed as err:
-            raise CheckFailed(f"at {dims.shape_text(x)}: {err}") from err
+            raise _too_small(dims, problems, limit) from err
         best[x] = found.predicted_step_time_s or 0.0
         candidates.setdefault(_key(found), found)
     plans = list(candidates.values())
@@ -257,7 +272,10 @@ def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.0
         if x not in best:
             times = [f[x] for f in fits if x in f]
             if not times:
-                found = solve("optimal", problems[x], limit)  # raises CheckFailed itself
+                try:
+                    found = solve("optimal", problems[x], limit)
+                except CheckFailed as err:
+                    raise _too_small(dims, problems, limit) from err
                 plans.append(found)
                 fits.append({y: simulate(found, problems[y]).step_time_s for y in lattice
                              if simulate(found, problems[y]).peak_bytes <= limit})

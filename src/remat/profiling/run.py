@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import maybe_get_fake_mode
 
 from remat import plans
 from remat.core.plan_format import KEEP, Option, Plan, Region
@@ -407,8 +408,11 @@ def measure_all(
 
     rebuild_grads = _rebuild_grads(model, batch, loss_fn, names, optimizer, per_stage)
     # a compiled stage's casts happen inside its graph, out of sight: none counted there;
-    # a fake profile's tensors have no storage to tell casts apart by
-    cached, unsaved, pre_casts = (((), (), 0) if any(compiled) or not timed
+    # a fake profile's tensors have no storage to tell casts apart by (an untimed real
+    # profile, a range's bytes-only shape, counts them as a timed one does)
+    first = next(model.parameters(), None)
+    fake = first is not None and maybe_get_fake_mode(first) is not None
+    cached, unsaved, pre_casts = (((), (), 0) if any(compiled) or fake
                                   else cast_cache(model, batch, loss_fn, names))
 
     part(parts[-1])
