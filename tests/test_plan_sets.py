@@ -202,3 +202,25 @@ def test_the_command_line_profiles_a_range_and_plans_a_set_a_model_can_run(
         remat.remove(model)
     assert main(["plan", "--profile", str(prof), "--shapes", RANGE, "--budget", "80%"]) == 2
     assert "drop --shapes" in capsys.readouterr().err
+
+
+def test_auto_over_a_range_measures_each_bucket_within_the_budget_with_equal_gradients(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from remat.cli import main
+
+    tiny = ["--model", "gpt", "--set", "n_layer=3", "--set", "n_embd=32", "--set",
+            "block_size=32", "--set", "vocab_size=64", "--batch-size", "2"]
+    out = tmp_path / "auto.json"
+    assert main(["auto", *tiny, "--shapes", "seq=8..32:8", "--budget", "80%",
+                 "--profile-repeats", "1", "--json", str(out)]) == 0
+    said = capsys.readouterr()
+    assert "every measured step within the budget, gradients equal" in said.out + said.err
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["rows"]
+    budget = report["plan_set"]["budget_bytes"]
+    for row in report["rows"]:
+        assert row["measured_peak_bytes"] <= budget and row["grads_equal"]
+    measured = {tuple(r["shape"]) for r in report["rows"]}
+    assert (8,) in measured and (32,) in measured  # the range's ends are buckets' ends

@@ -22,6 +22,7 @@ from remat.cli.common import (
     torchrun_rank,
 )
 from remat.cli.output import add_json_option, console_for, write_error, write_json
+from remat.cli.shape_ranges import add_shapes_option, auto_range_command
 from remat.core.artifact import write_text
 from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
 
@@ -66,6 +67,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,
                    help="under torchrun: each rank runs the job on its shard of the batch "
                    "under DDP or FSDP2 and reports its own peaks (docs/distributed.md)")
+    add_shapes_option(p, outside=True)
     add_json_option(p)
     p.set_defaults(run=run)
 
@@ -229,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
     from remat.benchmarking.factory import failure
     from remat.benchmarking.main_job import Stopped
 
+    if args.shapes is not None:
+        return auto_range_command(args)
     try:
         with progress_bar("auto") as progress:
             check_threads(args.threads)

@@ -20,7 +20,7 @@ from remat.core.errors import UsageError
 from remat.core.profile_format import Profile
 from remat.core.units import format_bytes
 
-__all__ = ["add_shapes_option", "plan_range", "profile_range"]
+__all__ = ["add_shapes_option", "auto_range_command", "plan_range", "profile_range"]
 
 
 def add_shapes_option(p: argparse.ArgumentParser, *, outside: bool) -> None:
@@ -143,3 +143,46 @@ def plan_range(args: argparse.Namespace, source: Profile | None) -> int:
                   "it was solved for")
     write_json(chosen.to_dict(), args.json)
     return 0
+
+
+def auto_range_command(args: argparse.Namespace) -> int:
+    """``remat auto --shapes``: the plan set, measured at each bucket's ends."""
+    from remat.benchmarking.range_job import auto_range
+    from remat.cli.common import check_threads, load
+
+    if args.distributed is not None or args.compile:
+        raise UsageError("--shapes runs one process on eager stages; drop --distributed and "
+                         "--compile")
+    check_threads(args.threads)
+    model, batch, loss_fn, stages, description = load(args)
+    console = console_for(args.json)
+    with console.status("auto over the range") as status:
+        report = auto_range(model, batch, loss_fn, args.shapes, args.budget,
+                            stages=stages, optimizer=args.optimizer,
+                            repeats=args.profile_repeats or 2, outside=args.outside,
+                            progress=lambda what: status.update(what))
+    chosen = report.plan_set
+    dims = chosen.dims
+    for line in _fit_lines(report.profile):
+        console.print(line)
+    for line in chosen.describe():
+        console.print(line)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=f"{description} over {dims}: each plan at its bucket's ends, budget "
+                        f"{format_bytes(chosen.budget_bytes)}")
+    for title in ("shape", "plan", "predicted peak", "measured peak", "error", "within",
+                  "gradients"):
+        table.add_column(title)
+    for row in report.rows:
+        error = row.predicted_peak_bytes / row.measured_peak_bytes - 1
+        table.add_row(dims.shape_text(row.shape), str(row.plan),
+                      format_bytes(row.predicted_peak_bytes),
+                      format_bytes(row.measured_peak_bytes), f"{error:+.2%}",
+                      "yes" if row.measured_peak_bytes <= chosen.budget_bytes else "NO",
+                      "equal" if row.grads_equal else "DIFFERENT")
+    console.print(table)
+    console.print(f"profiled the range in {report.profile_s:.1f} s; "
+                  + ("every measured step within the budget, gradients equal"
+                     if report.ok else "FAILED: a step over the budget or gradients differ"))
+    write_json(report.to_dict(), args.json)
+    return 0 if report.ok else 1
