@@ -324,6 +324,12 @@ class FixedBytes:
     # Of pre_chain_bytes, the casts autocast's cache keeps that autograd does not save,
     # gone at the forward's end (remat.profiling.casts). Written only when set.
     pre_chain_cast_bytes: int = 0
+    # Of pre_chain_bytes, the tensors the stages' calls are passed from before the chain
+    # (a padded batch's 4-D attention mask, position ids) that no stage saves under keep
+    # and the model's code lets go of when its forward returns; a checkpoint frame keeps
+    # them to its backward (Note [Arguments a checkpoint frame holds] in simulator.py).
+    # Written only when set.
+    args_at_return_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
@@ -369,6 +375,7 @@ _OPTIONAL_FIXED_FIELDS = (
     ("post_chain_backward_bytes", "post_chain_backward"),
     ("first_input_at_start_bytes", "first_input_at_start"),
     ("pre_chain_cast_bytes", "pre_chain_cast"),
+    ("args_at_return_bytes", "args_at_return"),
 )
 _NULLABLE_FIXED_FIELDS = frozenset({"post_chain_forward_bytes", "post_chain_backward_bytes"})
 

@@ -40,7 +40,13 @@ add up to what that step really did), in the terms ``remat.core.solve.simulate``
   parameter gradients: the loss the caller holds and what autograd keeps with it (8 bytes
   for a float32 cross entropy), which no part of the chain frees.
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
-  first stage's input. Post-chain: its larger rise in forward and in backward above the
+  first stage's input. Of it, ``args_at_return``: what the first stage's call is passed
+  from before the chain besides its input (a padded batch's 4-D attention mask, position
+  ids) that no stage saves and the model's code lets go of at its forward's return (read
+  in the no-save pass); the residue is read with it added back (it went before the
+  chain's backward began), the simulator lets it go at the return unless a checkpoint
+  frame holds it (Note [Arguments a checkpoint frame holds] in the simulator).
+  Post-chain: its larger rise in forward and in backward above the
   live total at the chain's end (the backward's with the parameter gradients it has
   created by its peak; the simulator adds all of them after it).
 """
@@ -250,7 +256,11 @@ def fixed_bytes(
     # still holds (the loss).
     last = m.nosave.stages[-1]
     held_output = last.output_bytes if last.saves_output else 0
-    residue = spans.stage_backward[-1].entry_bytes - chain_end - held_output - post_grads
+    # what the stages were passed from before the chain and the model's code let go of at
+    # its return (a padded batch's 4-D mask): gone by then, but not what the caller holds
+    args_at_return = min(m.nosave.args_at_return_bytes, max(0, pre_chain))
+    residue = (spans.stage_backward[-1].entry_bytes - chain_end - held_output - post_grads
+               + args_at_return)
     return FixedBytes(
         **m.counts,
         pre_chain_bytes=max(0, pre_chain),
@@ -269,4 +279,5 @@ def fixed_bytes(
         backward_residue_bytes=max(loss_bytes, residue),
         post_chain_forward_bytes=max(0, spans.post_forward.peak_bytes - chain_end),
         post_chain_backward_bytes=max(0, spans.post_backward.peak_bytes - chain_end),
+        args_at_return_bytes=args_at_return,
     )

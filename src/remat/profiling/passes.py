@@ -95,6 +95,10 @@ class ForwardPass:
     # The storage behind the loss loss_fn returned: more than its one element where the
     # kernel returns a view of a whole buffer (CPU mse_loss keeps its elementwise losses).
     loss_storage_bytes: int = 0
+    # No-save pass: what the first stage's call is passed from before the chain besides
+    # its input (not the batch's own tensors) that no stage offers to save and that is
+    # gone once the model's forward has returned (FixedBytes.args_at_return_bytes)
+    args_at_return_bytes: int = 0
 
 
 def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
@@ -172,6 +176,12 @@ def forward_pass(
     current: list[int] = []  # the stage running now, if any
     offered: list[weakref.ref[torch.UntypedStorage]] = []  # what it asked autograd to save
 
+    # storage id -> (the storage, bytes): what stage 0's call is passed besides its input
+    # (a 4-D attention mask, position ids); and the ids some stage offered to save
+    call_args: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+    args_saved: set[int] = set()
+    args_at_return = 0
+
     # per stage: the stage inputs the model's code just before it offered to save
     link_saves: list[set[int]] = [set() for _ in range(n)]
 
@@ -214,6 +224,13 @@ def forward_pass(
         tracker.reset_peak()
         x = main_input(args, kwargs)
         entries[i] = (tracker.live_bytes, x)
+        if i == 0 and not save:
+            for t in iter_tensors((args, kwargs)):
+                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                    storage = t.untyped_storage()
+                    if (x is None or not same_storage(x, t)) and not any(
+                            same_storage(t, b) for b in batch_tensors):
+                        call_args[id(storage)] = (weakref.ref(storage), storage.nbytes())
         previous[i] = i > 0 and x is not None and alive(i - 1) and (
             outputs[i - 1]() is x.untyped_storage()  # type: ignore[misc]
         )
@@ -237,6 +254,10 @@ def forward_pass(
             gets_previous_output=previous.get(i, False),
             mutated_buffer_bytes=_mutated_bytes(modules[i], versions.pop(i, [])),
         )
+        for key, (ref, _) in call_args.items():
+            storage = ref()
+            if storage is not None and any(o() is storage for o in offered):
+                args_saved.add(key)
         current.clear()
         offered.clear()
         if y is not None:
@@ -262,6 +283,9 @@ def forward_pass(
                 else:
                     with torch.autograd.graph.saved_tensors_hooks(drop, _never):
                         loss = loss_fn(model, batch)
+                    # the forward has returned; nothing is saved in this pass
+                    args_at_return = sum(nbytes for key, (ref, nbytes) in call_args.items()
+                                         if key not in args_saved and ref() is None)
                 loss_storage = (loss.untyped_storage().nbytes()
                                 if isinstance(loss, torch.Tensor) else 0)
                 if save:  # what the graph holds counts, so before it goes
@@ -304,4 +328,5 @@ def forward_pass(
             k if k > own[i] and i < n - 1 else None for i, k in enumerate(output_seen)
         ),
         loss_storage_bytes=loss_storage,
+        args_at_return_bytes=args_at_return,
     )

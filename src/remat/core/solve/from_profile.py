@@ -93,6 +93,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         # the casts autocast's cache let go of at the forward's end, which the simulator
         # now lets go of itself (Note [Autocast's cast cache] in simulator.py)
         backward += sum(s.cast_unsaved_bytes for s in stages)
+        # the stages' arguments from before the chain the model let go of at its return,
+        # which the simulator lets go of itself (Note [Arguments a checkpoint frame holds])
+        backward += fixed.args_at_return_bytes
     parts = (
         sum(s.grad_bytes for s in stages)
         + fixed.pre_chain_grads_bytes
@@ -113,6 +116,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         backward_residue_bytes=fixed.backward_residue_bytes,
         pre_chain_cast_bytes=min(fixed.pre_chain_cast_bytes,
                                  max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes)),
+        args_at_return_bytes=0 if backward is None else min(fixed.args_at_return_bytes,
+                                 max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes
+                                     - fixed.pre_chain_cast_bytes)),
         post_chain_bytes=(fixed.post_chain_bytes if backward is None
                           else fixed.post_chain_forward_bytes or 0),
         post_chain_backward_bytes=backward,

@@ -250,7 +250,7 @@ _PROBLEM_KEYS_V1 = (
 )
 _PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
                  "post_chain_backward_bytes", "root_unit_bytes", "collective_copies",
-                 "backward_residue_bytes", "pre_chain_cast_bytes")
+                 "backward_residue_bytes", "pre_chain_cast_bytes", "args_at_return_bytes")
 
 
 @dataclass(frozen=True)
@@ -304,6 +304,10 @@ class Problem(JsonArtifact):
     # does not save (an input projection's weight, when the batch needs no gradient): gone
     # at the forward's end (Note [Autocast's cast cache] in simulator.py).
     pre_chain_cast_bytes: int = 0
+    # Of pre_chain_bytes, what the stages' calls are passed from before the chain that the
+    # model lets go of at its forward's return unless a checkpoint frame holds it (Note
+    # [Arguments a checkpoint frame holds] in simulator.py).
+    args_at_return_bytes: int = 0
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -375,9 +379,12 @@ class Problem(JsonArtifact):
                            _bytes(self.backward_residue_bytes, "backward_residue_bytes"))
         object.__setattr__(self, "pre_chain_cast_bytes",
                            _bytes(self.pre_chain_cast_bytes, "pre_chain_cast_bytes"))
-        if self.pre_chain_cast_bytes > max(0, self.pre_chain_bytes):
-            raise UsageError(f"pre_chain_cast_bytes={self.pre_chain_cast_bytes} is more than "
-                             f"pre_chain_bytes={self.pre_chain_bytes}; it is a part of them")
+        object.__setattr__(self, "args_at_return_bytes",
+                           _bytes(self.args_at_return_bytes, "args_at_return_bytes"))
+        if self.pre_chain_cast_bytes + self.args_at_return_bytes > max(0, self.pre_chain_bytes):
+            raise UsageError(f"pre_chain_cast_bytes={self.pre_chain_cast_bytes} and "
+                             f"args_at_return_bytes={self.args_at_return_bytes} are more than "
+                             f"pre_chain_bytes={self.pre_chain_bytes}; they are parts of them")
         if not isinstance(self.collective_copies, bool):
             raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
@@ -525,6 +532,8 @@ class Problem(JsonArtifact):
             data["backward_residue_bytes"] = self.backward_residue_bytes
         if self.pre_chain_cast_bytes:
             data["pre_chain_cast_bytes"] = self.pre_chain_cast_bytes
+        if self.args_at_return_bytes:
+            data["args_at_return_bytes"] = self.args_at_return_bytes
         if self.root_unit_bytes:
             data["root_unit_bytes"] = self.root_unit_bytes
         if self.collective_copies:

@@ -129,6 +129,24 @@ plan and the tables are filled again under any overshoot (Note [Reads from befor
 region] in ``remat.core.solve.solvers``), and the minimum named is the simulated peak of
 the tables' least plan.
 
+Note [Arguments a checkpoint frame holds]
+-----------------------------------------
+What the model's code passes every stage from before the chain besides its input (a
+padded batch's 4-D attention mask, position ids) is alive from the pre-chain on; where no
+stage saves it under keep, the model lets go of it when its forward returns
+(``Problem.args_at_return_bytes``, a part of ``pre_chain_bytes``). A checkpoint frame keeps
+its call's arguments for its rebuild, to its backward: a selective stage's (from its
+taped forward, or its opening in a rebuild, to the end of its backward) and a region's
+(from its opening to the end of its backward; its rebuild passes them to its stages).
+So the simulator holds them once however many hold them: the model from the start to the
+return (just before the post-chain's backward event, whose measured figure is taken from
+the chain's end with them alive and is raised by them in ``problem_from_profile``), each
+such frame as said. hf:llama (4 layers, batch 4 x 64) with a padded mask: selective on
+layer 0 kept the 16 KiB bool mask and the 512-byte position ids to layer 0's backward,
+and the peak at the post-chain's backward was measured 16,896 bytes over the prediction
+before they were counted (frames on later layers only hid it: their peaks were
+elsewhere). Every stage is taken to read all of them (an upper bound where one does not).
+
 Note [FSDP2 units]
 ------------------
 A per-rank problem under FSDP2 (:func:`remat.core.transforms.per_rank_problem`) gives each
@@ -184,6 +202,8 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Option, Plan, Region
 from remat.core.solve.problem import Problem
 from remat.core.stage_record import HeldRead
+
+ARGS = ("args", "before the chain")  # Note [Arguments a checkpoint frame holds]
 
 __all__ = ["Event", "Item", "Simulation", "StepTime", "baseline_time", "plan_tree", "simulate"]
 
@@ -329,6 +349,11 @@ class _Walker:
         # there) to the stage's backward; whether the stage holds them now
         self.link_keeps = [tuple(r.made_after for r in s.reads if r.saved) for s in stages]
         self.link_kept = [False] * n
+        # Note [Arguments a checkpoint frame holds]: their bytes, and per stage whether
+        # its selective frame holds them now
+        self.args = problem.args_at_return_bytes
+        self.args_held = [False] * n
+        self.frames = [bool(self.args) and Option(o).is_selective for o in options]
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -423,6 +448,8 @@ class _Walker:
             self.hold_shared(("link", start), self.p.stages[start].link_saved_bytes)
         for q in self.link_keeps[start]:
             self.hold(q)
+        if self.args:
+            self.hold_shared(ARGS, self.args)
         reads = self.region_reads(region) if self.any_reads else []
         self.open_reads[region] = reads
         for r in reads:
@@ -438,6 +465,8 @@ class _Walker:
             self.release_shared(("link", start), self.p.stages[start].link_saved_bytes)
         for q in self.link_keeps[start]:
             self.release(q)
+        if self.args:
+            self.release_shared(ARGS, self.args)
         for r in self.open_reads.pop(region):
             if r.boundary:
                 self.release(r.made_after)
@@ -455,6 +484,13 @@ class _Walker:
         if not self.shared[key]:
             del self.shared[key]
             self.live -= nbytes
+
+    def frame_holds_args(self, i: int) -> None:
+        """Stage i's selective checkpoint frame opens, holding its call's arguments."""
+        if self.frames[i]:
+            assert not self.args_held[i], i
+            self.args_held[i] = True
+            self.hold_shared(ARGS, self.args)
 
     def let_go(self, is_output: bool, b: int) -> None:
         """The model's code lets go of stage ``b``'s output or of boundary ``x_b``."""
@@ -585,6 +621,7 @@ class _Walker:
         """Stage i runs with grad under its option; its input is the current activation."""
         self.runs[i] += 1
         self.hold_current(i + 1)
+        self.frame_holds_args(i)
         if self.link_keeps[i]:
             assert not self.link_kept[i], i
             self.link_kept[i] = True
@@ -640,6 +677,9 @@ class _Walker:
             self.link_kept[i] = False
             for q in self.link_keeps[i]:
                 self.release(q)
+        if self.args_held[i]:
+            self.args_held[i] = False
+            self.release_shared(ARGS, self.args)
         grad = self.grad[i + 1]
         assert grad is not None, i
         self.grad[i + 1] = None
@@ -753,6 +793,7 @@ class _Walker:
                 self.open_region(item.region)
             elif k == opener:  # a selective stage: hands over its input, caches nothing
                 self.hold_by_stage(item.start)
+                self.frame_holds_args(item.start)
                 self.keep_saved(item.start, 0)
                 self.rebuilt_in_full.add(item.start)
             else:  # an offloaded stage after the last hand-over: nothing on the device
@@ -843,7 +884,9 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.add("params", p.params_bytes)
     w.add("optimizer", p.optimizer_bytes)
     w.add("input", p.input_bytes)
-    w.add("pre-chain", p.pre_chain_bytes)
+    w.add("pre-chain", p.pre_chain_bytes - p.args_at_return_bytes)
+    if p.args_at_return_bytes:  # the model's code holds them (Note [Arguments a checkpoint ...])
+        w.hold_shared(ARGS, p.args_at_return_bytes)
     w.hold_current(0)
     w.forward_flat = p.root_unit_bytes  # the root's all-gather, kept to the first unit's
     w.live += w.forward_flat
@@ -871,6 +914,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         # measured so, from the chain's end less what that let go of without a plan)
         for is_output, b in w.held_to_post:
             w.let_go(is_output, b)
+        if p.args_at_return_bytes:  # the model lets go of the stages' arguments
+            w.release_shared(ARGS, p.args_at_return_bytes)
         w.event("backward post-chain", p.post_chain_backward_bytes)
     else:
         w.event("backward post-chain", p.post_chain_bytes)
