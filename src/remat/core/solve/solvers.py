@@ -249,11 +249,13 @@ def _has_units(problem: Problem) -> bool:
 
 def _least_is_exact(problem: Problem) -> bool:
     """Whether the tables count everything the simulator does, so their smallest peak is
-    every plan's (not with reads, links, FSDP2 units or autocast's cast cache: Note [Reads
-    from before a region], Note [Autocast's cast cache] in simulator.py)."""
+    every plan's (not with reads, links, FSDP2 units, autocast's cast cache or arguments
+    a frame holds: Note [Reads from before a region], Note [Autocast's cast cache] and
+    Note [Arguments a checkpoint frame holds] in simulator.py)."""
     return not (any(s.reads or s.link_saved_bytes or s.unit_bytes or s.cast_cache_bytes
                     for s in problem.stages)
-                or problem.root_unit_bytes)
+                or problem.root_unit_bytes
+                or problem.args_at_return_bytes)  # Note [Arguments a checkpoint frame holds]
 
 
 def _least_plan(problem: Problem, ways: tuple[bool, ...] = (False, True)
