@@ -149,6 +149,7 @@ def test_no_plan_fits_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     (dict(batch=None), "give batch="),
     (dict(stages="0,1"), "not a list of module paths"),
     (dict(cache=3), "not a folder"),
+    (dict(reserve_bytes=-1), "reserve_bytes=-1 must be a whole number"),
 ])
 def test_bad_input_is_a_usage_error_before_any_work(kwargs: dict, said: str) -> None:
     model = _model()

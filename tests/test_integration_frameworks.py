@@ -184,7 +184,7 @@ def test_accelerate_refuses_a_prepared_model_and_the_plugins_own_checkpointing(
 
 WORLD = 2
 #: half the batch per rank: the fixed bytes weigh more, so the budget is looser
-RANK_BUDGET = "70%"
+RANK_BUDGET = "85%"
 
 
 def _accelerate_rank(rank: int, store: str, out: str, fsdp: bool) -> None:
@@ -234,8 +234,9 @@ def _accelerate_rank(rank: int, store: str, out: str, fsdp: bool) -> None:
                                                       "calls": calls[0]}
             if done is not None:
                 result.update(wrapper=type(wrapped).__name__, source=done.report.source,
-                              plan=done.plan.to_dict(), budget=done.plan.budget_bytes,
-                              rebuilds=done.handle.rebuilds, applied=remat.applied(model))
+                              plan=done.plan.to_dict(), budget=done.report.budget_bytes,
+                              rebuilds=done.handle.rebuilds, applied=remat.applied(model),
+                              reserve=done.report.reserve_bytes)
         result["runs"] = runs
     except Exception as err:  # the test reads it
         result["error"] = f"{type(err).__name__}: {err}"
@@ -245,7 +246,7 @@ def _accelerate_rank(rank: int, store: str, out: str, fsdp: bool) -> None:
 
 
 @pytest.mark.distributed
-def test_accelerate_ddp_trains_as_without_remat_within_the_budget_plus_ddps_buckets(
+def test_accelerate_ddp_trains_as_without_remat_within_the_budget_ddps_buckets_kept_free(
     tmp_path: Path,
 ) -> None:
     """Two gloo ranks; the FSDP2 plugin is asked for too, and accelerate on a CPU wraps
@@ -267,11 +268,12 @@ def test_accelerate_ddp_trains_as_without_remat_within_the_budget_plus_ddps_buck
         assert r["rebuilds"] > 0 or not r["plan"]["regions"]
         assert r["runs"]["remat"]["losses"] == r["runs"]["plain"]["losses"]
         peaks, budget = r["runs"]["remat"]["peaks"], r["budget"]
-        # the single-process plan does not count DDP's gradient buckets: the step after
-        # DDP rebuilds them (the second) goes over by less than one copy of the gradients
-        assert peaks[-1] <= budget, (peaks, budget)
-        assert max(peaks) <= budget + grads, (peaks, budget, grads)
-        assert max(r["runs"]["plain"]["peaks"]) > budget + grads
+        # the plan leaves one copy of the gradients free for DDP's buckets, which one
+        # process's profile does not see (the step after DDP rebuilds them went over by
+        # less than that copy without it)
+        assert r["reserve"] == grads
+        assert max(peaks) <= budget, (peaks, budget)
+        assert max(r["runs"]["plain"]["peaks"]) > budget
 
 
 # -- Lightning ---------------------------------------------------------------------------

@@ -31,9 +31,10 @@ from remat.core.model_identity import digest
 from remat.core.plan_format import Plan
 from remat.core.plan_set import OUTSIDE, PlanSet, plan_set
 from remat.core.planner import plan as make_plan
-from remat.core.profile_format import OPTIMIZERS
+from remat.core.profile_format import OPTIMIZERS, Profile
 from remat.core.shapes import ShapeRange, parse_shapes
-from remat.core.solve.budget import check_budget
+from remat.core.solve.budget import check_budget, parse_budget
+from remat.core.solve.from_profile import problem_from_profile
 from remat.core.units import format_bytes
 from remat.in_script.plan_cache import (
     cache_folder,
@@ -67,6 +68,7 @@ class AutoCheckpointReport:
     seconds: float
     cache_path: Path | None
     buckets: tuple[str, ...] = ()  # a plan set: one line per plan, the shapes it runs
+    reserve_bytes: int = 0  # left free under the budget (auto_checkpoint's reserve_bytes)
 
     def __str__(self) -> str:
         where = ("from the plan cache" if self.source == "cache"
@@ -75,7 +77,9 @@ class AutoCheckpointReport:
         parts = [f"remat: plan {where}, applied in {self.seconds:.2f} s; regions {regions}"]
         if self.predicted_peak_bytes is not None and self.budget_bytes is not None:
             parts.append(f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a "
-                         f"{format_bytes(self.budget_bytes)} budget")
+                         f"{format_bytes(self.budget_bytes)} budget"
+                         + (f" ({format_bytes(self.reserve_bytes)} of it kept free)"
+                            if self.reserve_bytes else ""))
         if self.predicted_overhead is not None:
             parts.append(f"predicted step time {self.predicted_overhead:+.1%}")
         return "; ".join(parts) + "".join(f"\n  {line}" for line in self.buckets)
@@ -153,8 +157,13 @@ def auto_checkpoint(
     stages: list[str] | tuple[str, ...] | None = None,
     cache: str | os.PathLike[str] | bool | None = None,
     repeats: int = 2,
+    reserve_bytes: int = 0,
 ) -> AutoCheckpoint:
     """Profile ``model`` on ``batch``, plan it under ``budget`` and apply the plan.
+
+    ``reserve_bytes``: what the plan leaves free under the budget for memory the step
+    holds beyond the profiled one (DDP's gradient buckets: the accelerate integration
+    reserves one copy of the gradients); the report keeps the budget given.
 
     With ``shapes`` (``"batch=1..16,seq=128..2048:8"``) or ``batches`` (a few real batches
     of different shapes; the range they span), it profiles the range and applies a plan
@@ -202,6 +211,10 @@ def auto_checkpoint(
         raise UsageError(f"budget={budget!r} is not a budget; give bytes, a size such as "
                          "'12GiB', or a fraction such as '60%'")
     check_budget(budget)
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or (
+            reserve_bytes < 0):
+        raise UsageError(f"reserve_bytes={reserve_bytes!r} must be a whole number of bytes "
+                         ">= 0")
     if stages is not None and (isinstance(stages, str) or not all(
             isinstance(s, str) for s in stages)):
         raise UsageError(f"stages={stages!r} is not a list of module paths")
@@ -210,7 +223,8 @@ def auto_checkpoint(
     fields = _fields(model, batch, optimizer, dims)
     slot = {"model": type(model).__name__, "stages": None if stages is None else list(stages),
             "budget": str(budget), "optimizer": optimizer,
-            **({"shapes": "range", "outside": outside} if ranged else {})}
+            **({"shapes": "range", "outside": outside} if ranged else {}),
+            **({"reserve": reserve_bytes} if reserve_bytes else {})}
     path = None if folder is None else slot_path(folder, slot)
     entry = None if path is None else load_entry(path)
     why = "the plan cache is off" if path is None else "no plan cached for this model"
@@ -222,7 +236,7 @@ def auto_checkpoint(
             except UsageError as err:  # the stages moved though the fields agree
                 why = f"the cached plan did not apply ({err})"
             else:
-                return _result(handle, entry.plan, "cache", None, began, path)
+                return _result(handle, entry.plan, "cache", None, began, path, reserve_bytes)
         else:
             why = ("the cached entry was unreadable" if entry.plan is None
                    else "; ".join(changed))
@@ -230,35 +244,48 @@ def auto_checkpoint(
     if dims is not None:
         ranged_profile = profile_shapes(model, batch, loss, dims, stages=stages,
                                         optimizer=optimizer, repeats=repeats)
-        plan = plan_set(ranged_profile, budget, outside=outside)
+        plan = plan_set(ranged_profile, _reserved(budget, ranged_profile, reserve_bytes),
+                        outside=outside)
     else:
-        plan = make_plan(profile(model, batch, loss, stages, optimizer, repeats=repeats),
-                         budget)
+        prof = profile(model, batch, loss, stages, optimizer, repeats=repeats)
+        plan = make_plan(prof, _reserved(budget, prof, reserve_bytes))
     if path is not None:
         save_entry(path, fields, plan)  # before apply: a bad folder changes nothing
     handle = apply(model, plan)
-    return _result(handle, plan, "profiled", why, began, path)
+    return _result(handle, plan, "profiled", why, began, path, reserve_bytes)
+
+
+def _reserved(budget: str | int | float, prof: Profile, reserve: int) -> str | int | float:
+    """``budget`` less ``reserve`` bytes (a fraction taken of the profile's peak first)."""
+    if not reserve:
+        return budget
+    limit = parse_budget(budget, problem_from_profile(prof)) - reserve
+    if limit <= 0:
+        raise UsageError(f"reserve_bytes={reserve} leaves nothing of the budget "
+                         f"({format_bytes(limit + reserve)}); give a larger budget")
+    return limit
 
 
 def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,
-            began: float, path: Path | None) -> AutoCheckpoint:
+            began: float, path: Path | None, reserve: int = 0) -> AutoCheckpoint:
     if isinstance(plan, PlanSet):
         largest = plan.plans[plan.choose(plan.dims.hi) or 0]
         peaks = [p.predicted_peak_bytes for p in plan.plans if p.predicted_peak_bytes]
         t, t0 = largest.predicted_step_time_s, largest.baseline_step_time_s
         report = AutoCheckpointReport(
-            source=source, why=why, budget_bytes=plan.budget_bytes,
+            source=source, why=why, budget_bytes=plan.budget_bytes + reserve,
             predicted_peak_bytes=max(peaks, default=None),
             predicted_overhead=t / t0 - 1 if t and t0 else None,
             regions=tuple(str(r) for r in largest.regions),
             seconds=time.perf_counter() - began, cache_path=path,
-            buckets=tuple(plan.describe()))
+            buckets=tuple(plan.describe()), reserve_bytes=reserve)
         return AutoCheckpoint(handle, plan, report)
     t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
     report = AutoCheckpointReport(
-        source=source, why=why, budget_bytes=plan.budget_bytes,
+        source=source, why=why,
+        budget_bytes=None if plan.budget_bytes is None else plan.budget_bytes + reserve,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         predicted_overhead=t / t0 - 1 if t and t0 else None,
         regions=tuple(str(r) for r in plan.regions),
-        seconds=time.perf_counter() - began, cache_path=path)
+        seconds=time.perf_counter() - began, cache_path=path, reserve_bytes=reserve)
     return AutoCheckpoint(handle, plan, report)

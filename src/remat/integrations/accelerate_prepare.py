@@ -90,6 +90,10 @@ def auto_checkpoint_before_prepare(
         return auto_checkpoint(model, budget, batch=batch, loss_fn=loss_fn,
                                optimizer=optimizer, stages=stages, cache=cache,
                                repeats=repeats)
+    # DDP (what prepare wraps with on several processes, FSDP2's plugin included on a
+    # CPU) holds its gradient buckets beside the gradients, which one process's profile
+    # does not see: the plan leaves one copy of the gradients free for them
+    reserve = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     from accelerate.utils import broadcast_object_list
 
     done: AutoCheckpoint | None = None
@@ -98,7 +102,7 @@ def auto_checkpoint_before_prepare(
         try:
             done = auto_checkpoint(model, budget, batch=batch, loss_fn=loss_fn,
                                    optimizer=optimizer, stages=stages, cache=cache,
-                                   repeats=repeats)
+                                   repeats=repeats, reserve_bytes=reserve)
             message = [("plan", done.plan.to_dict(), done.report)]
         except Exception as err:  # every rank raises, none waits on a broadcast
             message = [("error", f"{type(err).__name__}: {err}", None)]
@@ -118,4 +122,4 @@ def auto_checkpoint_before_prepare(
         source="main process", why=None, budget_bytes=report.budget_bytes,
         predicted_peak_bytes=report.predicted_peak_bytes,
         predicted_overhead=report.predicted_overhead, regions=report.regions,
-        seconds=report.seconds, cache_path=None))
+        seconds=report.seconds, cache_path=None, reserve_bytes=report.reserve_bytes))
