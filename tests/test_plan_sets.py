@@ -200,6 +200,13 @@ def test_the_command_line_profiles_a_range_and_plans_a_set_a_model_can_run(
         loss(model, _cut(batch, 56)).backward()
     finally:
         remat.remove(model)
+    assert main(["verify", *tiny, "--plan", str(chosen), "--steps", "1"]) == 0
+    said = capsys.readouterr()
+    assert "every plan of the set verified at the largest shape of its bucket" in (
+        said.out + said.err)
+    assert main(["verify", *tiny, "--plan", str(chosen), "--steps", "1",
+                 "--no-preserve-rng-state"]) == 1  # dropout masks differ: verify catches it
+    assert "verify FAILED" in capsys.readouterr().out
     assert main(["plan", "--profile", str(prof), "--shapes", RANGE, "--budget", "80%"]) == 2
     assert "drop --shapes" in capsys.readouterr().err
 

@@ -91,6 +91,50 @@ def _whole(text: str, what: str) -> int:
     return value
 
 
+def _plan_set_file(text: str | None) -> Any:
+    """The plan set in ``text``'s file, or None where it names no plan-set file."""
+    if text is None or not Path(text).is_file():
+        return None
+    from remat.core.artifact import loads
+    from remat.core.plan_set import PlanSet
+
+    try:
+        data = loads(Path(text).read_text(encoding="utf-8"), f"the plan {text!r}")
+    except (OSError, UnicodeDecodeError):
+        return None  # Plan.load names what is wrong with the file
+    return PlanSet.from_dict(data) if isinstance(data, dict) and "buckets" in data else None
+
+
+def _verify_plan_set(args: argparse.Namespace, model: nn.Module, batch: Any, loss_fn: Any,
+                     plan_set: Any) -> int:
+    """Each plan of a plan set verified at the largest shape of its bucket
+    (docs/shapes.md)."""
+    from remat.profiling.shaped import batch_axes, resize
+    from remat.verification.harness import verify
+
+    dims = plan_set.dims
+    axes = batch_axes(batch, dims)
+    console = console_for(args.json)
+    rows, ok = [], True
+    for k, (plan, boxes) in enumerate(zip(plan_set.plans, plan_set.buckets, strict=True)):
+        shape = max((tuple(hi for _, hi in box) for box in boxes), key=lambda x: (sum(x), x))
+        sized = resize(batch, axes, dict(zip(dims.names, shape, strict=True)))
+        report = verify(model, sized, plan, loss_fn, steps=args.steps,
+                        optimizer=args.optimizer, tolerance=args.tolerance, seed=args.seed,
+                        preserve_rng_state=not args.no_preserve_rng_state,
+                        force=args.force_plan)
+        failed = [c.name for c in report.checks if not c.passed] + [
+            h.kind for h in report.blocking_hazards]
+        ok = ok and report.ok
+        console.print(f"plan {k} at {dims.shape_text(shape)}: "
+                      + ("verify OK" if report.ok else f"verify FAILED: {', '.join(failed)}"))
+        rows.append({"plan": k, "shape": list(shape), "ok": report.ok, "failed": failed})
+    console.print(f"{'every' if ok else 'not every'} plan of the set verified at the largest "
+                  f"shape of its bucket ({len(rows)} plans over {dims})")
+    write_json({"plan_set": True, "ok": ok, "plans": rows}, args.json)
+    return 0 if ok else 1
+
+
 def build_plan(text: str, model: nn.Module, stages: list[str] | None = None) -> Plan:
     """A plan from a JSON file or a builder name (``per-stage``, ``segments:3``, ...)."""
     from remat import plans
@@ -213,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
     model, batch, loss_fn, stages, description = load(args, check_step=False)
     # the user's own code fails here, named, on a copy: verify starts from the untouched model
     first_step(copy.deepcopy(model), batch, loss_fn)
+    plan_set = _plan_set_file(args.plan)
+    if plan_set is not None:
+        return _verify_plan_set(args, model, batch, loss_fn, plan_set)
     if args.plan is not None:
         if stages is None and not Path(args.plan).exists():  # a builder: the whole chain
             from remat.runtime.stages import discover_stages
