@@ -412,7 +412,9 @@ def test_trl_plan_set_each_step_ran_its_lengths_plan_and_more_than_one_ran(
     assert [plans.plans.index(p) for p in running] == [
         plans.choose((n,)) for n in with_remat.lengths]
     assert len({id(p) for p in running}) > 1, "one plan ran every step"
-    assert not running[1].regions and running[0].regions  # length 48 needs no rebuild
+    # length 48 needs no checkpointing; 128 does (regions or selective options: the
+    # planner picks between them by measured time, which moves with the machine's load)
+    assert running[1].checkpoints_nothing and not running[0].checkpoints_nothing
     # each backward rebuilt each region of the plan its step ran: remat's plans ran
     assert callback.checkpoint.handle.rebuilds == sum(len(p.regions) for p in running)
     assert callback.turned_off is not None and not find(with_remat.model).flagged
