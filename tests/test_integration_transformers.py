@@ -186,7 +186,9 @@ def check_replaced(runs: tuple[Run, Run]) -> None:
     assert not find(with_remat.model).flagged  # transformers' flags stay off
     assert not with_remat.args.gradient_checkpointing
     assert remat.applied(with_remat.model)
-    assert callback.checkpoint.plan.regions, "the plan checkpoints no region"
+    # regions or selective options, as the planner's measured times choose (they move
+    # with the machine's load)
+    assert not callback.checkpoint.plan.checkpoints_nothing, "the plan checkpoints nothing"
     # each step's backward rebuilt each region once: remat's plan is what ran
     assert callback.checkpoint.handle.rebuilds == STEPS * len(callback.checkpoint.plan.regions)
 
