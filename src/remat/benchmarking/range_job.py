@@ -68,16 +68,6 @@ class RangeReport:
                 "profile_s": self.profile_s}
 
 
-def _bucket_ends(chosen: PlanSet) -> list[Shape]:
-    """Each bucket's smallest and largest lattice shape."""
-    found: list[Shape] = []
-    for boxes in chosen.buckets:
-        lows = [tuple(lo for lo, _ in box) for box in boxes]
-        highs = [tuple(hi for _, hi in box) for box in boxes]
-        found += [min(lows, key=lambda x: (sum(x), x)), max(highs, key=lambda x: (sum(x), x))]
-    return list(dict.fromkeys(found))
-
-
 def _grads_equal(model: nn.Module, chosen: PlanSet, batch: Any,
                  loss_fn: Callable[[nn.Module, Any], Any]) -> bool:
     plain, planned = copy.deepcopy(model), copy.deepcopy(model)
@@ -112,7 +102,7 @@ def auto_range(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any],
     assert fit is not None
     axes = batch_axes(batch, fit.dims)
     rows = []
-    for shape in _bucket_ends(chosen):
+    for shape in dict.fromkeys(x for k in range(len(chosen.plans)) for x in chosen.ends(k)):
         say(f"measuring {fit.dims.shape_text(shape)}")
         k = chosen.choose(shape)
         assert k is not None

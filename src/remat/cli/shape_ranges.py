@@ -108,7 +108,7 @@ def profile_range(args: argparse.Namespace) -> int:
 
 def plan_range(args: argparse.Namespace, source: Profile | None) -> int:
     """``remat plan --shapes`` (or ``--profile`` of a range): the plan set."""
-    from remat.core.plan_set import plan_set
+    from remat.core.plan_set import box_text, plan_set
 
     if args.budget is None:
         raise UsageError("a plan set needs --budget, e.g. --budget 60% (of the peak at the "
@@ -125,9 +125,8 @@ def plan_range(args: argparse.Namespace, source: Profile | None) -> int:
     for title in ("plan", "shapes", "regions", "options", "predicted peak", "step"):
         table.add_column(title)
     for k, (plan, boxes) in enumerate(zip(chosen.plans, chosen.buckets, strict=True)):
-        where = "; ".join(",".join(f"{d.name}={lo}" if lo == hi else f"{d.name}={lo}..{hi}"
-                                   for d, (lo, hi) in zip(chosen.dims.dims, b, strict=True))
-                          for b in boxes[:3]) + (" ..." if len(boxes) > 3 else "")
+        where = "; ".join(box_text(chosen.dims, b) for b in boxes[:3]) + (
+            " ..." if len(boxes) > 3 else "")
         options = sorted({str(o) for o in plan.options} - {"keep"}) or ["keep"]
         t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
         table.add_row(str(k), where, " ".join(str(r) for r in plan.regions) or "-",

@@ -116,8 +116,8 @@ def _verify_plan_set(args: argparse.Namespace, model: nn.Module, batch: Any, los
     axes = batch_axes(batch, dims)
     console = console_for(args.json)
     rows, ok = [], True
-    for k, (plan, boxes) in enumerate(zip(plan_set.plans, plan_set.buckets, strict=True)):
-        shape = max((tuple(hi for _, hi in box) for box in boxes), key=lambda x: (sum(x), x))
+    for k, plan in enumerate(plan_set.plans):
+        shape = plan_set.ends(k)[1]
         sized = resize(batch, axes, dict(zip(dims.names, shape, strict=True)))
         report = verify(model, sized, plan, loss_fn, steps=args.steps,
                         optimizer=args.optimizer, tolerance=args.tolerance, seed=args.seed,

@@ -124,11 +124,16 @@ class PlanSet(JsonArtifact):
                     return k
         return None
 
+    def ends(self, k: int) -> tuple[Shape, Shape]:
+        """The smallest and the largest shape of plan ``k``'s bucket."""
+        return (min((tuple(lo for lo, _ in box) for box in self.buckets[k]), key=_size),
+                max((tuple(hi for _, hi in box) for box in self.buckets[k]), key=_size))
+
     def describe(self) -> list[str]:
         """One line per plan: the shapes it covers and what it checkpoints."""
         lines = []
         for k, (plan, boxes) in enumerate(zip(self.plans, self.buckets, strict=True)):
-            where = "; ".join(_box_text(self.dims, b) for b in boxes[:4])
+            where = "; ".join(box_text(self.dims, b) for b in boxes[:4])
             more = f" (+{len(boxes) - 4} boxes)" if len(boxes) > 4 else ""
             regions = " ".join(str(r) for r in plan.regions) or "none"
             options = sorted({str(o) for o in plan.options} - {"keep"})
@@ -175,7 +180,13 @@ class PlanSet(JsonArtifact):
                              "remat plan --shapes") from err
 
 
-def _box_text(dims: ShapeRange, box: Box) -> str:
+def _size(shape: Shape) -> tuple[int, Shape]:
+    """Shapes ordered by the sum of their dimensions, then as tuples."""
+    return (sum(shape), shape)
+
+
+def box_text(dims: ShapeRange, box: Box) -> str:
+    """``seq=8..48`` for a box of shapes."""
     return ",".join(f"{d.name}={lo}" if lo == hi else f"{d.name}={lo}..{hi}"
                     for d, (lo, hi) in zip(dims.dims, box, strict=True))
 
@@ -214,7 +225,7 @@ def _too_small(dims: ShapeRange, problems: Mapping[Shape, Any], limit: int) -> C
     """No plan fits some shape: the least budget the whole range needs, and where."""
     least = {x: minimum_budget(p) for x, p in problems.items()}
     worst = max(least, key=lambda x: (least[x], x))
-    first = min((x for x in least if least[x] > limit), key=lambda x: (sum(x), x))
+    first = min((x for x in least if least[x] > limit), key=_size)
     err = CheckFailed(
         f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes) at "
         f"{dims.shape_text(first)}; the range {dims} needs at least "
@@ -261,13 +272,14 @@ def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.0
         best[x] = found.predicted_step_time_s or 0.0
         candidates.setdefault(_key(found), found)
     plans = list(candidates.values())
-    fits: list[dict[Shape, float]] = []  # per candidate: shape -> its time where it fits
-    for plan in plans:
-        fits.append({})
-        for x in lattice:
-            sim = simulate(plan, problems[x])
-            if sim.peak_bytes <= limit:
-                fits[-1][x] = sim.step_time_s
+
+    def priced(plan: Plan) -> dict[Shape, tuple[int, float]]:
+        """The plan's simulated peak and step time at every lattice shape."""
+        sims = {x: simulate(plan, problems[x]) for x in lattice}
+        return {x: (sim.peak_bytes, sim.step_time_s) for x, sim in sims.items()}
+
+    prices = [priced(plan) for plan in plans]
+    fits = [{x: t for x, (peak, t) in found.items() if peak <= limit} for found in prices]
     for x in lattice:
         if x not in best:
             times = [f[x] for f in fits if x in f]
@@ -277,8 +289,8 @@ def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.0
                 except CheckFailed as err:
                     raise _too_small(dims, problems, limit) from err
                 plans.append(found)
-                fits.append({y: simulate(found, problems[y]).step_time_s for y in lattice
-                             if simulate(found, problems[y]).peak_bytes <= limit})
+                prices.append(priced(found))
+                fits.append({y: t for y, (peak, t) in prices[-1].items() if peak <= limit})
                 times = [fits[-1][x]]
             best[x] = min(times)
     covers = [{x for x, t in f.items() if t <= (1 + within) * best[x] + 1e-12} for f in fits]
@@ -300,13 +312,11 @@ def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.0
     used = [k for k in chosen if runs[k]]
     out_plans = []
     for k in used:
-        peak = max(simulate(plans[k], problems[x]).peak_bytes for x in runs[k])
-        at = max(runs[k], key=lambda x: (sum(x), x))
+        peak = max(prices[k][x][0] for x in runs[k])
+        at = max(runs[k], key=_size)
         out_plans.append(replace(plans[k], budget_bytes=limit, predicted_peak_bytes=peak,
                                  made_for=made_for(profiles[at])))
-    hi = dims.hi
-    conservative = min(range(len(used)),
-                       key=lambda j: simulate(plans[used[j]], problems[hi]).peak_bytes)
+    conservative = min(range(len(used)), key=lambda j: prices[used[j]][dims.hi][0])
     return PlanSet(
         dims=dims, plans=tuple(out_plans), buckets=tuple(_boxes(runs[k]) for k in used),
         inputs=fit.inputs, budget_bytes=limit, conservative=conservative, outside=outside,

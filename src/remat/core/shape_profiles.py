@@ -23,7 +23,6 @@ from remat.core.shapes import (
     byte_grid,
     eval_bytes,
     eval_steps,
-    eval_time,
     fit_bytes,
     fit_times,
     ladder,
@@ -187,12 +186,10 @@ def at_shape(profile: Profile, shape: Sequence[int]) -> Profile:
     if shape == fit.at:
         return profile
     data = profile.to_dict()
-    for path, coefficients in fit.bytes.items():
-        set_path(data, path, eval_bytes(fit.dims, coefficients, shape))
-    for path, values in fit.steps.items():
-        set_path(data, path, eval_steps(fit.dims, fit.rungs, values, shape))
-    for path, coefficients in fit.times.items():
-        set_path(data, path, eval_time(fit.dims, coefficients, shape))
+    for path in (*fit.bytes, *fit.steps):
+        set_path(data, path, fit.byte_value(path, shape))
+    for path in fit.times:
+        set_path(data, path, fit.time_value(path, shape))
     data["measured_peak_bytes"] = None
     for key in ("timed_rounds", "batch_shapes", "shapes"):
         data.pop(key, None)

@@ -52,14 +52,15 @@ def _rebuild(obj: Any, fn: Callable[[torch.Tensor, int], torch.Tensor], count: l
     if isinstance(obj, Mapping):
         items = {k: _rebuild(v, fn, count) for k, v in obj.items()}
         try:
-            return type(obj)(items)
+            return type(obj)(items)  # type: ignore[call-arg]  # dict, BatchEncoding, ...
         except TypeError:
             return items
     return obj
 
 
-def _first(tensors: Sequence[torch.Tensor], ok: Callable[[torch.Tensor], bool]) -> int | None:
-    return next((k for k, t in enumerate(tensors) if ok(t)), None)
+def _has_axes(t: torch.Tensor, axes: tuple[int, ...]) -> bool:
+    """``t`` has every axis of ``axes``, of one size where there are two (a square side)."""
+    return t.dim() > max(axes) and (len(axes) == 1 or t.shape[axes[0]] == t.shape[axes[1]])
 
 
 def batch_axes(batch: Any, dims: ShapeRange) -> Axes:
@@ -74,8 +75,7 @@ def batch_axes(batch: Any, dims: ShapeRange) -> Axes:
     for d in dims.dims:
         axes = {"batch": (0,), "seq": (1,), "height": (2,), "width": (3,), "side": (2, 3)}.get(
             d.name) or (int(d.name.removeprefix("axis")),)
-        ref = _first(tensors, lambda t, axes=axes: t.dim() > max(axes) and (
-            len(axes) == 1 or t.shape[axes[0]] == t.shape[axes[1]]))
+        ref = next((k for k, t in enumerate(tensors) if _has_axes(t, axes)), None)
         if ref is None:
             raise UsageError(f"dimension {d.name} is axis {' and '.join(map(str, axes))} of "
                              "the batch's tensors, and no tensor of the batch has it; name the "

@@ -45,7 +45,6 @@ class ShapeHook(EngineCallable):
         self.keys = tuple(plan_set.inputs[name] for name in plan_set.dims.names)
         self.chosen: dict[tuple[int, ...], int] = {}
         self.warned = False
-        self.last: tuple[int, ...] | None = None  # the shape of the last training pass
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -58,7 +57,6 @@ class ShapeHook(EngineCallable):
                 f"the plan set reads the batch's {', '.join(self.plan_set.dims.names)} off "
                 "the model's inputs, and this forward's inputs do not have them; call the "
                 "model as it was called when profiled") from None
-        self.last = shape
         k = self.chosen.get(shape)
         if k is None:
             k = self._choose(shape)

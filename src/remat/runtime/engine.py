@@ -430,7 +430,7 @@ class Engine:
         # in regions]).
         self.routes = tuple(routes(module) for module in self.modules)
         # The plan's layout; a plan set has one per plan (Note [One engine, several plans])
-        self.layouts = (make_layout(plan, policies, self.routes),)
+        self.layouts: tuple[Layout, ...] = (make_layout(plan, policies, self.routes),)
         self._set_layout(self.layouts[0])
         self.hook_ids: list[tuple[nn.Module, int, int]] = []
         self.entered: tuple[int, tuple[Any, ...], dict[str, Any]] | None = None
@@ -498,7 +498,6 @@ class Engine:
         self.opens_at = layout.opens_at
         self.closes_at = layout.closes_at
         self.plain = layout.plain
-        self.hooked = layout.hooked
         self.hooked_set = frozenset(layout.hooked)
         self.saves_routing = layout.saves_routing
         self.reshard_after_rebuild = layout.plan.reshard_after_rebuild  # see reshard_units
@@ -849,7 +848,8 @@ class Engine:
         """Replay region ``entry.region``'s calls (torch calls this from backward)."""
         saved = (self.phase, self.next_stage, self.current)
         running = self.layout  # a later pass may run another plan of a plan set
-        self._set_layout(entry.layout)
+        if entry.layout is not None and entry.layout is not running:
+            self._set_layout(entry.layout)
         depth = len(self.stack)
         self.stack.append(_Entry(entry.region, Kind.REPLAYING, None, entry.calls))
         self.phase = Phase.REBUILD
@@ -888,7 +888,8 @@ class Engine:
         finally:
             self._unwind(depth)
             self.phase, self.next_stage, self.current = saved
-            self._set_layout(running)
+            if self.layout is not running:
+                self._set_layout(running)
 
     # -- options ------------------------------------------------------------------------
 

@@ -354,9 +354,9 @@ def apply(
             "training",
             stacklevel=2,
         )
-    policies = [resolve(opt, name) for name, opt in zip(plan.stages, plan.options, strict=True)]
     all_policies = [[resolve(opt, name) for name, opt in zip(p.stages, p.options, strict=True)]
                     for p in plans]
+    policies = list(all_policies[0])  # the first plan's, changed below for compiled stages
     if plan_set is not None and any(
             isinstance(m.__dict__.get("forward"), CompiledForward) for m in stages) and any(
             not q.is_keep for pol in all_policies for q in pol):
