@@ -29,7 +29,7 @@ from remat.core.shapes import (
 )
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 
-__all__ = ["at_shape", "fit_profile", "shape_of"]
+__all__ = ["at_shape", "figure_kind", "fit_profile", "shape_of"]
 
 # Figures not carried across shapes: bookkeeping, the peaks (measured only at the shape
 # measured, predicted again by the simulator), the timed rounds and spreads (the timing of
@@ -45,7 +45,7 @@ _UNSHAPED = ("timed_rounds", "timing_noise", "batch_shapes", "scaling", "shapes"
              "measured_peak_bytes", "predicted_peak_bytes", "batch_size")
 
 
-def _kind(path: str, value: float) -> str:
+def figure_kind(path: str, value: float) -> str:
     """``skip``, ``bytes`` (an exact polynomial), ``time`` (fitted) or ``same`` (must not
     change with the shape: indices, counts)."""
     if path in _NOT_FITTED or path.startswith(_NOT_FITTED_UNDER) or ".time_spread." in path:
@@ -112,7 +112,7 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
                 f"at {dims.shape_text(at)}: {_first_difference(_skeleton(d), skeleton)}; the "
                 "model does other work at other shapes, so profile each shape range apart")
     numbers = {s: numeric_paths(d) for s, d in data.items()}
-    kinds = {path: _kind(path, v) for path, v in numbers[at].items()}
+    kinds = {path: figure_kind(path, v) for path, v in numbers[at].items()}
     for path, kind in kinds.items():
         if kind == "same":
             for shape, found in numbers.items():

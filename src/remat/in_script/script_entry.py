@@ -50,7 +50,7 @@ from remat.runtime.batch_shape import tensors_of
 from remat.runtime.identity import stage_identity
 from remat.runtime.install import Handle, apply, check_free
 
-__all__ = ["AutoCheckpoint", "AutoCheckpointReport", "auto_checkpoint"]
+__all__ = ["AutoCheckpoint", "AutoCheckpointReport", "auto_checkpoint", "model_loss"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -105,12 +105,18 @@ class AutoCheckpoint:
         return f"AutoCheckpoint({self.report})"
 
 
-def _transformers_loss(model: nn.Module, batch: Any) -> Any:
+def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model(**batch).loss``: the loss a transformers model (or ``Trainer.compute_loss``
+    by default) trains on."""
+    if not isinstance(batch, Mapping):
+        raise UsageError(f"the example batch is a {type(batch).__name__}, not a mapping of "
+                         "the model's keyword arguments; pass loss_fn(model, batch)")
     out = model(**batch)
-    loss = getattr(out, "loss", None)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None:
-        raise UsageError("the transformers model returned no loss; put 'labels' in the batch "
-                         "or pass loss_fn(model, batch)")
+        raise UsageError("the model returned no loss for the example batch; put 'labels' in "
+                         "the batch (the data collator usually does) or pass "
+                         "loss_fn(model, batch)")
     return loss
 
 
@@ -123,7 +129,7 @@ def _loss_for(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> LossFn | 
                              "loss_fn(model, batch) that returns the scalar loss")
         return loss_fn
     if type(model).__module__.startswith("transformers.") and isinstance(batch, Mapping):
-        return _transformers_loss
+        return model_loss
     return None
 
 

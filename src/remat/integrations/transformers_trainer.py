@@ -30,7 +30,7 @@ from remat.core.plan_set import OUTSIDE
 from remat.core.profile_format import OPTIMIZERS
 from remat.core.shapes import Dim, ShapeRange, parse_shapes
 from remat.core.solve.budget import check_budget
-from remat.in_script.script_entry import AutoCheckpoint, auto_checkpoint
+from remat.in_script.script_entry import AutoCheckpoint, auto_checkpoint, model_loss
 from remat.runtime.existing import find
 from remat.runtime.install import applied, cache_off_for_training
 
@@ -53,20 +53,6 @@ def remat_optimizer(optim: Any) -> str | None:
     measurement of that optimizer (it then plans as AdamW, and says so)."""
     name = str(getattr(optim, "value", optim))
     return _OPTIMIZERS.get(name)
-
-
-def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """``model(**batch).loss``: the loss ``Trainer.compute_loss`` trains on by default."""
-    if not isinstance(batch, Mapping):
-        raise UsageError(f"the example batch is a {type(batch).__name__}, not a mapping of "
-                         "the model's keyword arguments; pass loss_fn(model, batch)")
-    out = model(**batch)
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if loss is None:
-        raise UsageError("the model returned no loss for the example batch; put 'labels' in "
-                         "the batch (the data collator usually does) or pass "
-                         "loss_fn(model, batch)")
-    return loss
 
 
 def _pad(batch: Any, pad_to: int, pad_id: int) -> dict[str, Any]:

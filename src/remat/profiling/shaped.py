@@ -21,7 +21,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.profile_format import Profile, numeric_paths
-from remat.core.shape_profiles import at_shape, fit_profile
+from remat.core.shape_profiles import at_shape, figure_kind, fit_profile
 from remat.core.shapes import (
     Dim,
     Shape,
@@ -39,6 +39,9 @@ __all__ = ["FitReport", "batch_axes", "check_fit", "infer_shapes", "profile_shap
 
 LossFn = Callable[[nn.Module, Any], Any]
 Axes = dict[str, list[tuple[int, int]]]  # dimension -> (tensor index, axis) pairs
+#: the batch's axes each named dimension is (docs/shapes.md); ``axisN`` is axis N
+AXES: dict[str, tuple[int, ...]] = {"batch": (0,), "seq": (1,), "height": (2,), "width": (3,),
+                                    "side": (2, 3)}
 
 
 def _rebuild(obj: Any, fn: Callable[[torch.Tensor, int], torch.Tensor], count: list[int]) -> Any:
@@ -73,8 +76,7 @@ def batch_axes(batch: Any, dims: ShapeRange) -> Axes:
         raise UsageError("the batch holds no tensors; give the example batch the loss takes")
     out: Axes = {}
     for d in dims.dims:
-        axes = {"batch": (0,), "seq": (1,), "height": (2,), "width": (3,), "side": (2, 3)}.get(
-            d.name) or (int(d.name.removeprefix("axis")),)
+        axes = AXES.get(d.name) or (int(d.name.removeprefix("axis")),)
         ref = next((k for k, t in enumerate(tensors) if _has_axes(t, axes)), None)
         if ref is None:
             raise UsageError(f"dimension {d.name} is axis {' and '.join(map(str, axes))} of "
@@ -127,7 +129,7 @@ def infer_shapes(batches: Sequence[Any]) -> ShapeRange:
     if not varying:
         raise UsageError("the batches all have one shape; give batches of different shapes "
                          "or shapes=")
-    names = {0: "batch", 1: "seq", 2: "height", 3: "width"}
+    names = {axes[0]: name for name, axes in AXES.items() if len(axes) == 1}
     if 2 in varying and 3 in varying and varying[2] == varying[3]:
         del varying[3]
         names[2] = "side"
@@ -277,10 +279,7 @@ def check_fit(model: nn.Module, batch: Any, loss_fn: LossFn | None, fitted: Prof
                        repeats=repeats)
     predicted = at_shape(fitted, shape)
     got, want = numeric_paths(measured.to_dict()), numeric_paths(predicted.to_dict())
-    byte_paths = [p for p, v in want.items() if isinstance(v, int) and "bytes" in p
-                  and not p.startswith(("timed_rounds.", "timing_noise.", "shapes."))
-                  and p not in ("measured_peak_bytes", "predicted_peak_bytes",
-                                "region_overhead_bytes")]
+    byte_paths = [p for p, v in want.items() if figure_kind(p, v) == "bytes"]
     wrong = tuple((p, int(got[p] - want[p])) for p in byte_paths if got.get(p) != want.get(p))
     errors = [abs(predicted.step_s / measured.step_s - 1)] if measured.step_s else []
     for a, b in zip(predicted.stages, measured.stages, strict=True):
