@@ -64,9 +64,13 @@ def _imports(name: str) -> tuple[set[str], set[str]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            # `from remat import plans` imports the module remat.plans
+            # `from remat import plans` imports the module remat.plans, and the package
+            # remat too: its __init__ runs first and gives the name (import-graph tools
+            # count both), so a package's own modules importing it this way close a cycle
             targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module
                        for a in node.names]
+            if module in MODULES and MODULES[module][1]:
+                targets.append(module)
         else:
             continue
         for target in targets:
@@ -210,3 +214,16 @@ def test_no_package_exports_a_name_that_is_also_its_submodule() -> None:
             clashes += [f"{name}.{alias.asname or alias.name}" for alias in node.names
                         if f"{name}.{alias.asname or alias.name}" in MODULES]
     assert not clashes, f"names that are both a module and something else: {clashes}"
+
+
+def test_from_a_package_import_a_module_counts_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``from remat.core.solve import dp`` runs the package's ``__init__`` to give the name,
+    so a module of the package written that way closes a cycle through it; the graph counts
+    the package as import-graph tools do (it once saw only ``remat.core.solve.dp``)."""
+    module = tmp_path / "solvers.py"
+    module.write_text("from remat.core.solve import dp\nimport remat.core.solve.flat as flat\n")
+    monkeypatch.setitem(MODULES, "remat.core.solve.solvers", (module, False))
+    inner, _ = _imports("remat.core.solve.solvers")
+    assert inner == {"remat.core.solve", "remat.core.solve.dp", "remat.core.solve.flat"}

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from remat.core import theory
+import remat.core.theory as theory
 from remat.core.errors import UsageError
 from remat.core.units import format_bytes, parse_size
 

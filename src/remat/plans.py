@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from remat.core import recipes
+import remat.core.recipes as recipes
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Option, Plan, Region
 from remat.runtime.identity import made_for_model

@@ -133,7 +133,7 @@ def hazard_reason(err: BaseException, factory: Callable[[], Any] | None,
     ``factory()`` builds a fresh ``(model, batch, loss_fn)``; verify runs one step of it
     with one region per stage and its hazard detectors watching.
     """
-    from remat import plans
+    import remat.plans as plans
     from remat.verification.harness import verify
 
     said = str(err).strip().removeprefix("torch.utils.checkpoint: ").splitlines()

@@ -80,7 +80,7 @@ class Ranks:
 
     def runner(self, model: Any, batch: Any, loss_fn: Any, optimizer: str,
                plan: Plan | None) -> Runner:
-        from remat import distributed as rd
+        import remat.distributed as rd
 
         if self.strategy == "fsdp":
             rd.shard_stages(model, self.stages, plan)

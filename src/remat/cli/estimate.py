@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
+import remat.core.theory as theory
 from remat.cli.output import add_json_option, console_for, write_json
-from remat.core import theory
 from remat.core.errors import UsageError
 from remat.core.units import format_bytes, parse_size
 

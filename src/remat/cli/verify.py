@@ -137,7 +137,7 @@ def _verify_plan_set(args: argparse.Namespace, model: nn.Module, batch: Any, los
 
 def build_plan(text: str, model: nn.Module, stages: list[str] | None = None) -> Plan:
     """A plan from a JSON file or a builder name (``per-stage``, ``segments:3``, ...)."""
-    from remat import plans
+    import remat.plans as plans
     from remat.core.plan_format import Plan
 
     name, _, arg = text.partition(":")

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from remat.core import fields
+import remat.core.fields as fields
 from remat.core.errors import UsageError
 
 __all__ = ["MadeFor", "StageIdentity", "digest", "fingerprint"]

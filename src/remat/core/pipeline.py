@@ -459,7 +459,7 @@ def _ladder(problem: Problem) -> list[Plan]:
     """The stage's optimal plans at a ladder of one-micro-batch budgets, its
     smallest-peak plan and per-stage regions (the least a micro-batch in flight keeps,
     often the only fit where many are in flight), without repeats."""
-    from remat.core.solve import solvers
+    import remat.core.solve.solvers as solvers
 
     least = solvers.minimum_budget(problem)
     most = simulate(Plan(problem.stage_names), problem).peak_bytes

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
-from remat.core import fields
+import remat.core.fields as fields
 from remat.core.artifact import JsonArtifact
 from remat.core.errors import UsageError
 from remat.core.model_identity import MadeFor

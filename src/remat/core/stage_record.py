@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from remat.core import fields as check
+import remat.core.fields as check
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Option
 

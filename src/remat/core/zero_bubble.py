@@ -46,7 +46,7 @@ from remat.core.pipeline import (
     rank_cost,
     with_ladder,
 )
-from remat.core.plan_format import Plan, Region
+from remat.core.plan_format import Plan, Region, parse_option
 from remat.core.solve.problem import Problem
 
 __all__ = ["KINDS", "SplitFigures", "plan_split_pipeline", "split_pipeline_step",
@@ -295,14 +295,16 @@ def _flat_ladder(problem: Problem) -> list[Plan]:
     selective option every stage has measured on every stage (outside regions, which
     ``split_backward=True`` runs), and the fastest flat plan (``segments-optimal``) at a
     ladder of one-micro-batch budgets."""
-    from remat.core.solve import simulate, solvers
+    import remat.core.solve.solvers as solvers
+    from remat.core.solve.simulator import simulate
 
     names, n = problem.stage_names, problem.n
     plans = [Plan(names), Plan(names, tuple(Region(i, i + 1) for i in range(n))),
              Plan(names, (Region(0, n),))]
     shared = set.intersection(*(set(stage.saved_bytes) for stage in problem.stages))
     for option in sorted(shared):
-        if option.startswith("selective:") and not option.startswith("selective:budget"):
+        parsed = parse_option(option)
+        if parsed.is_selective and not parsed.is_partitioned:
             plans.append(Plan(names, (), options=(option,) * n))
     peaks = [simulate(plan, problem).peak_bytes for plan in plans]
     return with_ladder(plans, lambda budget: solvers.segments_optimal(problem, budget),

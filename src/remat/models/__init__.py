@@ -20,8 +20,15 @@ from typing import Any
 
 from torch import nn
 
+import remat.models.convnet_bn as convnet_bn
+import remat.models.convnext as convnext
+import remat.models.encdec as encdec
+import remat.models.gpt as gpt
+import remat.models.hf as hf
+import remat.models.mlp_hetero as mlp_hetero
+import remat.models.resnet as resnet
+import remat.models.unet as unet
 from remat.core.errors import UsageError, UserCodeError
-from remat.models import convnet_bn, convnext, encdec, gpt, hf, mlp_hetero, resnet, unet
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.
 BUILTINS: dict[str, Callable[..., Any]] = {

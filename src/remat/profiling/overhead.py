@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from remat import plans
+import remat.plans as plans
 from remat.measure import LiveMemoryTracker
 
 __all__ = ["RegionOverhead", "region_overhead"]

@@ -435,7 +435,7 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     """``profile`` inside the fake mode; a long chain of identical stages by its first 3 and
     4 (Note [Depth under fake tensors] in :mod:`remat.profiling.fake`); on ``device``'s
     kernels (:mod:`remat.profiling.device_kernels`) where it has its own."""
-    from remat.profiling import fake as fake_profiles
+    import remat.profiling.fake as fake_profiles
 
     loss = loss_fn or _default_loss
     accelerator = device is not None and device.is_accelerator

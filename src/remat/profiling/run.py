@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
 
-from remat import plans
+import remat.plans as plans
 from remat.core.plan_format import KEEP, Option, Plan, Region
 from remat.core.stage_record import HeldRead
 from remat.measure import LiveMemoryTracker, StepMemory, measure_step

@@ -89,7 +89,7 @@ def _kernel() -> Any:
             file=sys.stderr,
             flush=True,
         )
-    from remat.core.solve import _dp_kernel
+    import remat.core.solve._dp_kernel as _dp_kernel
 
     _KERNEL = _dp_kernel
     return _KERNEL

@@ -101,11 +101,11 @@ def flat_tables(model: Model | FlatInputs, max_slots: int, path: str = "auto") -
     """Fill ``top`` (``path``: ``numba`` when installed, else ``numpy``; bitwise equal)."""
     fi = model if isinstance(model, FlatInputs) else FlatInputs.of(model)
     if path == "auto":
-        from remat.core.solve import dp_numba
+        import remat.core.solve.dp_numba as dp_numba
 
         path = "numba" if dp_numba.available() else "numpy"
     if path == "numba":
-        from remat.core.solve import dp_numba
+        import remat.core.solve.dp_numba as dp_numba
 
         return FlatTables(fi, dp_numba.numba_flat(fi, max_slots))
     return FlatTables(fi, numpy_flat(fi, max_slots))

@@ -46,8 +46,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import remat.core.solve.dp as dp
 from remat.core.plan_format import Plan, Region
-from remat.core.solve import dp
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import plan_tree, simulate
 from remat.core.solve.solvers import table_filler

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from remat.core import fields
+import remat.core.fields as fields
 from remat.core.artifact import JsonArtifact
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, OFFLOAD, Option

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from remat.core import recipes
+import remat.core.recipes as recipes
+import remat.core.solve.dp as dp
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import KEEP, Option, Plan, Region
-from remat.core.solve import dp
 from remat.core.solve.budget import parse_budget
 from remat.core.solve.minimum import min_peak_plan
 from remat.core.solve.problem import Problem
@@ -285,11 +285,11 @@ def min_peak(problem: Problem, budget: Budget = None) -> Plan:
 
 def table_filler(path: str) -> Callable[[dp.Model, int], dp.Tables]:
     if path == "auto":
-        from remat.core.solve import dp_numba
+        import remat.core.solve.dp_numba as dp_numba
 
         path = "numba" if dp_numba.available() else "numpy"
     if path == "numba":
-        from remat.core.solve import dp_numba
+        import remat.core.solve.dp_numba as dp_numba
 
         if not dp_numba.available():
             raise UsageError("path='numba' needs numba, which did not import here; "
@@ -583,7 +583,7 @@ def segments_optimal(problem: Problem, budget: Budget) -> Plan:
     The one-level solver of :mod:`remat.core.solve.flat`: no ``O(n^3)`` term, for chains too
     long for ``optimal``. Raises CheckFailed when no flat plan fits (in slots).
     """
-    from remat.core.solve import flat
+    import remat.core.solve.flat as flat
 
     t0 = time.perf_counter()
     limit = _budget(budget, problem)

@@ -44,7 +44,7 @@ TIE = 0.01
 #: tied, whatever the draws say.
 WIDE_TIE = 0.03
 
-NOTHING = "selective:save-nothing"
+NOTHING = Option.selective("save-nothing")
 
 # what a checkpoint adds to a step, against what a plain step costs
 _RECOMPUTE = ("rebuild_s", "extra_bwd_s.")
@@ -215,7 +215,7 @@ def _region_or_option(plan: Plan, problem: Problem) -> list[Plan]:
     alone = _single_stage_regions(plan)
     out = []
     for i in range(problem.n):
-        selective = [o for o in problem.options(i) if o.startswith("selective:")]
+        selective = [o for o in problem.options(i) if parse_option(o).is_selective]
         if i in alone:
             regions = tuple(r for r in plan.regions if (r.start, r.stop) != (i, i + 1))
             for o in selective:
