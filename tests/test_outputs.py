@@ -129,6 +129,34 @@ def test_a_real_ctrl_c_is_still_interrupted_130(
     assert signal.getsignal(signal.SIGINT) is before  # the handler is main's only
 
 
+def warns(batch_size: int = 4) -> Any:
+    """A factory that warns, as torch and transformers do, with a message on two lines."""
+    import warnings
+
+    warnings.warn("a deprecated flag was set;\n   set the new one instead", UserWarning,
+                  stacklevel=1)
+    return tiny(batch_size)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_python_warning_reaches_the_user_as_one_warning_line(
+    debug: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code = main(["profile", "--model", SPEC.format("warns"), "--repeats", "1",
+                     *(["--debug"] if debug else [])])
+    assert code == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line
+           or "set the new one" in line or "warnings.warn" in line]
+    if debug:  # Python's own handler (pytest's here) gets it, in its own form
+        assert not any(line.startswith("warning: ") for line in err), err
+    else:
+        assert err == ["warning: a deprecated flag was set; set the new one instead"]
+
+
 # -- --json - ------------------------------------------------------------------------------
 
 

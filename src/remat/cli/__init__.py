@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -173,8 +174,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path is not None and command is not None:
             _usage_error_json(command, path, _USAGE[-1])
         return code
-    with _watching_interrupts(), json_on_stdout(getattr(args, "json", None) == "-"):
+    with (_watching_interrupts(), json_on_stdout(getattr(args, "json", None) == "-"),
+          _warnings_on_one_line(debug=_debug(args))):
         return _run(args)
+
+
+@contextmanager
+def _warnings_on_one_line(debug: bool) -> Iterator[None]:
+    """Print each Python warning as one ``warning: <message>`` line on stderr: the user
+    ran a command, and the source path and the line of code under it (often torch's
+    ``return fn(*args, **kwargs)``) tell them nothing. ``--debug`` keeps Python's form."""
+    if debug:
+        yield
+        return
+    before = warnings.showwarning
+
+    def one_line(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+        text = " ".join(str(message).split())
+        print(f"warning: {text}", file=sys.stderr)
+
+    warnings.showwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.showwarning = before
 
 
 def _usage_error_json(command: str, path: str, message: str) -> None:
