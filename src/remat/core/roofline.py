@@ -194,10 +194,6 @@ class WorkTable:
         self.packs = dict(packs or {})
         self.tails = {stage: dict(ops) for stage, ops in (tails or {}).items()}
 
-    def kernel_seconds(self, stage: str, phase: str) -> float:
-        """The timed kernels' seconds of the stage's ops in ``phase`` (0 if untimed)."""
-        return sum(t for (s, p, _, _), t in self.spent.items() if s == stage and p == phase)
-
     def work(self, stage: str, phase: str, groups: Iterable[str] = GROUPS) -> Work:
         wanted = set(groups)
         return _sum(w for (s, p, g, _), w in self.table.items()

@@ -67,11 +67,6 @@ class StageForward:
         return max(0, self.exit_bytes - self.entry_bytes - self.new_output_bytes)
 
     @property
-    def over_exit_bytes(self) -> int:
-        """Peak above what was live when the stage returned."""
-        return max(0, self.peak_bytes - self.exit_bytes)
-
-    @property
     def over_io_bytes(self) -> int:
         """Peak above what was live when it was called plus its output."""
         return max(0, self.peak_bytes - self.entry_bytes - self.new_output_bytes)
