@@ -1153,3 +1153,30 @@ def test_recipe_estimates_bound_the_simulation_and_optimal_never_loses_to_a_reci
         assert least <= sim.peak_bytes
         plan = solvers.optimal(problem, max(sim.peak_bytes, 1))  # budgets are > 0
         assert seconds(plan) <= sim.step_time_s * (1 + 1e-12)
+
+
+# -- Budget: read once, turned into bytes against a problem ------------------------------------
+
+
+def test_a_budget_is_read_once_and_turned_into_bytes_against_a_problem() -> None:
+    from remat.core.solve.budget import Budget
+
+    with_peak = Problem(stages=(StageCost("s", 1, 1, {"keep": 0}),),
+                        measured_no_checkpoint_peak_bytes=1000)
+    no_peak = Problem(stages=(StageCost("s", 1, 1, {"keep": 0}),))
+    half = Budget.parse("50%")
+    assert (half.fraction, half.nbytes, str(half)) == (0.5, None, "50%")
+    assert half.bytes(with_peak) == 500 and Budget.parse(half) is half
+    assert Budget.parse(0.25).bytes(with_peak) == 250
+    six = Budget.parse("6GiB")
+    assert six.nbytes == 6 << 30 and six.bytes(no_peak) == 6 << 30
+    with pytest.raises(UsageError, match="does not have"):
+        half.bytes(no_peak)
+    # refused where it is given, before any problem exists: a sign, a word, a share of a
+    # step under one byte of any device's peak
+    for bad, said in (("-5%", "above zero"), ("0", "above zero"), ("lots", "not a size"),
+                      (True, "not a size"), ("1e-300", "less than one byte"),
+                      ("1e-300%", "less than one byte")):
+        with pytest.raises(UsageError, match=said):
+            Budget.parse(bad)  # type: ignore[arg-type]
+    assert parse_budget("50%", with_peak) == 500

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from remat.core.errors import CheckFailed, UsageError
-from remat.core.plan_format import KEEP, Plan
+from remat.core.plan_format import Plan
 from remat.core.planner import plan as make_plan
-from remat.core.solve import Problem, StageCost, parse_budget
+from remat.core.solve import Problem, parse_budget
+from remat.core.solve.budget import Budget
 
 from .runners import HF_GC, supports_hf_gc
 
@@ -50,13 +51,6 @@ _ORDER = ("none", "per-stage", HF_GC, "every-2", "sqrt", "selective", "compile",
 DEFAULT_BUDGETS = ("100%", "75%", "50%", "35%", "25%")
 BUDGETED = ("compile", "remat", REMAT_COMPILE)
 _EVERY = re.compile(r"^every-([0-9]+)$")
-
-# A stand-in problem whose only use is to let parse_budget check the syntax of a budget
-# before anything is measured (its measured peak makes fractions parse too).
-_SYNTAX = Problem(
-    stages=(StageCost("stage", 1, 1, {KEEP: 0}),), measured_no_checkpoint_peak_bytes=1 << 50
-)
-
 
 def _entries(value: str | Sequence[object], what: str, example: str) -> list[object]:
     items: list[object] = (
@@ -98,9 +92,7 @@ def parse_budgets(value: str | Sequence[str | int | float]) -> tuple[str | int |
     """Budgets from ``"100%,50%,64MiB"`` (or a list), syntax-checked, unique, in given order."""
     found: list[str | int | float] = []
     for item in _entries(value, "budgets", "100%,50%,25%"):
-        if not isinstance(item, (str, int, float)):
-            raise UsageError(f"budget {item!r} is not a size; give bytes such as 6GiB, or 50%")
-        parse_budget(item, _SYNTAX)
+        Budget.parse(item)  # type: ignore[arg-type]
         if item not in found:
             found.append(item)
     return tuple(found)

@@ -110,12 +110,14 @@ def _scaled(args: argparse.Namespace, first: Any) -> Any:
 
 def _bytes_budget(text: str) -> int:
     """``text`` as bytes; a fraction is refused (of which micro-batch's step?)."""
-    from types import SimpleNamespace
+    from remat.core.solve.budget import Budget
 
-    from remat.core.solve.budget import parse_budget
-
-    no_peak: Any = SimpleNamespace(measured_no_checkpoint_peak_bytes=None)
-    return parse_budget(text, no_peak)
+    budget = Budget.parse(text)
+    if budget.nbytes is None:
+        raise UsageError(
+            f"budget {text!r} is a fraction of the measured peak without checkpointing, "
+            "which this problem does not have; give bytes such as 6GiB instead")
+    return budget.nbytes
 
 
 def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console: Any) -> int:
