@@ -39,22 +39,60 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.models._common import check_int, check_prob, seeded
 
-__all__ = ["FAMILIES", "GROUPS", "HEADS", "PREFIX", "hf_factory", "hf_loss", "hf_model"]
+__all__ = [
+    "FAMILIES",
+    "GROUPS",
+    "HEADS",
+    "PREFIX",
+    "hf_contrastive_loss",
+    "hf_factory",
+    "hf_loss",
+    "hf_model",
+    "size_options",
+]
 
 PREFIX = "hf:"
 INSTALL_HINT = "pip install 'remat[hf]'"
 ATTENTION = ("sdpa", "eager")
-#: The heads ``head=`` can name, and the transformers auto class of each.
-HEADS = {
-    "causal": "AutoModelForCausalLM",
-    "seq2seq": "AutoModelForSeq2SeqLM",
-    "masked": "AutoModelForMaskedLM",
+
+
+@dataclass(frozen=True)
+class Head:
+    """One head ``head=`` can name."""
+
+    auto_class: str  # the transformers auto class that builds it
+    mapping: str  # the task mapping in transformers.models.auto.modeling_auto
+
+
+#: The heads ``head=`` can name: the transformers auto class of each and the task mapping
+#: (in ``transformers.models.auto.modeling_auto``) that says which families have it. The
+#: order is the preference among the heads a family has (:func:`_heads`).
+HEADS: dict[str, Head] = {
+    "causal": Head("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "seq2seq": Head("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "masked": Head("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "speech-seq2seq": Head("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    "contrastive": Head(
+        "AutoModelForZeroShotImageClassification",
+        "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    ),
+    "ctc": Head("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
+    "image-classification": Head(
+        "AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"
+    ),
+    "video-classification": Head(
+        "AutoModelForVideoClassification", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"
+    ),
+    "audio-classification": Head(
+        "AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"
+    ),
+    "text-classification": Head(
+        "AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"
+    ),
 }
-_HEAD_MAPPINGS = {
-    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-}
+_LM_HEADS = ("causal", "seq2seq", "masked")
+_TEXT_HEADS = (*_LM_HEADS, "text-classification")
+_CLASS_HEADS = ("image-classification", "video-classification", "audio-classification")
 
 
 @dataclass(frozen=True)
@@ -146,6 +184,10 @@ _SMALL = {
     "experts": 4,
     "experts_per_token": 2,
     "vocab_size": 1000,
+    "image_size": 224,
+    "num_frames": 4,
+    "conv_dim": 128,
+    "depth_per_stage": 2,
 }
 
 # Options of the factory itself, not config fields.
@@ -181,19 +223,24 @@ def _config_class(transformers: Any, model_type: str) -> Any:
 
 
 def _heads(model_type: str) -> list[str]:
-    """The heads the family has, the one it trains with first."""
+    """The heads the family has, the one it trains with first (Note [The head a family
+    trains with])."""
     from transformers.models.auto import modeling_auto
 
-    has = [
-        head
-        for head, mapping in _HEAD_MAPPINGS.items()
-        if model_type in getattr(modeling_auto, mapping, {})
-    ]
-    order = ("causal", "seq2seq", "masked")
-    if "seq2seq" in has:  # an encoder-decoder family's causal head is its decoder alone
-        order = ("seq2seq", "causal", "masked")
+    classes = {
+        head: getattr(modeling_auto, spec.mapping, {}).get(model_type)
+        for head, spec in HEADS.items()
+    }
+    has = [head for head, cls in classes.items() if cls is not None]
+    if "speech-seq2seq" in has and classes["seq2seq"] == classes["speech-seq2seq"]:
+        has.remove("seq2seq")  # the same class listed twice: it takes speech, not text
+    order = list(HEADS)
+    if "speech-seq2seq" in has:  # its causal head is the text decoder alone (whisper)
+        order = ["speech-seq2seq", *(h for h in order if h != "speech-seq2seq")]
+    elif "seq2seq" in has:  # an encoder-decoder family's causal head is its decoder alone
+        order = ["seq2seq", "causal", "masked", *order[3:]]
     elif "masked" in has:  # an encoder family's causal head is a decoder variant
-        order = ("masked", "causal", "seq2seq")
+        order = ["masked", "causal", "seq2seq", *order[3:]]
     return [head for head in order if head in has]
 
 
@@ -203,7 +250,7 @@ def _head(model_type: str, head: str | None) -> str:
     heads = _heads(model_type)
     if not heads:
         raise UsageError(
-            f"{PREFIX}{model_type} has no causal, seq2seq or masked language-model head in "
+            f"{PREFIX}{model_type} has none of the heads remat builds ({', '.join(HEADS)}) in "
             "transformers; build it yourself and pass it as package.module:factory"
         )
     if head is None:
@@ -213,6 +260,22 @@ def _head(model_type: str, head: str | None) -> str:
             f"{PREFIX}{model_type} has no {head} head; give head={' or head='.join(heads)}"
         )
     return head
+
+
+# Note [The head a family trains with]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers lists, per task, the class each family has for it (the *_MAPPING_NAMES of
+# modeling_auto). A family's default head is the first of HEADS it has, with the language
+# model heads first so that every text family builds what it built before, except:
+# - a family with a seq2seq LM head trains with it; its causal head is its decoder alone;
+# - an encoder family (a masked LM head) trains with it; its causal head is a decoder
+#   variant (BertLMHeadModel);
+# - a family with a speech seq2seq head (whisper) trains with it; its causal head is the
+#   text decoder alone (WhisperForCausalLM), and a class listed as both seq2seq LM and
+#   speech seq2seq (voxtral, granite_speech) takes audio, so it is the speech head only.
+# After the LM heads: contrastive image-text (CLIP, SigLIP: the base model, whose loss
+# return_loss=True computes), CTC before audio classification (wav2vec2 is fine-tuned for
+# speech recognition), image, video, audio, then text classification.
 
 
 # Config fields that describe or label a model rather than shape it.
@@ -427,6 +490,115 @@ def _default_seq_len(model_type: str, defaults: Mapping[str, Any]) -> int:
     return 64 if any(name in defaults for name in _STATE_SPACE) else 128
 
 
+@dataclass(frozen=True)
+class _Sub:
+    """A config nested in the family's (CLIP's ``text_config``, ``vision_config``)."""
+
+    config_class: Any
+    defaults: dict[str, Any]
+    groups: dict[str, list[str]]
+
+
+def _sub_configs(
+    transformers: Any, config_class: Any, defaults: Mapping[str, Any]
+) -> dict[str, _Sub]:
+    subs = {}
+    for name, declared in getattr(config_class, "sub_configs", {}).items():
+        value = defaults.get(name)
+        if not isinstance(value, dict):
+            continue
+        sub_class = transformers.CONFIG_MAPPING.get(value.get("model_type"), declared)
+        subs[name] = _Sub(sub_class, value, _groups(sub_class, value))
+    return subs
+
+
+def _uses(head: str) -> str:
+    """What the head's batch is made of: ``text``, ``pixels``, ``video``, ``audio`` or
+    ``text+pixels``."""
+    if head in _TEXT_HEADS:
+        return "text"
+    if head in ("image-classification",):
+        return "pixels"
+    if head == "video-classification":
+        return "video"
+    if head == "contrastive":
+        return "text+pixels"
+    return "audio"
+
+
+def _stage_heads(
+    defaults: Mapping[str, Any],
+    groups: Mapping[str, list[str]],
+    fields: Mapping[str, Any],
+    given: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Heads per stage (swin's ``num_heads``, a list) kept at the family's head size where
+    the hidden size changed (swin: 3, 6, 12, 24 heads of 32 at width 96 -> 4, 8, 16, 32)."""
+    hidden = groups.get("hidden_size", [])
+    if not hidden or not _int(defaults[hidden[0]]):
+        return {}
+    scale = fields[hidden[0]] / defaults[hidden[0]]
+    found = {}
+    for name in GROUPS["num_attention_heads"]:
+        heads = defaults.get(name)
+        if name in given or not isinstance(heads, list) or not heads:
+            continue
+        if all(map(_int, heads)):
+            found[name] = [max(1, round(h * scale)) for h in heads]
+    return found
+
+
+def _signal_sizes(
+    head: str, defaults: Mapping[str, Any], given: Mapping[str, Any], seq_len: int
+) -> dict[str, Any]:
+    """Small sizes of the images, frames and audio a head takes, and no layer drop
+    (Note [Signal sizes])."""
+    fields: dict[str, Any] = {}
+    uses = _uses(head)
+    if uses == "video" and _int(defaults.get("num_frames")) and "num_frames" not in given:
+        fields["num_frames"] = min(defaults["num_frames"], _SMALL["num_frames"])
+    if uses == "audio" and _int(defaults.get("num_mel_bins")):
+        # whisper's encoder takes exactly 2 x max_source_positions frames of features;
+        # AST's spectrogram is max_length frames long
+        for name in ("max_source_positions", "max_length"):
+            if _int(defaults.get(name)) and name not in given:
+                fields[name] = seq_len
+                break
+    conv = defaults.get("conv_dim")
+    if (
+        uses == "audio"
+        and isinstance(conv, list)
+        and all(map(_int, conv))
+        and "conv_dim" not in given
+    ):
+        fields["conv_dim"] = [min(c, _SMALL["conv_dim"]) for c in conv]
+    for name, value in defaults.items():
+        if "layerdrop" in name and isinstance(value, float) and name not in given:
+            fields[name] = 0.0
+    return fields
+
+
+# Note [Signal sizes]
+# ~~~~~~~~~~~~~~~~~~~
+# Images keep the family's image_size (224 x 224 where the config has none: image_size=
+# sets the batch's side then): at 224 a ViT of hidden size 128 sees 197 patches, so its
+# activations, not its parameters and their AdamW state, make most of the peak, as for
+# text. Videos have 4 frames at most. For audio seq_len is the length of the sequence
+# the encoder layers see: whisper's max_source_positions and AST's max_length are set to
+# it, and a waveform has as many samples as the convolutions need for seq_len frames
+# (20 ms each at 16 kHz); those convolutions have at most 128 channels (wav2vec2's
+# conv_dim, 512 by default, would make the feature encoder most of the step). The layers
+# are shrunk as text families are (GROUPS), except in families built in stages of
+# different widths (a ``depths`` list: swin, convnext, resnet): there the widths stay the
+# family's (a hidden size of 128 would widen swin's first stage from 96, and its last to
+# 1024) unless hidden_size= is given, and each stage has at most 2 blocks.
+#
+# LayerDrop (wav2vec2, hubert, whisper, ... layerdrop 0.1) is set to 0: it skips whole
+# layers at random in training, so which stages run changes from step to step, and a
+# plan's regions are chosen for the stages that ran when it was profiled. Set it with
+# --set layerdrop=0.1 to train with it anyway.
+
+
 def hf_model(
     model_type: str,
     *,
@@ -438,14 +610,14 @@ def hf_model(
     head: str | None = None,
     **config: Any,
 ) -> tuple[nn.Module, dict[str, torch.Tensor], Callable[[nn.Module, Any], torch.Tensor]]:
-    """A transformers language model of ``model_type`` from a small config, random weights.
+    """A transformers model of ``model_type`` from a small config, random weights.
 
     ``config`` overrides the config's fields (sizes by the family's or the generic
-    names); ``dropout`` sets every dropout of the family; ``head`` picks the head
-    (``causal``, ``seq2seq``, ``masked``; by default the one the family trains with).
-    Returns the model in training mode, a batch (``input_ids``, ``attention_mask``,
-    ``labels``, and ``decoder_input_ids`` for a seq2seq head; each (batch_size,
-    seq_len)) and :func:`hf_loss`.
+    names); ``dropout`` sets every dropout of the family; ``head`` picks the head (a key
+    of :data:`HEADS`; by default the one the family trains with). Returns the model in
+    training mode, a batch for its head (token ids of shape (batch_size, seq_len) for
+    text, pixel values, audio, or text and images; see :func:`_batch`) and the loss
+    (:func:`hf_loss`, or :func:`hf_contrastive_loss` for a contrastive head).
     """
     check_int("batch_size", batch_size)
     if attn_implementation is not None and attn_implementation not in ATTENTION:
@@ -463,15 +635,26 @@ def hf_model(
             "on) because training needs it so; build the model yourself to change it"
         )
     defaults = _defaults(config_class)
+    subs = _sub_configs(transformers, config_class, defaults)
+    seq_len_given = seq_len is not None
     if seq_len is None:
         seq_len = _default_seq_len(model_type, defaults)
+        # a text tower shorter than that (CLIP: 77 positions) sets the default
+        for sub in subs.values():
+            positions = sub.defaults.get("max_position_embeddings")
+            if _int(positions) and "max_position_embeddings" not in config:
+                seq_len = min(seq_len, positions)
     check_int("seq_len", seq_len)
     family = FAMILIES.get(model_type)
     overrides = dict(config)
+    image_side = None
+    uses = _uses(chosen_head)
+    if uses in ("pixels", "video") and "image_size" in overrides and "image_size" not in defaults:
+        image_side = check_int("image_size", overrides.pop("image_size"))  # the batch's only
     groups: dict[str, list[str]] = {}
     if family is not None:
         valid = _config_fields(config_class, defaults) | set(family.names) | set(_OWN)
-        unknown = [k for k in config if k not in valid]
+        unknown = [k for k in overrides if k not in valid]
         if unknown:
             raise _unknown(model_type, unknown, valid)
         fields = _sizes(family, overrides, seq_len)
@@ -480,14 +663,54 @@ def hf_model(
         attn_implementation = attn_implementation or "sdpa"
     else:
         groups = _groups(config_class, defaults)
-        valid = _config_fields(config_class, defaults) | set(groups) | set(_OWN)
-        unknown = [k for k in config if k not in valid]
+        sub_groups = {g for sub in subs.values() for g in sub.groups}
+        top = _config_fields(config_class, defaults) | set(groups) | set(_OWN)
+        nested_fields = {
+            n: _config_fields(sub.config_class, sub.defaults) for n, sub in subs.items()
+        }
+        valid = top | sub_groups | set().union(*nested_fields.values())
+        unknown = [k for k in overrides if k not in valid]
         if unknown:
             raise _unknown(model_type, unknown, valid)
+        generic = {g: overrides[g] for g in GROUPS if g in overrides}
+        for g in sub_groups - set(groups):
+            overrides.pop(g, None)  # sizes of the nested configs only
+        # a field of the nested configs only, by its own name: set in each that has it
+        nested = {k: overrides.pop(k) for k in list(overrides) if k not in top}
+        depths = defaults.get("depths")
+        per_stage = isinstance(depths, list) and all(map(_int, depths))
+        if per_stage:  # Note [Signal sizes]: depth is the depths list, widths the family's
+            groups.pop("num_hidden_layers", None)
+            if "hidden_size" not in overrides:
+                groups.pop("hidden_size", None)
         fields = _generic_sizes(model_type, defaults, groups, overrides, seq_len)
+        fields.update(_stage_heads(defaults, groups, fields, overrides))
+        if per_stage and "depths" not in overrides:
+            fields["depths"] = [min(d, _SMALL["depth_per_stage"]) for d in depths]
+        fields.update(_signal_sizes(chosen_head, defaults, overrides, seq_len))
+        for name, sub in subs.items():
+            if name in overrides:
+                continue  # the user's own nested config
+            own = {k: v for k, v in nested.items() if k in nested_fields[name]}
+            sub_fields = _generic_sizes(
+                f"{model_type}.{name}",
+                sub.defaults,
+                sub.groups,
+                {**own, **generic},
+                seq_len
+                if seq_len_given or "max_position_embeddings" not in sub.defaults
+                else min(seq_len, sub.defaults["max_position_embeddings"]),
+            )
+            sub_fields.update(_signal_sizes(chosen_head, sub.defaults, own, seq_len))
+            sub_fields.update({k: v for k, v in own.items() if k not in GROUPS})
+            if _int(sub_fields.get("vocab_size")):
+                _token_ids(sub.defaults, sub_fields, sub_fields["vocab_size"])
+            if dropout is not None:
+                sub_fields.update(dict.fromkeys(_dropouts(sub.defaults), dropout))
+            fields[name] = sub_fields
         if dropout is not None:
             names = _dropouts(defaults)
-            if not names:
+            if not names and not any(_dropouts(sub.defaults) for sub in subs.values()):
                 raise UsageError(
                     f"{PREFIX}{model_type} has no dropout field in its config; leave dropout unset"
                 )
@@ -522,28 +745,31 @@ def hf_model(
             ) from err
     if attn_implementation is not None:
         cfg._attn_implementation = attn_implementation
-    vocab = check_int("vocab_size", getattr(cfg, "vocab_size", None), minimum=2)
-    auto = getattr(transformers, HEADS[chosen_head])
+    vocab = None
+    if uses in ("text", "text+pixels") or chosen_head in ("ctc", "speech-seq2seq"):
+        text_cfg = cfg.get_text_config(decoder=True) if uses != "text" else cfg
+        vocab = check_int("vocab_size", getattr(text_cfg, "vocab_size", None), minimum=2)
+    auto = getattr(transformers, HEADS[chosen_head].auto_class)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with seeded(seed):
         try:
             model = auto.from_config(cfg, **kwargs)
-        except (TypeError, ValueError, ImportError) as err:
+        except (TypeError, ValueError, ImportError, KeyError, AttributeError) as err:
             raise UsageError(
                 f"transformers cannot build {PREFIX}{model_type} with a {chosen_head} head from "
                 f"these options ({_reason(err)}); change them or build the model yourself"
             ) from err
-        batch = _batch(chosen_head, cfg, vocab, batch_size, seq_len)
+        batch = _batch(chosen_head, model, cfg, vocab, batch_size, seq_len, image_side)
     if chosen_head == "causal":
         model.loss_type = "ForCausalLM"  # what from_pretrained would set; saves a warning
     model.train()
-    return model, batch, hf_loss
+    return model, batch, hf_contrastive_loss if chosen_head == "contrastive" else hf_loss
 
 
-def _batch(
+def _text(
     head: str, cfg: Any, vocab: int, batch_size: int, seq_len: int
 ) -> dict[str, torch.Tensor]:
-    """Random token ids for ``head``, drawn under the caller's seed."""
+    """Random token ids for a language-model ``head``, drawn under the caller's seed."""
     if head == "causal":
         ids = torch.randint(0, vocab, (batch_size, seq_len))
         return {
@@ -563,6 +789,16 @@ def _batch(
             "labels": ids.masked_fill(~masked, -100),  # (B, T): -100 is not predicted
         }
     ids = torch.randint(0, vocab, (batch_size, seq_len))
+    return {
+        "input_ids": ids,  # (B, T): the encoder's input
+        "attention_mask": torch.ones_like(ids),  # (B, T)
+        **_decoder(cfg, vocab, batch_size, seq_len),
+    }
+
+
+def _decoder(cfg: Any, vocab: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A seq2seq decoder's labels and its input, the labels shifted right behind the
+    pad / decoder-start id."""
     labels = torch.randint(0, vocab, (batch_size, seq_len))
     start = 0
     for name in ("pad_token_id", "decoder_start_token_id"):  # the latter wins
@@ -571,17 +807,150 @@ def _batch(
             start = value
     decoder_ids = torch.cat([torch.full((batch_size, 1), start), labels[:, :-1]], dim=1)
     return {
-        "input_ids": ids,  # (B, T): the encoder's input
-        "attention_mask": torch.ones_like(ids),  # (B, T)
         "decoder_input_ids": decoder_ids,  # (B, T): the labels shifted right
         "labels": labels,  # (B, T)
     }
 
 
+def _side(cfg: Any, image_side: int | None) -> tuple[int, int]:
+    size = getattr(cfg, "image_size", None)
+    if _int(size):
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(map(_int, size)):
+        return size[0], size[1]
+    side = _SMALL["image_size"] if image_side is None else image_side
+    return side, side
+
+
+def _waveform_length(cfg: Any, frames: int) -> int:
+    """Samples a waveform needs for ``frames`` frames out of the family's convolutions."""
+    kernels, strides = getattr(cfg, "conv_kernel", None), getattr(cfg, "conv_stride", None)
+    if not (isinstance(kernels, (list, tuple)) and isinstance(strides, (list, tuple))):
+        return frames * 320  # 20 ms frames of 16 kHz audio
+    length = frames
+    for kernel, stride in zip(reversed(kernels), reversed(strides), strict=True):
+        length = (length - 1) * stride + kernel
+    return length
+
+
+def _audio(model: nn.Module, cfg: Any, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """The audio input ``model`` takes, seq_len frames long for its encoder layers."""
+    name = getattr(model, "main_input_name", "input_values")
+    mel = getattr(cfg, "num_mel_bins", None)
+    if name == "input_features" and _int(mel) and _int(getattr(cfg, "max_source_positions", None)):
+        # whisper: log-mel features (B, mel bins, 2 x max_source_positions)
+        return {name: torch.randn(batch_size, mel, 2 * cfg.max_source_positions)}
+    per_channel = getattr(cfg, "input_feat_per_channel", None)
+    if name == "input_features" and _int(per_channel):
+        # speech_to_text: (B, frames, features), subsampled by 2 per convolution
+        convs = len(getattr(cfg, "conv_kernel_sizes", (5, 5)))
+        features = per_channel * getattr(cfg, "input_channels", 1)
+        return {name: torch.randn(batch_size, seq_len * 2**convs, features)}
+    if name == "input_values" and _int(mel) and _int(getattr(cfg, "max_length", None)):
+        # AST: a spectrogram (B, max_length, mel bins)
+        return {name: torch.randn(batch_size, cfg.max_length, mel)}
+    if name == "input_values":
+        return {name: torch.randn(batch_size, _waveform_length(cfg, seq_len))}  # (B, samples)
+    raise UsageError(
+        f"remat does not know the audio input {name!r} of {type(model).__name__}; build the "
+        "model and its batch yourself and pass them as package.module:factory"
+    )
+
+
+def _batch(
+    head: str,
+    model: nn.Module,
+    cfg: Any,
+    vocab: int | None,
+    batch_size: int,
+    seq_len: int,
+    image_side: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """A random batch for ``head``, drawn under the caller's seed (Note [Batches])."""
+    if head in _LM_HEADS:
+        assert vocab is not None
+        return _text(head, cfg, vocab, batch_size, seq_len)
+    classes = check_int("num_labels", getattr(cfg, "num_labels", 2))
+    class_ids = torch.randint(0, classes, (batch_size,))
+    if head == "text-classification":
+        assert vocab is not None
+        ids = torch.randint(0, vocab, (batch_size, seq_len))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": class_ids}
+    if head == "image-classification":
+        channels = getattr(cfg, "num_channels", 3)
+        pixels = torch.randn(batch_size, channels, *_side(cfg, image_side))
+        return {"pixel_values": pixels, "labels": class_ids}  # (B, C, H, W), (B,)
+    if head == "video-classification":
+        frames = getattr(cfg, "num_frames", _SMALL["num_frames"])
+        channels = getattr(cfg, "num_channels", 3)
+        pixels = torch.randn(batch_size, frames, channels, *_side(cfg, image_side))
+        return {"pixel_values": pixels, "labels": class_ids}  # (B, F, C, H, W), (B,)
+    if head == "contrastive":
+        assert vocab is not None
+        vision = getattr(cfg, "vision_config", cfg)
+        ids = torch.randint(0, vocab, (batch_size, seq_len))
+        pixels = torch.randn(batch_size, getattr(vision, "num_channels", 3), *_side(vision, None))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
+    audio = _audio(model, cfg, batch_size, seq_len)
+    if head == "audio-classification":
+        return {**audio, "labels": class_ids}
+    assert vocab is not None
+    if head == "ctc":
+        # a transcript a quarter of the frames long, ids other than the blank (the pad id)
+        blank = getattr(cfg, "pad_token_id", 0)
+        labels = torch.randint(1, vocab, (batch_size, max(1, seq_len // 4)))
+        if _int(blank) and blank > 0:
+            labels = labels.masked_fill(labels == blank, 0)
+        return {**audio, "labels": labels}
+    return {**audio, **_decoder(cfg, vocab, batch_size, seq_len)}  # speech seq2seq
+
+
+# Note [Batches]
+# ~~~~~~~~~~~~~~
+# One random batch per head, each of batch_size examples:
+# - causal / masked / seq2seq LM: token ids (B, seq_len) as before;
+# - text classification: token ids and a class id per example;
+# - image classification: pixel_values (B, C, H, W) and class ids in [0, num_labels);
+#   video: (B, frames, C, H, W);
+# - audio classification / CTC / speech seq2seq: the input the model names
+#   (main_input_name): whisper's log-mel input_features (B, mel bins, 2 x
+#   max_source_positions), speech_to_text's (B, frames, features), AST's spectrogram
+#   input_values (B, max_length, mel bins), else a raw waveform input_values (B,
+#   samples); then class ids, a CTC transcript (B, seq_len / 4) of non-blank ids, or
+#   decoder labels and their shifted input;
+# - contrastive: token ids (B, seq_len) and pixel_values (B, C, H, W) of matching pairs;
+#   the loss is the model's own with return_loss=True (hf_contrastive_loss).
+
+
 def hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss transformers computes from ``labels`` (cross entropy of the model's head)."""
+    """The loss transformers computes from ``labels`` (cross entropy of the model's head,
+    CTC for a CTC head)."""
     loss: torch.Tensor = model(**batch).loss
     return loss
+
+
+def hf_contrastive_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The contrastive loss of an image-text model, which has no labels: the batch's pairs
+    match each other and no other (CLIP's symmetric cross entropy over the similarity
+    matrix, SigLIP's pairwise sigmoid), as the model computes it with ``return_loss=True``."""
+    loss: torch.Tensor = model(**batch, return_loss=True).loss
+    return loss
+
+
+def size_options(model_type: str) -> list[str]:
+    """The generic size names (keys of :data:`GROUPS`) ``hf:<model_type>`` takes: those
+    its config, or a config nested in it, has a field for."""
+    transformers = _import_transformers()
+    config_class = _config_class(transformers, model_type)
+    if model_type in FAMILIES:
+        return list(FAMILIES[model_type].names)
+    defaults = _defaults(config_class)
+    found = set(_groups(config_class, defaults))
+    if isinstance(defaults.get("depths"), list):
+        found.discard("num_hidden_layers")  # set by the depths list
+    for sub in _sub_configs(transformers, config_class, defaults).values():
+        found.update(sub.groups)
+    return [name for name in GROUPS if name in found]
 
 
 def hf_factory(spec: str) -> Callable[..., Any]:
