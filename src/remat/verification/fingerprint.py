@@ -23,14 +23,17 @@ them); the values of ops that update one of the stage's buffers in place (the ru
 undoes those updates after the rebuild, so only what the stage computes from the buffer
 matters, and that is compared); the values of ``empty``-like ops. With early stop a
 rebuild ends as soon as backward has what it needs, so a rebuilt sequence may be a
-prefix of the forward one.
+prefix of the forward one. A difference in an output that nothing but its own op's
+backward reads (a kernel's workspace) is skipped and counted, not reported (Note [What
+backward reads]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +58,7 @@ __all__ = [
     "outside_dispatch_modes",
     "rebuilt_stages",
     "routing_flip",
+    "unread_differences",
 ]
 
 Checksum = tuple[float, float, float]
@@ -128,6 +132,12 @@ class Fingerprint:
     dtypes: tuple[torch.dtype, ...]
     sums: tuple[Checksum | None, ...]
     explicit_generator: bool = False  # called with a generator= other than torch's default
+    # per output, whether a later op of the stage call reads it or the stage returns it
+    # (None: not known, all are read); Note [What backward reads]
+    read: tuple[bool, ...] | None = None
+
+    def is_read(self, output: int) -> bool:
+        return self.read is None or self.read[output]
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -172,22 +182,107 @@ def _is_default_generator(gen: torch.Generator) -> bool:
     return bool(torch.equal(gen.get_state(), default.get_state()))
 
 
+# Note [What backward reads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rebuild exists to hand backward the tensors it reads, and the value check compares
+# what backward can read. An op's output reaches backward in two ways: a later op reads it
+# (its values flow into the stage's output and into what later ops save, and gradients
+# flow back through it), or the backward node of the op that made it saved it. An output
+# that only the second way reaches (no later op of the stage call reads it, the stage does
+# not return it, and it is fresh memory, not an input written in place or viewed) is its
+# op's private state for its own backward: a kernel's workspace, a normalization's
+# statistics, a dropout mask; or nothing reads it at all (no gradient reaches an op none
+# of whose outputs is read, so its backward never runs). What such an output says about
+# the result shows in the outputs of the same op that are read, and those are compared:
+# the same inputs and random numbers give equal read outputs, other ones give other read
+# outputs. A workspace's bytes, though, need not be a function of the inputs: oneDNN's
+# LSTM (aten.mkldnn_rnn_layer, output 3, a byte buffer) leaves scratch parts holding
+# whatever memory it got, so forward and rebuild differ there while backward computes
+# equal gradients from either. So a difference in an output no later op reads is skipped
+# and counted (ValueCheckResult.outputs_skipped), never a mismatch.
+#
+# Whether autograd saved an output cannot tell the two apart: the LSTM's backward node
+# saves its workspace as it saves its values, and torch's checkpoint owns the
+# saved-tensor hooks during the forward and the rebuild, so no hook of ours sees them.
+# Reads are found by storage: the recorder holds each fresh output of a stage's forward
+# call until the call ends, so no later tensor takes its address (a freed workspace's
+# address handed to a later tensor that is read would make the workspace look read).
+# Reads by code outside the call through a side channel (a tensor kept on a module and
+# read by a later stage) are not seen: such an output counts as unread.
+
+
+class _Reads:
+    """Which outputs of one forward stage call a later op reads (Note [What backward reads])."""
+
+    def __init__(self, target: list[Fingerprint]) -> None:
+        self.target = target
+        self.read: list[list[bool]] = []  # per recorded op, per output
+        self._where: dict[int, list[tuple[int, int]]] = {}  # storage -> (op, output), unread
+        self._held: list[torch.Tensor] = []  # keeps the unread storages' addresses theirs
+
+    def add(self, tensors: Sequence[torch.Tensor | None], inputs: set[int]) -> None:
+        op, flags = len(self.read), []
+        for j, t in enumerate(tensors):
+            address = None if t is None else _storage(t)
+            fresh = bool(address) and address not in inputs
+            flags.append(not fresh)
+            if fresh and t is not None and address is not None:
+                self._where.setdefault(address, []).append((op, j))
+                self._held.append(t)
+        self.read.append(flags)
+
+    def mark(self, addresses: Iterable[int]) -> None:
+        for address in addresses:
+            for op, j in self._where.pop(address, ()):
+                self.read[op][j] = True
+
+    def close(self, output: Any) -> list[Fingerprint]:
+        """The call's fingerprints with their outputs' read flags; ``output`` is read."""
+        self.mark(_addresses(output))
+        self._held.clear()
+        return [
+            dataclasses.replace(f, read=tuple(flags))
+            for f, flags in zip(self.target, self.read, strict=True)
+        ]
+
+
+def _addresses(obj: Any) -> set[int]:
+    return {a for t in iter_tensors(obj) if (a := _storage(t)) is not None}
+
+
 class OpRecorder(EagerDispatchMode):
     """Appends a :class:`Fingerprint` of each op's outputs to ``target`` while it is set.
 
-    Outputs stored in one of ``buffers`` (storage addresses) keep no checksum.
+    Outputs stored in one of ``buffers`` (storage addresses) keep no checksum. Between
+    :meth:`open_reads` and :meth:`close_reads` it also notes which outputs of the ops
+    recorded into that target a later op reads (Note [What backward reads]).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.target: list[Fingerprint] | None = None
         self.buffers: frozenset[int] = frozenset()
+        self._reads: list[_Reads] = []  # open forward calls, outermost first
+
+    def open_reads(self, target: list[Fingerprint]) -> None:
+        self._reads.append(_Reads(target))
+
+    def close_reads(self, output: Any) -> list[Fingerprint]:
+        """The innermost open call's fingerprints, each with its outputs' read flags."""
+        return self._reads.pop().close(output)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         target = self.target
+        if target is None and not self._reads:
+            return func(*args, **kwargs)
+        inputs: set[int] = set()
+        if self._reads:
+            inputs = _addresses((args, kwargs))
+            for reads in self._reads:
+                reads.mark(inputs)
         if target is None:
             return func(*args, **kwargs)
         gen = kwargs.get("generator")
@@ -196,6 +291,10 @@ class OpRecorder(EagerDispatchMode):
         name = str(func)
         if name not in _IGNORED:
             target.append(_fingerprint(name, out, explicit, self.buffers))
+            if self._reads and self._reads[-1].target is target:
+                tensors = [None] if isinstance(out, (bool, int, float)) else list(
+                    iter_tensors(out))
+                self._reads[-1].add(tensors, inputs | self.buffers)
         return out
 
 
@@ -277,7 +376,8 @@ def compare_call(
     The scan goes on past a value difference to find where the path splits (a branch on
     a value the rebuild computed differently). Forward ops named in ``skippable`` may be
     missing from the rebuild (a selective stage's saved ops); a rebuild that stops early
-    is a prefix and matches.
+    is a prefix and matches. An output that no later op read in forward is not compared
+    (:func:`unread_differences` counts those that differ; Note [What backward reads]).
     """
     first: _Difference | None = None
     for p, f, r in _aligned(forward, rebuilt, skippable):
@@ -288,12 +388,33 @@ def compare_call(
             path = _Difference("metadata", p, f.op, r.op)
             return first or path, path
         for j, (a, b) in enumerate(zip(f.sums, r.sums, strict=True)):
-            if first is not None or a is None or b is None:
+            if first is not None or a is None or b is None or not f.is_read(j):
                 continue
             differ, abs_err, rel_err = _values_differ(a, b, tolerance.rebuild_rtol(f.dtypes[j]))
             if differ:
                 first = _Difference("value", p, f.op, r.op, j, abs_err, rel_err)
     return first, None
+
+
+def unread_differences(
+    forward: Sequence[Fingerprint],
+    rebuilt: Sequence[Fingerprint],
+    tolerance: TolerancePolicy,
+    skippable: frozenset[str] = frozenset(),
+) -> list[tuple[int, str, int]]:
+    """``(position, op, output)`` of each output that differs from the forward's beyond the
+    tolerance and that no later op read in forward (so :func:`compare_call` skipped it;
+    Note [What backward reads]), on the part where the two sequences run the same ops."""
+    found = []
+    for p, f, r in _aligned(forward, rebuilt, skippable):
+        if f is None or f.op != r.op or f.shapes != r.shapes or f.dtypes != r.dtypes:
+            break
+        for j, (a, b) in enumerate(zip(f.sums, r.sums, strict=True)):
+            if a is None or b is None or f.is_read(j):
+                continue
+            if _values_differ(a, b, tolerance.rebuild_rtol(f.dtypes[j]))[0]:
+                found.append((p, f.op, j))
+    return found
 
 
 #: Ops whose integer outputs are routing decisions (the experts a router chose).
@@ -343,6 +464,7 @@ class ValueCheck:
         self._routing: dict[int, OpMismatch] = {}  # stage -> its first routing flip
         self._rebuilt_calls = 0
         self._ops_compared = 0
+        self._unread: dict[str, int] = {}  # "op output j" -> differing outputs skipped
         self._exits: contextlib.ExitStack | None = None
 
     # -- as a debug mode ------------------------------------------------------------------
@@ -377,6 +499,8 @@ class ValueCheck:
                 p for b in self._stage_modules[stage].buffers() if (p := _storage(b)) is not None
             )
         self.recorder.target = calls
+        if calls is not None and not rebuild:
+            self.recorder.open_reads(calls)
 
     def stage_finished(self, stage: int, rebuild: bool, output: Any) -> None:
         started, _, calls = self._stack.pop()
@@ -385,7 +509,7 @@ class ValueCheck:
         if calls is None:
             return
         if not rebuild:
-            self.forward[stage] = calls
+            self.forward[stage] = self.recorder.close_reads(output)
             return
         forward = self.forward.get(stage)
         if forward is None:  # the check started after this stage's forward
@@ -395,6 +519,9 @@ class ValueCheck:
         skippable = self._skippable.get(stage, frozenset())
         first, path = compare_call(forward, calls, self._tolerance, skippable)
         flip = routing_flip(forward, calls, skippable)
+        for _, op, j in unread_differences(forward, calls, self._tolerance, skippable):
+            key = f"{op} output {j}"
+            self._unread[key] = self._unread.get(key, 0) + 1
         for store, diff in ((self._first, first), (self._path, path), (self._routing, flip)):
             if diff is not None and stage not in store:
                 store[stage] = self._mismatch(stage, diff)
@@ -423,4 +550,6 @@ class ValueCheck:
             mismatches=tuple(self._first[i] for i in sorted(self._first)),
             control_flow=tuple(self._path[i] for i in sorted(self._path)),
             routing=tuple(self._routing[i] for i in sorted(self._routing)),
+            outputs_skipped=sum(self._unread.values()),
+            skipped_outputs=tuple(sorted(self._unread)),
         )

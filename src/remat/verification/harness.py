@@ -498,16 +498,25 @@ class _Run:
         if values.rebuilt_calls == 0:
             return Check("rebuilt-values", "skip", "the plan rebuilds nothing in this step")
         first = values.first
+        skipped = ""
+        if values.outputs_skipped:  # Note [What backward reads] in fingerprint.py
+            skipped = (
+                f"; {values.outputs_skipped} output(s) skipped: not read by backward as values "
+                f"({', '.join(values.skipped_outputs)} differed, and no later op reads "
+                f"{'it' if len(values.skipped_outputs) == 1 else 'them'}: a kernel's workspace "
+                "or state only its own op's backward keeps)"
+            )
         if first is None:
             return Check(
                 "rebuilt-values", "pass",
                 f"{values.ops_compared} ops of {values.rebuilt_calls} rebuilt stage call(s) "
-                "match their forward fingerprints",
+                f"match their forward fingerprints{skipped}",
                 compared=values.ops_compared, tolerance="checksums",
             )
         return Check(
             "rebuilt-values", "fail",
-            f"{len(values.mismatches)} stage(s) rebuilt other values; first: {first.message}",
+            f"{len(values.mismatches)} stage(s) rebuilt other values; first: {first.message}"
+            f"{skipped}",
             compared=values.ops_compared,
             max_abs_error=first.max_abs_error,
             max_rel_error=first.max_rel_error,

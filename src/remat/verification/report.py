@@ -202,6 +202,10 @@ class ValueCheckResult:
     mismatches: tuple[OpMismatch, ...] = ()  # the first per stage, in stage order
     control_flow: tuple[OpMismatch, ...] = ()  # where each stage's op sequence split, if it did
     routing: tuple[OpMismatch, ...] = ()  # each stage's first routing op choosing otherwise
+    # outputs that differed but that no later op reads (kernel workspaces, state only their
+    # own op's backward reads): skipped, not mismatches; and which, as "op output j"
+    outputs_skipped: int = 0
+    skipped_outputs: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -220,6 +224,8 @@ class ValueCheckResult:
             "mismatches": [m.to_dict() for m in self.mismatches],
             "control_flow": [m.to_dict() for m in self.control_flow],
             "routing": [m.to_dict() for m in self.routing],
+            "outputs_skipped": self.outputs_skipped,
+            "skipped_outputs": list(self.skipped_outputs),
         }
 
 
