@@ -7,11 +7,15 @@ random (seeded) weights, ``HF_HUB_OFFLINE`` is set before transformers is import
 transformers itself is imported only when such a model is built (it is the optional
 extra ``remat[hf]``).
 
-The head is the one the family trains with: seq2seq LM for encoder-decoder families
-(t5, bart: the batch has ``decoder_input_ids``), masked LM for encoder families (bert,
-roberta: their causal head exists only as a decoder variant), causal LM otherwise;
-``head=causal|seq2seq|masked`` picks another the family has. The loss is the one
-transformers computes from ``labels``.
+The head is the one the family trains with, from transformers' own task mappings
+(Note [The head a family trains with]): seq2seq LM for encoder-decoder families (t5, bart:
+the batch has ``decoder_input_ids``), masked LM for encoder families (bert, roberta: their
+causal head exists only as a decoder variant), causal LM for the other text families;
+speech seq2seq (whisper), contrastive image-text (clip, siglip), CTC (wav2vec2), image,
+video and audio classification for the others, each with a batch of its modality (Note
+[Batches], Note [Signal sizes]); ``head=`` (a key of :data:`HEADS`) picks another the
+family has. The loss is the one transformers computes from ``labels``, or with
+``return_loss=True`` for a contrastive head (:func:`hf_contrastive_loss`).
 
 Sizes are CPU-sized. The four decoders remat was first tuned on (gpt2, llama, qwen2,
 mistral) keep their table below: 4 layers, hidden size 128, 4 heads, vocabulary 1000,
