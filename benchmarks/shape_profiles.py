@@ -7,7 +7,8 @@ the range's largest shape (the single-shape profile a user would otherwise run),
 one process, one torch thread, in alternating order over ``--runs`` runs; then a profile
 at a held-out shape (on neither the byte grid, the ladder nor the timed shapes) compared
 with the fit: the polynomial byte figures to the byte, the stepped ones never under, the
-step and stage times against the profile's own spread.
+step and stage times against what a second profile of the same shape differs by
+(Note [Times within the noise] in remat/profiling/shaped.py).
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def _one(name: str, options: dict[str, Any], shapes: str, held_out: tuple[int, .
         f"{max(over, default=0)} bytes)",
         f"- times at the held-out shape: step {report.fitted_step_s * 1e3:.1f} ms fitted "
         f"against {report.step_s * 1e3:.1f} ms measured; the worst step or stage time off by "
-        f"{report.time_error:.0%}, the profile's own stage spread {report.timing_noise:.0%}",
+        f"{report.time_error:.0%}; a second profile of that shape off the first by "
+        f"{report.repeat_error:.0%} (the profile's own stage spread {report.timing_noise:.0%}):"
+        f" within the noise: **{'yes' if report.times_within_noise else 'no'}**",
         "",
     ]
 
