@@ -54,7 +54,8 @@ def _same_state(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_registry() -> None:
-    assert set(BUILTINS) == {"gpt", "mlp-hetero", "convnet-bn", *SHAPED}
+    assert set(BUILTINS) == {"gpt", "mlp-hetero", "convnet-bn", *SHAPED, "mobilenet",
+                             "efficientnet", "vgg"}
     assert DEFAULT_MODEL == "gpt"
 
 

@@ -28,6 +28,7 @@ import remat.models.hf as hf
 import remat.models.mlp_hetero as mlp_hetero
 import remat.models.resnet as resnet
 import remat.models.unet as unet
+import remat.models.vision as vision
 from remat.core.errors import UsageError, UserCodeError
 
 # Import the submodules (not their factories) so remat.models.gpt stays the module.
@@ -39,6 +40,9 @@ BUILTINS: dict[str, Callable[..., Any]] = {
     "convnext": convnext.convnext,
     "encdec": encdec.encdec,
     "unet": unet.unet,
+    "mobilenet": vision.mobilenet,
+    "efficientnet": vision.efficientnet,
+    "vgg": vision.vgg,
 }
 DEFAULT_MODEL = "gpt"
 

@@ -31,6 +31,7 @@ same-class container are the stages.
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,14 +41,17 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
+from remat.core.stage_names import call_name, split_stage_name
 from remat.measure.modes import without_compiled_insides
 from remat.measure.tracker import storage_key
 
 __all__ = [
+    "REJECTED_LINES",
     "SPLIT_SHARE",
     "Chain",
     "discover_chain",
     "discover_stages",
+    "last_chain",
     "resolve_stages",
     "unknown_path_message",
 ]
@@ -68,6 +72,8 @@ class Chain:
     stages: tuple[str, ...]
     stage_bytes: tuple[int, ...]
     total_bytes: int
+    #: one line per candidate container or run that gave no stage, and why (``remat profile``)
+    rejected: tuple[str, ...] = ()
 
     @property
     def share(self) -> float:
@@ -212,14 +218,96 @@ def _subtree_bytes(model: nn.Module, own: dict[str, int]) -> dict[str, int]:
     return sub
 
 
-def _choose(model: nn.Module, trace: _Trace) -> list[str]:
-    """The stages: blocks of called containers, split where inner blocks hold enough."""
-    containers: dict[str, list[str]] = {}  # container path -> its blocks
-    for path, children in _same_class_containers(model, families=True):
-        counts = [trace.calls.get(c, 0) for c in children]
-        if max(counts) == 1 and sum(counts) >= 2:
-            containers[path] = [c for c, n in zip(children, counts, strict=True) if n == 1]
+def _shape(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    """The module tree below ``module``: each descendant's relative path and class name."""
+    return tuple((name, type(m).__name__) for name, m in module.named_modules() if name)
+
+
+def _same_kind(a: nn.Module, b: nn.Module) -> bool:
+    """One class, one block family, or one module tree below them (rule 7)."""
+    if _one_family([a, b]):
+        return True
+    shape = _shape(a)
+    return bool(shape) and shape == _shape(b)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+@dataclass
+class _Candidates:
+    """The containers of a traced forward, sorted by the rules of docs/stages.md."""
+
+    blocks: dict[str, list[str]]  # one-class container -> its blocks (rules 1, 2)
+    segments: dict[str, list[list[str]]]  # mixed container -> runs and singles (rule 7)
+    flat: dict[str, list[str]]  # container of leaf layers -> its layers as blocks (rule 8)
+    rejected: dict[str, str]  # container -> why it contributes nothing
+
+
+def _candidates(model: nn.Module, trace: _Trace, sub: dict[str, int]) -> _Candidates:
+    found = _Candidates({}, {}, {}, {})
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = _children(path, module)
+        if len(kids) < 2:
+            continue
+        called = sorted((c for c, _ in kids if trace.calls.get(c, 0)),
+                        key=trace.start.__getitem__)
+        twice = next((c for c in called if trace.calls[c] > 1), None)
+        if twice is not None:
+            found.rejected[path] = (f"its child {twice} runs {trace.calls[twice]} times (a "
+                                    "block must run once per step)")
+            continue
+        if _one_family([m for _, m in kids]):
+            if len(called) >= 2:
+                found.blocks[path] = [c for c, _ in kids if c in set(called)]
+            elif called:
+                kind = type(kids[0][1]).__name__
+                found.rejected[path] = (f"the forward calls one of its {_plural(len(kids), kind)}"
+                                        " (a chain needs two)")
+            continue
+        if not called:
+            continue
+        segments: list[list[str]] = []
+        for c in called:
+            if segments and _same_kind(model.get_submodule(segments[-1][0]),
+                                       model.get_submodule(c)):
+                segments[-1].append(c)
+            else:
+                segments.append([c])
+        if any(_is_run(s, sub) for s in segments):
+            found.segments[path] = segments
+            continue
+        leaves = [model.get_submodule(c) for c in called]
+        if all(not list(m.children()) for m in leaves):
+            counts: dict[type, list[str]] = {}  # the layers with weights, by class
+            for c, m in zip(called, leaves, strict=True):
+                if any(True for _ in m.parameters(recurse=False)):
+                    counts.setdefault(type(m), []).append(c)
+            if max(map(len, counts.values()), default=0) >= 2:
+                found.flat[path] = [
+                    c for c, m in zip(called, leaves, strict=True)
+                    if any(True for _ in m.parameters(recurse=False))
+                    or (sub.get(c, 0) > 0 and not getattr(m, "inplace", False))
+                ]
+                continue
+        found.rejected[path] = "no two children in a row of one class or one structure"
+    return found
+
+
+def _is_run(segment: list[str], sub: dict[str, int]) -> bool:
+    return len(segment) >= 2 and sum(sub.get(c, 0) for c in segment) > 0
+
+
+def _choose(model: nn.Module, trace: _Trace) -> tuple[list[str], list[str]]:
+    """The stages: blocks of called containers, split where inner blocks hold enough; and
+    one line for each candidate container or run that contributed nothing, and why."""
     sub = _subtree_bytes(model, trace.own_bytes)
+    found = _candidates(model, trace, sub)
+    containers = found.blocks
+    singles: list[str] = []  # the singles of mixed containers whose runs are stages
 
     def leftovers(path: str, module: nn.Module, held: bool = False) -> list[tuple[str, bool]]:
         """A split block's child as stages: itself if it is called once and saves, else
@@ -233,19 +321,66 @@ def _choose(model: nn.Module, trace: _Trace) -> list[str]:
             return [p for c, m in kids for p in leftovers(c, m, held)]
         return [(path, held)] if n == 1 and sub.get(path, 0) > 0 else []
 
-    def best(path: str, module: nn.Module) -> list[str]:
-        if path not in containers:
-            return [p for c, m in _children(path, module) for p in best(c, m)]
+    def best(path: str, module: nn.Module, top: bool = True) -> list[str]:
+        """The stages inside ``path``; ``top``: not inside a block (rule 7's runs count)."""
+        if path in containers:
+            return decide(containers[path])
+        if top and path in found.segments:
+            out: list[str] = []
+            for segment in found.segments[path]:
+                if _is_run(segment, sub):
+                    out += decide(segment)
+                    continue
+                for c in segment:
+                    inside = best(c, model.get_submodule(c), top)
+                    singles.extend([] if inside else [c])
+                    out += inside
+            return out
+        return [p for c, m in _children(path, module) for p in best(c, m, top)]
+
+    def piece(path: str, module: nn.Module) -> tuple[list[tuple[str, bool]], bool]:
+        """A part of a block being split: the blocks inside it, or it as a leftover."""
+        chosen = best(path, module, False)
+        return ([(p, True) for p in chosen], True) if chosen else (leftovers(path, module),
+                                                                   False)
+
+    def contents(block: str) -> tuple[list[tuple[str, bool]], bool]:
+        """What a block splits into, and whether blocks nest inside it. A block that is a
+        container itself (EfficientNet's stages in ``features``) splits into its own blocks
+        and runs; a block of another class into the blocks inside its children."""
+        module = model.get_submodule(block)
+        if block in containers:
+            return [(p, True) for p in decide(containers[block])], True
+        if block in found.segments:
+            parts: list[tuple[str, bool]] = []
+            nested = False
+            for segment in found.segments[block]:
+                if _is_run(segment, sub):
+                    parts += [(p, True) for p in decide(segment)]
+                    nested = True
+                    continue
+                for c in segment:
+                    more, inner = piece(c, model.get_submodule(c))
+                    parts, nested = parts + more, nested or inner
+            return parts, nested
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(
+                {type(m) for m in module.children()}) == 1:
+            return leftovers(block, module), False  # a container of one called block
+        parts, nested = [], False
+        for c, m in _children(block, module):
+            more, inner = piece(c, m)
+            parts, nested = parts + more, nested or inner
+        return parts, nested
+
+    def decide(blocks: list[str]) -> list[str]:
         # One decision for all blocks of a container, so the chain keeps one level: split
         # them when blocks inside them (counting a container of one) hold enough memory.
-        blocks = containers[path]
         split: list[tuple[str, bool]] = []
         nested = False  # some block holds a container of two or more called blocks
         for b in blocks:
-            for c, m in _children(b, model.get_submodule(b)):
-                chosen = best(c, m)
-                nested = nested or bool(chosen)
-                split += [(p, True) for p in chosen] if chosen else leftovers(c, m)
+            parts, inner = contents(b)
+            split += parts
+            nested = nested or inner
         held = sum(sub[p] for p, inner in split if inner)
         if not nested or held < SPLIT_SHARE * sum(sub[b] for b in blocks):
             return blocks
@@ -253,7 +388,7 @@ def _choose(model: nn.Module, trace: _Trace) -> list[str]:
 
     def interleaved(stages: list[str]) -> list[str]:
         """What a container's parent calls between two of its blocks that are stages
-        (diffusers' mid-block attention between its two resnets, rule 3): stages too."""
+        (diffusers' mid-block attention between its two resnets, rule 5): stages too."""
         chosen_set = set(stages)
         extra: list[str] = []
         for path, blocks in containers.items():
@@ -272,18 +407,61 @@ def _choose(model: nn.Module, trace: _Trace) -> list[str]:
                           and trace.end[p] < trace.start[last]]
         return extra
 
-    found = best("", model)
-    chosen = sorted(found + interleaved(found), key=trace.start.__getitem__)
+    found_stages = best("", model)
+    chosen = found_stages + interleaved(found_stages)
+    used_flat: list[str] = []
+    if len(chosen) < 2:  # no repeated blocks anywhere: the layers of flat containers (rule 8)
+        for path, layers in found.flat.items():
+            if not any(path.startswith(f"{s}.") for s in chosen):
+                chosen += layers
+                used_flat.append(path)
+    chosen = sorted(chosen, key=trace.start.__getitem__)
     # Calls of modules that are not nested can still overlap (one module called from
     # inside another it does not own); keep the heavier of two overlapping stages.
     result: list[str] = []
+    why: dict[str, str] = {}
     for path in chosen:
         if result and trace.start[path] < trace.end[result[-1]]:
-            if sub[path] > sub[result[-1]]:
-                result[-1] = path
+            light, heavy = ((result[-1], path) if sub[path] > sub[result[-1]]
+                            else (path, result[-1]))
+            why[light] = f"dropped, its call overlaps {heavy}'s, which saves more"
+            result[-1] = heavy
             continue
         result.append(path)
-    return result
+    return result, _rejected(model, trace, sub, found, result, singles, used_flat, why)
+
+
+#: At most this many lines of rejected candidates (``Chain.rejected``), then a count.
+REJECTED_LINES = 8
+
+
+def _rejected(model: nn.Module, trace: _Trace, sub: dict[str, int], found: _Candidates,
+              stages: list[str], singles: list[str], used_flat: list[str],
+              why: dict[str, str]) -> list[str]:
+    """One line per candidate that gave no stage and saved memory outside the stages."""
+
+    def covered(path: str) -> bool:
+        return any(path == s or path.startswith(f"{s}.") or s.startswith(f"{path}.")
+                   for s in stages)
+
+    reasons = dict(why)
+    for c in singles:
+        if sub.get(c, 0) > 0 and not covered(c):
+            reasons[c] = f"rejected, a single {type(model.get_submodule(c)).__name__} (a run " \
+                         "needs two)"
+    for path, reason in found.rejected.items():
+        if (sub.get(path, 0) > 0 and not covered(path) and path not in used_flat
+                and not any(path == c or path.startswith(f"{c}.") for c in singles)):
+            reasons[path] = f"rejected, {reason}"
+    for path, layers in found.flat.items():
+        if path not in used_flat and sub.get(path, 0) > 0 and not covered(path):
+            reasons[path] = (f"rejected, its {_plural(len(layers), 'layer')} are taken as "
+                             "stages only where the model has no repeated blocks")
+    order = sorted(reasons, key=lambda p: trace.start.get(p, len(trace.start) * 2))
+    lines = [f"{p}: {reasons[p]}" for p in order[:REJECTED_LINES]]
+    if len(order) > REJECTED_LINES:
+        lines.append(f"... and {len(order) - REJECTED_LINES} more rejected candidates")
+    return lines
 
 
 def _children(path: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -308,15 +486,28 @@ def discover_chain(
 
     with _untouched(model):
         trace = _trace(model, batch, run)
-    stages = _choose(model, trace)
+    stages, rejected = _choose(model, trace)
     if len(stages) < 2:
         raise UsageError(
             f"found no repeated blocks in {type(model).__name__} that its forward calls once "
-            "each (an nn.ModuleList or nn.Sequential of two or more modules of one class); "
-            "name the stages with stages=[module paths] (--stages on the command line)"
+            "each (two or more modules of one class in a row in an nn.ModuleList or "
+            "nn.Sequential); name the stages with stages=[module paths] (--stages on the "
+            "command line)"
         )
     sub = _subtree_bytes(model, trace.own_bytes)
-    return Chain(tuple(stages), tuple(sub[p] for p in stages), trace.total_bytes)
+    chain = Chain(tuple(stages), tuple(sub[p] for p in stages), trace.total_bytes,
+                  tuple(rejected))
+    _LAST[model] = chain
+    return chain
+
+
+_LAST: weakref.WeakKeyDictionary[nn.Module, Chain] = weakref.WeakKeyDictionary()
+
+
+def last_chain(model: nn.Module) -> Chain | None:
+    """The chain :func:`discover_chain` last found on ``model`` (``None`` if it found none),
+    so a command can print what discovery rejected without tracing the forward again."""
+    return _LAST.get(model)
 
 
 def discover_stages(
@@ -365,12 +556,32 @@ def resolve_stages(model: nn.Module, stages: Sequence[str] | None = None) -> lis
                 f"so its paths start with 'module.'; give 'module.{path}' (or name the "
                 "stages on the model before wrapping it)"
             )
-        if not isinstance(path, str) or path not in known or path == "":
-            raise UsageError(unknown_path_message(model, path))
+        # path#k: the k-th call of the module at path (Note [Stages that are calls of one
+        # module] in remat.core.stage_names)
+        module = split_stage_name(path)[0] if isinstance(path, str) else path
+        if not isinstance(path, str) or module not in known or module == "":
+            raise UsageError(unknown_path_message(model, module))
     if len(set(stages)) != len(stages):
         dup = next(p for p in stages if stages.count(p) > 1)
         raise UsageError(f"stage {dup!r} is named twice; each stage must be a distinct module")
+    _check_calls(stages)
     return stages
+
+
+def _check_calls(stages: Sequence[str]) -> None:
+    """UsageError unless the stages naming calls of one module (``path#k``) name all of them
+    in call order, ``path#0, path#1, ...``, and no other stage names that module."""
+    calls: dict[str, list[str]] = {}
+    for name in stages:
+        calls.setdefault(split_stage_name(name)[0], []).append(name)
+    for path, names in calls.items():
+        if len(names) == 1 and split_stage_name(names[0])[1] is None:
+            continue
+        expected = [call_name(path, k) for k in range(len(names))]
+        if names != expected:
+            raise UsageError(
+                f"the stages name the calls of module {path!r} as {', '.join(names)}; name "
+                f"every call of it in one forward, in call order: {', '.join(expected)}")
 
 
 def unknown_path_message(model: nn.Module, path: object) -> str:
