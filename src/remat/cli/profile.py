@@ -170,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
     _summary(console, data)
     for line in coverage_lines(result, given=stages is not None):
         console.print(line)
+    from remat.runtime.stages import last_chain  # torch: only once a model is loaded
+
+    chain = None if stages is not None else last_chain(model)
+    for line in chain.rejected if chain is not None else ():
+        console.print(line, markup=False, highlight=False)
     if result.fake and result.times_estimated:
         console.print(f"fake profile: bytes as the real step's; the times are the roofline's "
                       f"estimates for {result.device} from the step's counted FLOPs, bytes "
