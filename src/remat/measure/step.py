@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -104,6 +104,7 @@ def measure_step(
     lr: float = 1e-3,
     timeline: bool = False,
     max_events: int = 1_000_000,
+    call_names: Mapping[nn.Module, Callable[[], str]] | None = None,
 ) -> StepMemory:
     """Measure one training step: ``loss_fn(model, batch)``, backward, ``optimizer.step()``.
 
@@ -111,6 +112,8 @@ def measure_step(
     freed with ``zero_grad(set_to_none=True)`` and one step is measured with parameters,
     buffers, optimizer state and the batch counted from the start. The model's parameters
     are updated by every step; no hooks are left behind, and gradients are freed at the end.
+    ``call_names`` tells the calls of modules the forward calls several times apart in the
+    timeline (``LiveMemoryTracker.watch``).
     """
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise UsageError(f"warmup_steps={warmup_steps!r} is invalid; give a whole number >= 0")
@@ -129,7 +132,7 @@ def measure_step(
     tracker.register_existing(model)
     tracker.register_existing(opt)
     tracker.register_existing(list(iter_tensors(batch)))
-    tracker.watch(model)
+    tracker.watch(model, call_names=call_names)
     tracker.watch(opt)
     try:
         with tracker:

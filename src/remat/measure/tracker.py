@@ -43,7 +43,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, cast
@@ -317,6 +317,10 @@ class LiveMemoryTracker:
         self._truncated = False
         self._phase_stack: list[Phase] = []
         self._module_stack: list[str] = []
+        # calls named apart (watch's call_names): by module id, and the calls running now,
+        # as (the module's path, the call's name), innermost last
+        self._call_names: dict[int, Callable[[], str]] = {}
+        self._calls: list[tuple[str, str]] = []
         self._optimizer_depth = 0
         self._internal = False
         self._watched_modules: list[nn.Module] = []
@@ -371,16 +375,23 @@ class LiveMemoryTracker:
             self._emit("register")
             return added
 
-    def watch(self, obj: nn.Module | torch.optim.Optimizer) -> None:
+    def watch(self, obj: nn.Module | torch.optim.Optimizer, *,
+              call_names: Mapping[nn.Module, Callable[[], str]] | None = None) -> None:
         """Hook ``obj`` while the tracker is active.
 
         For a module: module paths in the timeline (forward hooks, and autograd nodes tagged
         with the module that made them for backward) and gradients classified as they
         accumulate. For an optimizer: its step is the optimizer phase and the state it
         creates is classified as optimizer state.
+
+        ``call_names`` names each call of the modules it holds apart: a call of such a
+        module is the path ``call_names[module]()`` returns when the call begins
+        (``layer#2``, the stage it is), and the modules inside it run under that name
+        (``layer#2.attn``), in forward and in backward.
         """
         if isinstance(obj, nn.Module):
             self._watched_modules.append(obj)
+            self._call_names.update({id(m): f for m, f in (call_names or {}).items()})
         elif isinstance(obj, torch.optim.Optimizer):
             self._watched_optimizers.append(obj)
         else:
@@ -523,12 +534,30 @@ class LiveMemoryTracker:
             handle.remove()
         self._handles.clear()
         self._module_stack.clear()
+        self._calls.clear()
         self._optimizer_depth = 0
 
     def _module_enter(self, name: str, module: nn.Module, args: Any) -> None:
-        self._module_stack.append(name)
+        named = self._call_names.get(id(module))
+        if named is not None:
+            call = named()
+            self._calls.append((name, call))
+            self._module_stack.append(call)
+            return
+        self._module_stack.append(self._in_call(name))
+
+    def _in_call(self, name: str) -> str:
+        """``name`` as it runs: inside a call named apart, under the call's name."""
+        for path, call in reversed(self._calls):
+            if name.startswith(path + "."):
+                return call + name[len(path):]
+        return name
 
     def _module_exit(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self._calls and self._calls[-1][0] == name and id(module) in self._call_names:
+            name = self._calls.pop()[1]
+        else:
+            name = self._in_call(name)
         stack = self._module_stack
         for i in range(len(stack) - 1, -1, -1):
             if stack[i] == name:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 
 from remat.measure.tracker import local_shard, storage_key
 from remat.runtime.engine import main_input, main_output
+from remat.runtime.stage_calls import PostHook, PreHook, hook_stages
 
 __all__ = [
     "buffers_restored",
@@ -45,43 +45,18 @@ def same_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return key is not None and key == storage_key(b)
 
 
-PreHook = Callable[[int, tuple[Any, ...], dict[str, Any]], None]
-PostHook = Callable[[int, tuple[Any, ...], dict[str, Any], Any], None]
-
-
 @contextmanager
 def stage_hooks(
     modules: Sequence[nn.Module], pre: PreHook | None = None, post: PostHook | None = None
 ) -> Iterator[None]:
     """Call ``pre(i, args, kwargs)`` before and ``post(i, args, kwargs, out)`` after stage i.
 
-    The post hook also runs when the stage raises (a rebuild ended early by torch).
+    The post hook also runs when the stage raises (a rebuild ended early by torch). A module
+    that is several stages (its calls, ``path#k``) gets one pair of hooks, which tells each
+    call's stage apart (:func:`remat.runtime.stage_calls.hook_stages`).
     """
-    handles = []
+    handles = hook_stages(modules, pre, post)
     try:
-        for i, module in enumerate(modules):
-            if pre is not None:
-
-                def pre_hook(
-                    _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i
-                ) -> None:
-                    pre(i, args, kwargs)
-
-                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            if post is not None:
-
-                def post_hook(
-                    _m: nn.Module,
-                    args: tuple[Any, ...],
-                    kwargs: dict[str, Any],
-                    out: Any,
-                    i: int = i,
-                ) -> None:
-                    post(i, args, kwargs, out)
-
-                handles.append(
-                    module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
-                )
         yield
     finally:
         for handle in handles:

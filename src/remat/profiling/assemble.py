@@ -64,6 +64,7 @@ from remat.profiling._tensors import storage_bytes
 from remat.profiling.noise import option_extras, stage_times
 from remat.profiling.pooling import Pooled
 from remat.profiling.run import NOTHING, Measurements
+from remat.runtime.stage_calls import stage_submodule
 
 __all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]
 
@@ -87,9 +88,12 @@ def gradient_owners(
         return total
 
     post = take(
-        p for path in sorted(post_modules) for p in model.get_submodule(path).parameters(False)
+        p for path in sorted(post_modules)
+        for p in stage_submodule(model, path).parameters(False)
     )
-    stages = [take(model.get_submodule(name).parameters()) for name in reversed(names)][::-1]
+    # a module that is several stages (its calls): its parameters' gradient is made by the
+    # backward of its last call, the first backward meets
+    stages = [take(stage_submodule(model, name).parameters()) for name in reversed(names)][::-1]
     pre = take(model.parameters())
     return post, stages, pre
 

@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.measure.tracker import storage_key
-from remat.profiling._tensors import storage_bytes
+from remat.profiling._tensors import stage_hooks, storage_bytes
+from remat.runtime.stage_calls import stage_submodule
 
 __all__ = ["cast_cache"]
 
@@ -91,19 +92,18 @@ def cast_cache(
 
     seen_a_stage = [False]
     handles.append(model.register_forward_pre_hook(model_called))
-    for i, name in enumerate(names):
-        def enter(_m: nn.Module, _args: Any, i: int = i) -> None:
-            seen_a_stage[0] = True
-            mode.stage = i if _autocast_on(device_type) else None
 
-        def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
-            mode.stage = None
+    def enter(i: int, _args: Any, _kwargs: Any) -> None:
+        seen_a_stage[0] = True
+        mode.stage = i if _autocast_on(device_type) else None
 
-        module = model.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave))
+    def leave(_i: int, _args: Any, _kwargs: Any, _out: Any) -> None:
+        mode.stage = None
+
+    modules = [stage_submodule(model, name) for name in names]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode, \
+                stage_hooks(modules, enter, leave):
             loss = loss_fn(model, batch)
         del loss
     finally:

@@ -33,6 +33,7 @@ from remat.profiling._tensors import (
     stage_hooks,
     storage_bytes,
 )
+from remat.runtime.stage_calls import stage_submodule
 
 __all__ = ["ForwardPass", "StageForward", "forward_pass"]
 
@@ -136,7 +137,7 @@ def forward_pass(
     """
     from remat.runtime import apply
 
-    modules = [model.get_submodule(name) for name in names]
+    modules = [stage_submodule(model, name) for name in names]
     n = len(modules)
     found: list[StageForward | None] = [None] * n
     entries: dict[int, tuple[int, torch.Tensor | None]] = {}

@@ -68,6 +68,7 @@ from remat.runtime.compiled_stages import compile_stages, compiled_flags
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
 from remat.runtime.identity import model_stages, stage_identity
 from remat.runtime.install import applied
+from remat.runtime.stage_calls import stage_submodule
 from remat.runtime.stages import discover_stages, resolve_stages
 
 __all__ = ["Progress", "fit_scaling", "most_over_ranks", "notes", "profile", "profile_scaling"]
@@ -284,7 +285,7 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if not applied(model):  # with a plan applied, remat's own rebuilds would count
         refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code
     # what plans made from this profile record, so apply can tell another model
-    identities = [stage_identity(model.get_submodule(name)) for name in names]
+    identities = [stage_identity(stage_submodule(model, name)) for name in names]
     batch_shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
     first = next(model.parameters(), None)
     on = first.device if first is not None else None
@@ -391,9 +392,9 @@ def _not_run(model: nn.Module, names: Sequence[str], err: StageNotRun, *, given:
     """Why a stage ran no op in a phase: its parameters frozen, or a discovered stage the
     forward does not run with grad."""
     def trainable(name: str) -> bool:
-        return any(p.requires_grad for p in model.get_submodule(name).parameters())
+        return any(p.requires_grad for p in stage_submodule(model, name).parameters())
 
-    own = list(model.get_submodule(err.stage).parameters())
+    own = list(stage_submodule(model, err.stage).parameters())
     if own and not any(p.requires_grad for p in own):
         train = [n for n in names if trainable(n)]
         fix = (f"profile only the stages that train: stages={train} (--stages "

@@ -62,6 +62,7 @@ from remat.profiling.timeline import Span, StepSpans, rebuild_starts, split_step
 from remat.profiling.timing import StepTimes, bare_step_s, timed_steps
 from remat.runtime import apply
 from remat.runtime.compiled_stages import compiled_flags
+from remat.runtime.stage_calls import call_names, stage_submodule
 
 __all__ = ["Measurements", "measure_all", "part_names"]
 
@@ -199,7 +200,7 @@ def _planned_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, An
     try:
         with buffers_restored(model):
             return measure_step(model, batch, loss_fn, optimizer, warmup_steps=0,
-                                timeline=True)
+                                timeline=True, call_names=call_names(model, plan.stages))
     finally:
         gc.unfreeze()
         handle.remove()
@@ -244,7 +245,7 @@ def measure_all(
     """
     agree = agree or (lambda n: n)
     names = tuple(names)
-    modules = [model.get_submodule(name) for name in names]
+    modules = [stage_submodule(model, name) for name in names]
     # Compiled stages run their ops inside graphs, out of the tracker's sight: their ops
     # come from one eager forward, and with them which stages draw random numbers, where
     # a partitioned option is not offered (Note [Partitioned options on compiled stages])
@@ -365,7 +366,8 @@ def measure_all(
     # measures, which is what the collection is for.
     gc.freeze()
     try:
-        step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True)
+        step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True,
+                            call_names=call_names(model, names))
     finally:
         gc.unfreeze()
     spans = split_step(step, names)

@@ -19,6 +19,7 @@ from torch import nn
 
 from remat.measure.modes import EagerDispatchMode
 from remat.profiling._tensors import buffers_restored, stage_hooks
+from remat.runtime.stage_calls import stage_submodule
 
 __all__ = ["StageOps", "eager_stage_ops"]
 
@@ -67,7 +68,7 @@ def eager_stage_ops(
     model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], names: Sequence[str]
 ) -> StageOps:
     """What one eager forward of each stage runs (:class:`StageOps`)."""
-    modules = [model.get_submodule(name) for name in names]
+    modules = [stage_submodule(model, name) for name in names]
     recorder = _OpNames(len(modules))
 
     def enter(i: int, _args: Any, _kwargs: Any) -> None:

@@ -41,6 +41,15 @@ class StepTimes:
     rebuild_gap_s: tuple[float, ...] = ()
 
 
+# Note [Backward of a call-stage ends at its input's gradient]
+# A module the forward calls several times is several stages, one per call (Note [Stages
+# that are calls of one module] in remat.core.stage_names). Its parameters are one set of
+# tensors: autograd sums their gradient over all the calls and accumulates it once, after
+# the backward of the first call, which backward reaches last. A parameter's
+# post-accumulate hook therefore marks the end of the first call-stage's backward only;
+# the later call-stages' backward ends when their input's gradient is ready (their input
+# is the previous call's output, or made from it, so it needs one), and their parameters
+# get no hook here.
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
@@ -113,6 +122,8 @@ def timed_steps(
 
     handles = []
     for i, module in enumerate(modules):
+        if any(m is module for m in modules[:i]):
+            continue  # Note [Backward of a call-stage ends at its input's gradient]
         for p in module.parameters():
             if p.requires_grad:
                 handles.append(

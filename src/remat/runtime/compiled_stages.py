@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from remat.core.errors import UsageError
 from remat.measure.compiled_calls import call_compiled
 from remat.measure.modes import is_compiled_forward, runs_compiled
+from remat.runtime.stage_calls import stage_submodule
 from remat.runtime.stages import resolve_stages
 
 __all__ = [
@@ -203,7 +204,7 @@ def _selective_graph(
 def compiled_flags(model: nn.Module, stages: Sequence[str]) -> tuple[bool, ...]:
     """Per stage: whether its ``forward`` is compiled (by :func:`compile_stages` or by
     ``torch.compile`` on the stage's forward), looking through a plan's wrapper."""
-    return tuple(runs_compiled(model.get_submodule(path)) for path in stages)
+    return tuple(runs_compiled(stage_submodule(model, path)) for path in stages)
 
 
 def stages_compiled(model: nn.Module, stages: Sequence[str]) -> bool:
@@ -227,7 +228,7 @@ def compile_stages(
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     paths = resolve_stages(model, stages)
-    modules = [model.get_submodule(p) for p in paths]
+    modules = [stage_submodule(model, p) for p in paths]
     for path, module in zip(paths, modules, strict=True):
         own = module.__dict__.get("forward", _MISSING)
         if own is not _MISSING and not is_compiled_forward(own):

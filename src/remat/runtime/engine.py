@@ -129,6 +129,21 @@ run outside ours, so each training pass moves ours back to first and last
 code still runs on what the other hooks handed it; a stage module called as
 ``module.forward(...)`` runs no hooks and is recorded as before.
 
+Note [Calls of one module as stages]
+------------------------------------
+A module the forward calls several times (ALBERT's shared layer group, a looped block) can
+be several stages, one per call (``path#k``: Note [Stages that are calls of one module] in
+remat.core.stage_names). Its ``forward`` is replaced once, by one :class:`StageForward`
+that knows all its stage indices, and so are its stage hooks. Which stage a call is comes
+from the engine, not from a counter of the module's calls: in forward it is the stage the
+chain expects next (``next_stage``), in a rebuild the stage whose recorded call is being
+replayed (``current``; a rebuild calls the module again, with its hooks, so a counter
+would count it as one more forward call), and a stage hook's leave belongs to the call
+whose record opens the gap (``gap_due``). A call the chain does not expect (the loop runs
+the module once more than the plan has calls) is handed to the module's first stage, and
+the usual order check reports it. Each call is recorded and rebuilt on its own; the
+module's parameters are the same tensors in every call, so torch sums their gradients.
+
 Note [torch.compile sees the engine as one opaque call]
 -------------------------------------------------------
 Under ``torch.compile`` Dynamo would trace into the engine. It cannot trace torch's
@@ -195,8 +210,8 @@ from remat.runtime.policies import (
 )
 from remat.runtime.rebuild_once import RebuildOnceFrame
 
-__all__ = ["NOT_PICKLED", "Engine", "EngineCallable", "PassHook", "StageForward", "StageHook",
-           "StageObserver", "main_input", "main_output", "opaque"]
+__all__ = ["NOT_PICKLED", "Engine", "EngineCallable", "PassHook", "Phase", "StageForward",
+           "StageHook", "StageObserver", "main_input", "main_output", "opaque"]
 
 
 class StageObserver(Protocol):
@@ -517,19 +532,51 @@ class Engine:
 
     # -- installation -------------------------------------------------------------------
 
-    def wrap(self, i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
-        """The ``forward`` installed on stage ``i``; ``orig`` is its own forward."""
-        return StageForward(self, i, orig)
+    def wrap(self, i: int | Sequence[int], orig: Callable[..., Any] | Sequence[Callable[..., Any]]
+             ) -> Callable[..., Any]:
+        """The ``forward`` installed on stage ``i``; ``orig`` is its own forward. For a module
+        that is several stages (its calls: Note [Calls of one module as stages]), ``i`` are
+        their indices and ``orig`` the forward each runs."""
+        if isinstance(i, int):
+            return StageForward(self, (i,), (cast(Callable[..., Any], orig),))
+        origs = tuple(cast(Sequence[Callable[..., Any]], orig))
+        return StageForward(self, tuple(i), origs)
+
+    def calls_of(self) -> list[tuple[nn.Module, tuple[int, ...]]]:
+        """Each distinct stage module, with the indices of the stages that are its calls."""
+        found: dict[int, tuple[nn.Module, list[int]]] = {}
+        for i, module in enumerate(self.modules):
+            found.setdefault(id(module), (module, []))[1].append(i)
+        return [(module, tuple(indices)) for module, indices in found.values()]
+
+    def stage_called(self, indices: tuple[int, ...]) -> int:
+        """Which of ``indices`` (the stages that are calls of one module) the call of that
+        module starting now is (Note [Calls of one module as stages]): in forward the stage
+        the chain expects next, in a rebuild the one whose recorded call is replayed. When
+        neither is one of them, the first: the caller's checks then report the misplaced
+        call."""
+        if len(indices) == 1:
+            return indices[0]
+        if self.phase is Phase.FORWARD and self.next_stage in indices:
+            return self.next_stage
+        if self.phase is Phase.REBUILD and self.current is not None \
+                and self.current.stage in indices:
+            return self.current.stage
+        return indices[0]
 
     def install_stage_hooks(self) -> list[RemovableHandle]:
-        """Hooks on the stages inside multi-stage regions (Note [Stages with hooks ...])."""
+        """Hooks on the stages inside multi-stage regions (Note [Stages with hooks ...]);
+        one pair per module, however many stages are its calls."""
         handles = []
-        for i in sorted({i for layout in self.layouts for i in layout.hooked}):
-            module = self.modules[i]
+        hooked = {i for layout in self.layouts for i in layout.hooked}
+        for module, indices in self.calls_of():
+            mine = tuple(i for i in indices if i in hooked)
+            if not mine:
+                continue
             pre = module.register_forward_pre_hook(
-                StageHook(self, i, enter=True), prepend=True, with_kwargs=True
+                StageHook(self, indices, enter=True), prepend=True, with_kwargs=True
             )
-            post = module.register_forward_hook(StageHook(self, i, enter=False))
+            post = module.register_forward_hook(StageHook(self, indices, enter=False))
             self.hook_ids.append((module, pre.id, post.id))
             handles += [pre, post]
         return handles
@@ -1025,19 +1072,26 @@ class EngineCallable:
 
 
 class StageForward(EngineCallable):
-    """A stage's ``forward`` while a plan is applied: its own when no pass is running."""
+    """A stage module's ``forward`` while a plan is applied: its own when no pass is
+    running. A module that is several stages (one per call: Note [Calls of one module as
+    stages]) has one, which hands each call to the stage the engine expects."""
 
-    def __init__(self, engine: Engine, i: int, orig: Callable[..., Any]) -> None:
+    def __init__(self, engine: Engine, indices: tuple[int, ...],
+                 origs: tuple[Callable[..., Any], ...]) -> None:
         self.engine = engine
-        self.i = i
-        self.orig = orig
-        functools.update_wrapper(self, orig)  # type: ignore[arg-type]
+        self.indices = indices
+        self.origs = origs
+        self.orig = origs[0]
+        functools.update_wrapper(self, origs[0])  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
         if engine.phase is Phase.IDLE:
             return self.orig(*args, **kwargs)
-        return engine.opaque_call(self.i, self.orig, args, kwargs)
+        if len(self.indices) == 1:
+            return engine.opaque_call(self.indices[0], self.orig, args, kwargs)
+        i = engine.stage_called(self.indices)
+        return engine.opaque_call(i, self.origs[self.indices.index(i)], args, kwargs)
 
 
 class PassHook(EngineCallable):
@@ -1061,16 +1115,19 @@ class StageHook(EngineCallable):
     """A stage's own first forward pre-hook (``enter``) or last forward hook inside a
     multi-stage region (Note [Stages with hooks of their own])."""
 
-    def __init__(self, engine: Engine, i: int, *, enter: bool) -> None:
+    def __init__(self, engine: Engine, indices: tuple[int, ...], *, enter: bool) -> None:
         self.engine = engine
-        self.i = i
+        self.indices = indices  # the stages that are calls of the module
         self.enter = enter
 
     def __call__(self, _module: nn.Module, args: tuple[Any, ...], third: Any) -> None:
+        engine = self.engine
         if self.enter:  # with_kwargs: third is the kwargs
-            self.engine.opaque_enter(self.i, args, third)
-        else:  # third is the output
-            self.engine.opaque_leave(self.i, third)
+            engine.opaque_enter(engine.stage_called(self.indices), args, third)
+        else:  # third is the output; the call's own stage is the one that opens the gap
+            due = engine.gap_due
+            i = due.stage if due is not None and due.stage in self.indices else self.indices[0]
+            engine.opaque_leave(i, third)
 
 
 def opaque(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -59,8 +59,10 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.core.stage_names import module_path
 from remat.core.units import first_names
 from remat.measure.modes import without_compiled_insides
+from remat.runtime.stage_calls import stage_submodule
 
 __all__ = [
     "OwnCheckpointing",
@@ -225,7 +227,7 @@ def recomputed_stages(
     """
     owner: dict[int, str] = {}
     for name in stages:
-        for module in model.get_submodule(name).modules():
+        for module in stage_submodule(model, name).modules():
             owner.setdefault(id(module), name)
     in_backward = False
     reran: dict[str, None] = {}
@@ -235,7 +237,7 @@ def recomputed_stages(
             reran.setdefault(owner[id(module)], None)
 
     modules = {id(m): m for name in stages
-               for _, m in without_compiled_insides(model.get_submodule(name))}
+               for _, m in without_compiled_insides(stage_submodule(model, name))}
     handles = [m.register_forward_pre_hook(seen) for m in modules.values()]
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
@@ -289,7 +291,8 @@ def refuse_checkpoint_calls(
 
 
 def _overlap(path: str, stage: str) -> bool:
-    """Whether module ``path`` is the stage, inside it or a container around it."""
+    """Whether module ``path`` is the stage's module, inside it or a container around it."""
+    stage = module_path(stage)
     return (
         path == stage or path.startswith(stage + ".") or path == "" or stage.startswith(path + ".")
     )

@@ -15,6 +15,8 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.model_identity import MadeFor, StageIdentity, fingerprint
 from remat.core.plan_format import Plan
+from remat.core.stage_names import call_index, module_path
+from remat.runtime.stage_calls import stage_submodule
 from remat.runtime.stages import unknown_path_message
 
 __all__ = ["check_made_for", "made_for_model", "model_stages", "plan_notes", "stage_identity",
@@ -91,7 +93,9 @@ def model_stages(model: nn.Module, stages: Sequence[str]) -> tuple[str, ...]:
     """``stages`` and the blocks beside them, in module order: the children of an
     ``nn.ModuleList`` or ``nn.Sequential`` holding a stage that share a stage's class."""
     found = set(stages)
-    for path in stages:
+    covered = {module_path(name) for name in stages}  # a module whose calls are stages
+    for name in stages:
+        path = module_path(name)
         parent_path, _, _ = path.rpartition(".")
         try:
             parent = model.get_submodule(parent_path)
@@ -103,17 +107,22 @@ def model_stages(model: nn.Module, stages: Sequence[str]) -> tuple[str, ...]:
         cls = stage_class(module)
         prefix = f"{parent_path}." if parent_path else ""
         found.update(
-            prefix + name for name, child in parent.named_children() if stage_class(child) is cls
+            prefix + child_name for child_name, child in parent.named_children()
+            if stage_class(child) is cls and prefix + child_name not in covered
         )
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return tuple(sorted(found, key=lambda name: order.get(name, len(order))))
+
+    def key(name: str) -> tuple[int, int]:
+        return order.get(module_path(name), len(order)), call_index(name) or 0
+
+    return tuple(sorted(found, key=key))
 
 
 def made_for_model(model: nn.Module, stages: Sequence[str]) -> MadeFor:
     """What a plan over ``stages`` made straight from ``model`` (no profile) is made for."""
     return MadeFor(
         model=type(model).__name__,
-        stages=tuple(stage_identity(model.get_submodule(path)) for path in stages),
+        stages=tuple(stage_identity(stage_submodule(model, path)) for path in stages),
         model_stages=len(model_stages(model, stages)),
     )
 
@@ -196,7 +205,7 @@ def plan_notes(model: nn.Module, plan: Plan, *, force: bool = False) -> tuple[st
     A stage path the model lacks is left for ``apply`` to report.
     """
     try:
-        modules = [model.get_submodule(path) for path in plan.stages]
+        modules = [stage_submodule(model, path) for path in plan.stages]
     except AttributeError:
         return ()
     return check_made_for(model, plan, modules, force=force)
@@ -207,7 +216,7 @@ def stage_module(model: nn.Module, plan: Plan, path: str) -> nn.Module:
     the model the plan was made for where it records one (a plan for another model names
     paths this one does not have: that, not a typo, is the likelier cause)."""
     try:
-        return model.get_submodule(path)
+        return stage_submodule(model, path)
     except AttributeError:
         made = plan.made_for.model if plan.made_for is not None else None
         if made:

@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Plan
 from remat.core.plan_set import OUTSIDE, PlanSet
+from remat.core.stage_names import call_index, module_path, split_stage_name
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.batch_shape import ShapeHook
 from remat.runtime.compiled_stages import CompiledForward, stages_compiled
@@ -158,8 +159,9 @@ class Handle(AppliedPlan):
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
-        """The stage modules, in plan order."""
-        return self._installation.stages
+        """The stage modules, in plan order (a module that is several stages, one per call,
+        appears once per call)."""
+        return self._installation.engine.modules
 
     @property
     def running(self) -> Plan:
@@ -385,9 +387,13 @@ def apply(
                     split_backward=split_backward)
     if plan_set is not None:
         engine.add_layouts(plans, all_policies)
-    previous = tuple(m.__dict__.get("forward", _MISSING) for m in stages)
-    for i, module in enumerate(stages):
-        module.forward = engine.wrap(i, forwards[i])
+    # one forward per module, also for a module that is several stages (its calls: Note
+    # [Calls of one module as stages] in engine.py)
+    distinct = engine.calls_of()
+    modules = tuple(module for module, _ in distinct)
+    previous = tuple(m.__dict__.get("forward", _MISSING) for m in modules)
+    for module, indices in distinct:
+        module.forward = engine.wrap(indices, [forwards[i] for i in indices])
         _WRAPPED.add(module)
     begin = PassHook(engine, begin=True)
     chooser = () if plan_set is None else (  # before the pass begins: it picks the plan
@@ -398,7 +404,7 @@ def apply(
         model.register_forward_hook(PassHook(engine, begin=False), always_call=True),
         *engine.install_stage_hooks(),  # Note [Stages with hooks of their own] in engine.py
     )
-    installation = _Installation(engine, stages, previous, hooks, weakref.ref(model))
+    installation = _Installation(engine, modules, previous, hooks, weakref.ref(model))
     begin.installation = installation  # a deep copy of the model copies it
     _APPLIED[model] = installation
     return Handle(model, plan_set if plan_set is not None else plan, installation)
@@ -453,7 +459,11 @@ def remove(model: nn.Module) -> None:
 
 
 def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
-    """The plan's stage modules; UsageError for unknown, nested or already-wrapped ones."""
+    """The plan's stage modules; UsageError for unknown, nested or already-wrapped ones.
+
+    Stages ``path#0``, ``path#1``, ... are calls of one module (Note [Stages that are calls
+    of one module] in remat.core.stage_names); the same module under two other names is
+    refused."""
     modules: list[nn.Module] = []
     for path in plan.stages:
         module = stage_module(model, plan, path)
@@ -469,11 +479,25 @@ def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
     for i, module in enumerate(modules):
         index.setdefault(id(module), i)
     for i, module in enumerate(modules):
-        if index[id(module)] != i:
-            other = plan.stages[index[id(module)]]
-            raise UsageError(
-                f"stages {other!r} and {plan.stages[i]!r} are the same module; list it once"
-            )
+        first = index[id(module)]
+        if first != i:
+            other = plan.stages[first]
+            path, k = split_stage_name(plan.stages[i])
+            if k is None or call_index(other) is None or module_path(other) != path:
+                raise UsageError(
+                    f"stages {other!r} and {plan.stages[i]!r} are the same module; list it "
+                    f"once, or name each of its calls as {module_path(other)}#0, "
+                    f"{module_path(other)}#1, ... (docs/stages.md)"
+                )
+            continue
+        calls = [plan.stages[j] for j, m in enumerate(modules) if m is module]
+        if len(calls) > 1 or call_index(calls[0]) is not None:
+            expected = [f"{module_path(calls[0])}#{k}" for k in range(len(calls))]
+            if calls != expected:
+                raise UsageError(
+                    f"the plan names the calls of module {module_path(calls[0])!r} as "
+                    f"{', '.join(calls)}; name every call of it in one forward, in order: "
+                    f"{', '.join(expected)}")
         for sub in module.modules():
             j = index.get(id(sub))
             if sub is not module and j is not None:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from remat.runtime.engine import main_output
+from remat.runtime.stage_calls import hook_stages, stage_submodule
 from remat.verification.compare import diff
 from remat.verification.report import Divergence, ValueCheckResult
 from remat.verification.tolerance import TolerancePolicy
@@ -34,10 +35,13 @@ class StageRecords:
     @classmethod
     def install(cls, model: nn.Module, names: tuple[str, ...]) -> StageRecords:
         capture = cls(names)
-        for i, name in enumerate(names):
-            module = model.get_submodule(name)
-            capture.handles.append(module.register_forward_pre_hook(capture._pre(i)))
-            capture.handles.append(module.register_forward_hook(capture._post(i)))
+        pres = [capture._pre(i) for i in range(len(names))]
+        posts = [capture._post(i) for i in range(len(names))]
+        modules = [stage_submodule(model, name) for name in names]
+        # one pair of hooks per module, also for a module that is several stages (its calls)
+        capture.handles += hook_stages(
+            modules, lambda i, args, _kwargs: pres[i](modules[i], args),
+            lambda i, args, _kwargs, out: posts[i](modules[i], args, out))
         return capture
 
     def close(self) -> None:

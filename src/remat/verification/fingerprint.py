@@ -45,6 +45,7 @@ from remat.measure.modes import EagerDispatchMode
 from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
 from remat.runtime.policies import ROUTING_OPS
+from remat.runtime.stage_calls import stage_submodule
 from remat.verification.report import OpMismatch, ValueCheckResult
 from remat.verification.tolerance import TolerancePolicy, parse_tolerance
 
@@ -455,7 +456,8 @@ class ValueCheck:
         self._rebuilt = rebuilt_stages(plan)
         self._skippable = handle.rebuilt_without_running()
         self._tolerance = parse_tolerance(tolerance)
-        self._stage_modules = {i: handle.model.get_submodule(plan.stages[i]) for i in self._rebuilt}
+        self._stage_modules = {i: stage_submodule(handle.model, plan.stages[i])
+                               for i in self._rebuilt}
         self.recorder = OpRecorder()
         self.forward: dict[int, list[Fingerprint]] = {}  # stage -> its last forward's ops
         self._stack: list[tuple[int, bool, list[Fingerprint] | None]] = []

@@ -30,6 +30,7 @@ from remat.measure.step import checked_loss, make_optimizer
 from remat.runtime.compiled_stages import stages_compiled
 from remat.runtime.identity import stage_module
 from remat.runtime.install import Handle, apply, observe
+from remat.runtime.stage_calls import stage_submodule
 from remat.verification.compare import check_tensors
 from remat.verification.divergence import StageRecords, first_divergence
 from remat.verification.fingerprint import ValueCheck
@@ -479,7 +480,8 @@ class _Run:
         """Each stage's parameters under their model-level names (tied ones appear once)."""
         names = {id(p): n for n, p in self.twin.named_parameters()}
         return [
-            [names[id(p)] for p in self.twin.get_submodule(stage).parameters() if id(p) in names]
+            [names[id(p)] for p in stage_submodule(self.twin, stage).parameters()
+             if id(p) in names]
             for stage in self.plan.stages
         ]
 

@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 import remat.runtime
 from remat.core.plan_format import Plan, Region
 from remat.runtime.install import installed_hook_ids
+from remat.runtime.stage_calls import stage_submodule
 from remat.verification.fingerprint import (
     Checksum,
     Fingerprint,
@@ -167,7 +168,7 @@ class HazardProbe:
         # starts, and selective stages outside regions (their own frame saves it).
         self._saved_boundary: dict[int, Region | None] = {r.start: r for r in plan.children()}
         self._saved_boundary.update({i: None for i, r in self._rebuilt.items() if r is None})
-        modules = {i: model.get_submodule(plan.stages[i]) for i in self._rebuilt}
+        modules = {i: stage_submodule(model, plan.stages[i]) for i in self._rebuilt}
         self._modules = {
             i: tuple(m.named_modules(prefix=plan.stages[i])) for i, m in modules.items()
         }
