@@ -559,6 +559,14 @@ def _signal_sizes(
     (Note [Signal sizes])."""
     fields: dict[str, Any] = {}
     uses = _uses(head)
+    if uses != "text" and "image_size" not in given:
+        side = defaults.get("image_size")  # at most 224 (efficientnet's is 600)
+        if _int(side) and side > _SMALL["image_size"]:
+            fields["image_size"] = _SMALL["image_size"]
+    # wav2vec2-conformer's vocabulary is None: its tokenizer sets it
+    text_head = head in ("ctc", "speech-seq2seq")
+    if text_head and "vocab_size" in defaults and defaults["vocab_size"] is None:
+        fields["vocab_size"] = given.get("vocab_size", _SMALL["vocab_size"])
     if uses == "video" and _int(defaults.get("num_frames")) and "num_frames" not in given:
         fields["num_frames"] = min(defaults["num_frames"], _SMALL["num_frames"])
     if uses == "audio" and _int(defaults.get("num_mel_bins")):
@@ -584,18 +592,19 @@ def _signal_sizes(
 
 # Note [Signal sizes]
 # ~~~~~~~~~~~~~~~~~~~
-# Images keep the family's image_size (224 x 224 where the config has none: image_size=
-# sets the batch's side then): at 224 a ViT of hidden size 128 sees 197 patches, so its
-# activations, not its parameters and their AdamW state, make most of the peak, as for
-# text. Videos have 4 frames at most. For audio seq_len is the length of the sequence
-# the encoder layers see: whisper's max_source_positions and AST's max_length are set to
-# it, and a waveform has as many samples as the convolutions need for seq_len frames
-# (20 ms each at 16 kHz); those convolutions have at most 128 channels (wav2vec2's
-# conv_dim, 512 by default, would make the feature encoder most of the step). The layers
-# are shrunk as text families are (GROUPS), except in families built in stages of
-# different widths (a ``depths`` list: swin, convnext, resnet): there the widths stay the
-# family's (a hidden size of 128 would widen swin's first stage from 96, and its last to
-# 1024) unless hidden_size= is given, and each stage has at most 2 blocks.
+# Images keep the family's image_size, at most 224 (224 x 224 where the config has
+# none: image_size= sets the batch's side then): at 224 a ViT of hidden size 128 sees
+# 197 patches, so its activations, not its parameters and their AdamW state, make most
+# of the peak, as for text. Videos have 4 frames at most. For audio, seq_len is the
+# length of the sequence the encoder layers see: whisper's max_source_positions and
+# AST's max_length are set to it, and a waveform has as many samples as the
+# convolutions need for seq_len frames (20 ms each at 16 kHz); those convolutions have
+# at most 128 channels (wav2vec2's conv_dim, 512 by default, would make the feature
+# encoder most of the step). The layers are shrunk as text families are (GROUPS),
+# except in families built in stages of different widths (a ``depths`` list: swin,
+# convnext, resnet): there the widths stay the family's (a hidden size of 128 would
+# widen swin's first stage from 96, and its last to 1024) unless hidden_size= is given,
+# and each stage has at most 2 blocks.
 #
 # LayerDrop (wav2vec2, hubert, whisper, ... layerdrop 0.1) is set to 0: it skips whole
 # layers at random in training, so which stages run changes from step to step, and a
@@ -753,6 +762,11 @@ def hf_model(
     if uses in ("text", "text+pixels") or chosen_head in ("ctc", "speech-seq2seq"):
         text_cfg = cfg.get_text_config(decoder=True) if uses != "text" else cfg
         vocab = check_int("vocab_size", getattr(text_cfg, "vocab_size", None), minimum=2)
+    from transformers.models.auto import modeling_auto
+
+    classes = getattr(modeling_auto, HEADS[chosen_head].mapping)[model_type]
+    if isinstance(classes, (tuple, list)):  # deit, levit: the auto class asks which one
+        cfg.architectures = [classes[0]]
     auto = getattr(transformers, HEADS[chosen_head].auto_class)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with seeded(seed):
