@@ -22,6 +22,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.core.plan_set import PlanSet
 from remat.measure.step import make_optimizer
 from remat.runtime import Handle, apply
 from remat.runtime.compiled_stages import code_copy
@@ -123,16 +124,18 @@ class Runner:
 
 
 class EagerRunner(Runner):
-    """The model with ``plan`` applied through remat's runtime (``none``: no regions), or
-    for an ``hf-gc`` plan with transformers' own checkpointing turned on instead."""
+    """The model with ``plan`` applied through remat's runtime (``none``: no regions; a
+    plan set: each forward runs its batch's bucket's plan), or for an ``hf-gc`` plan with
+    transformers' own checkpointing turned on instead."""
 
     def __init__(
-        self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: str, plan: Plan
+        self, model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: str,
+        plan: Plan | PlanSet,
     ) -> None:
         super().__init__(model, batch, loss_fn, optimizer)
         self.plan = plan
         self.handle: Handle | None = None
-        if is_hf_gc(plan):
+        if isinstance(plan, Plan) and is_hf_gc(plan):
             enable_hf_gc(model)
         else:
             self.handle = apply(model, plan)
@@ -142,7 +145,7 @@ class EagerRunner(Runner):
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-        elif is_hf_gc(self.plan):
+        elif isinstance(self.plan, Plan) and is_hf_gc(self.plan):
             disable_hf_gc(self.model)
 
 

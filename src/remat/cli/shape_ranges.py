@@ -1,4 +1,5 @@
-"""``--shapes``: ``remat profile`` over a range of batch shapes, ``remat plan`` a plan set.
+"""``--shapes``: ``remat profile`` over a range of batch shapes, ``remat plan`` a plan set,
+``remat auto`` and ``remat bench`` measuring it at each bucket's ends.
 
 docs/shapes.md: a profile over a range fits every byte figure exactly (or steps it over a
 ladder) and every time; a plan set gives each bucket of shapes its plan, every shape of
@@ -20,13 +21,15 @@ from remat.core.errors import UsageError
 from remat.core.profile_format import Profile
 from remat.core.units import format_bytes
 
-__all__ = ["add_shapes_option", "auto_range_command", "plan_range", "profile_range"]
+__all__ = ["add_shapes_option", "auto_range_command", "bench_range_table", "plan_range",
+           "profile_range"]
 
 
 def add_shapes_option(p: argparse.ArgumentParser, *, outside: bool) -> None:
     p.add_argument("--shapes", default=None, metavar="RANGE", help=(
-        "profile a range of batch shapes, e.g. batch=1..16,seq=128..2048:8 (dimensions "
-        "batch, seq, side, height, width, axisN; docs/shapes.md)"))
+        "a range of batch shapes to profile (and plan for), e.g. "
+        "batch=1..16,seq=128..2048:8 (dimensions batch, seq, side, height, width, axisN; "
+        "docs/shapes.md)"))
     if outside:
         p.add_argument("--outside", default="error", choices=("error", "conservative"),
                        help=("what a batch outside the range gets at run time: an error "
@@ -185,3 +188,49 @@ def auto_range_command(args: argparse.Namespace) -> int:
                      if report.ok else "FAILED: a step over the budget or gradients differ"))
     write_json(report.to_dict(), args.json)
     return 0 if report.ok else 1
+
+
+
+def bench_range_table(report: Any) -> Table:
+    """``remat bench --shapes``: one row per strategy at each bucket end; the first row of
+    a bucket names the plan and the shapes it runs."""
+    from remat.benchmarking.report import options_summary
+
+    def size(n: int | None) -> str:
+        return "-" if n is None else format_bytes(n)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.1%}"
+
+    chosen = report.plan_set
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False,
+                  title=f"{report.model} over {chosen.dims}: every row at each bucket's ends, "
+                        f"budget {report.budget} = {format_bytes(chosen.budget_bytes)}; times "
+                        "in ms")
+    for title in ("plan: shapes", "shape", "row", "predicted", "measured", "error", "within",
+                  "step", "overhead", "grads", "regions / options"):
+        table.add_column(title, justify="left" if title in (
+            "plan: shapes", "shape", "row", "regions / options") else "right")
+    last_plan, last_shape = None, None
+    for r in report.rows:
+        row = r.row
+        head = f"{r.plan}: {r.bucket}" if r.plan != last_plan else ""
+        where = r.shape_text if r.shape != last_shape else ""
+        last_plan, last_shape = r.plan, r.shape
+        if row.status != "ok":
+            table.add_row(head, where, row.key, "", "", "", "", "", "", "",
+                          f"{row.status}: {row.reason}")
+            continue
+        overhead = pct(row.overhead) + ("" if row.predicted_overhead is None
+                                        else f" ({pct(row.predicted_overhead)})")
+        table.add_row(
+            head, where, row.key, size(row.predicted_peak_bytes), size(row.measured_peak_bytes),
+            pct(row.peak_error), {True: "yes", False: "OVER", None: "-"}[row.within_budget],
+            "-" if row.step_time_s is None else f"{row.step_time_s * 1e3:.1f}", overhead,
+            {True: "equal", False: "DIFFER", None: "-"}[row.grads_match],
+            f"{' '.join(row.regions) or '-'} / {options_summary(row.options)}")
+    table.caption = ("measured: the live-storage tracker; error: measured / predicted - 1; "
+                     "within: measured against the budget; step: median; overhead: median "
+                     "per-round ratio to none at the same shape (predicted); remat: the plan "
+                     "set applied, the runtime running the bucket's plan")
+    return table
