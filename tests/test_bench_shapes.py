@@ -87,3 +87,14 @@ def test_a_bad_range_or_an_option_a_range_does_not_take_is_one_line_and_exits_2(
     assert main(["bench", *TINY, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and err.startswith("remat bench: error:"), err
+
+
+def test_the_cli_range_defaults_equal_the_library_defaults() -> None:
+    import inspect
+
+    from remat.benchmarking.range_bench import RANGE_STRATEGIES, bench_range
+    from remat.cli import bench as cli
+
+    assert ",".join(RANGE_STRATEGIES) == cli.RANGE_STRATEGIES
+    assert inspect.signature(bench_range).parameters["budget"].default == cli.RANGE_BUDGET
+    assert "compile" not in RANGE_STRATEGIES and "remat" in RANGE_STRATEGIES

@@ -193,7 +193,7 @@ def _at_shape(factory: Any, optimizer: str, chosen: PlanSet, prof: Any, shape: S
     plain_sim = simulate(baseline_plan(problem, "none"), problem)
     rows: dict[str, ShapeBenchRow] = {}
     runners: dict[str, Runner] = {}
-    reference = factory(None)[0]  # the plain model every row's gradients are compared with
+    reference = factory(None)[0].train()  # every row's gradients are compared with its
     try:
         for strategy in strategies:
             priced = chosen.plans[k] if strategy == "remat" else baseline_plan(problem, strategy)
