@@ -21,6 +21,15 @@ holds most of the activation memory (docs/stages.md gives the rules and their re
    between its two resnets): inside a region it would be glue, replayed call by call.
 4. The stages are ordered by their call; stages whose calls overlap are dropped
    (the one holding less memory goes).
+5. In a container of several classes (outside blocks), two or more children in a row,
+   in call order, of one class, block family or module tree are a *run*, and a run's
+   children are blocks as a container's are (MobileNetV2's inverted residuals between
+   its stem and head; EfficientNet's stages, split into their blocks by 2). A block
+   that is a container itself is looked into as that container.
+6. Only where 1 to 5 find no two stages: the leaf layers of containers of layers
+   (VGG's ``features``) with parameters or saved bytes, in-place activations left as glue.
+
+``Chain.rejected`` says, one line each, which candidates gave no stage and why.
 
 Activation memory is what autograd saves during the forward (distinct storages,
 parameters and the batch excluded), credited to the innermost module running when it
@@ -34,7 +43,7 @@ import difflib
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -126,6 +135,8 @@ class _Trace:
     end: dict[str, int]  # event index of the first call's end
     own_bytes: dict[str, int]  # saved while the module was the innermost one running
     total_bytes: int
+    # per module, each call's (start event, end event, bytes saved while it ran)
+    call_spans: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -181,11 +192,14 @@ def _trace(model: nn.Module, batch: Any, run: Callable[[], Any]) -> _Trace:
         return t
 
     handles = []
+    spans: dict[str, list[tuple[int, int, int]]] = {}
+    began: dict[str, list[tuple[int, int]]] = {}  # calls running: (start event, bytes then)
     for path, module in without_compiled_insides(model):
 
         def pre(_m: nn.Module, _args: Any, path: str = path) -> None:
             calls[path] = calls.get(path, 0) + 1
             start.setdefault(path, events[0])
+            began.setdefault(path, []).append((events[0], total[0]))
             events[0] += 1
             stack.append(path)
 
@@ -193,6 +207,9 @@ def _trace(model: nn.Module, batch: Any, run: Callable[[], Any]) -> _Trace:
             if stack and stack[-1] == path:
                 stack.pop()
             end.setdefault(path, events[0])
+            if began.get(path):
+                at, before = began[path].pop()
+                spans.setdefault(path, []).append((at, events[0], total[0] - before))
             events[0] += 1
 
         handles.append(module.register_forward_pre_hook(pre))
@@ -203,7 +220,7 @@ def _trace(model: nn.Module, batch: Any, run: Callable[[], Any]) -> _Trace:
     finally:
         for handle in handles:
             handle.remove()
-    return _Trace(calls, start, end, own, total[0])
+    return _Trace(calls, start, end, own, total[0], spans)
 
 
 def _subtree_bytes(model: nn.Module, own: dict[str, int]) -> dict[str, int]:
@@ -487,18 +504,76 @@ def discover_chain(
     with _untouched(model):
         trace = _trace(model, batch, run)
     stages, rejected = _choose(model, trace)
+    sub = _subtree_bytes(model, trace.own_bytes)
+    stages, call_bytes, more = _with_calls(model, trace, sub, stages)
+    rejected = [*rejected, *more]
     if len(stages) < 2:
         raise UsageError(
             f"found no repeated blocks in {type(model).__name__} that its forward calls once "
             "each (two or more modules of one class in a row in an nn.ModuleList or "
-            "nn.Sequential); name the stages with stages=[module paths] (--stages on the "
+            "nn.Sequential), nor a block it calls several times that holds most of the "
+            "activation memory; name the stages with stages=[module paths] (--stages on the "
             "command line)"
         )
-    sub = _subtree_bytes(model, trace.own_bytes)
-    chain = Chain(tuple(stages), tuple(sub[p] for p in stages), trace.total_bytes,
-                  tuple(rejected))
+    chain = Chain(tuple(stages), tuple(call_bytes.get(p, sub.get(p, 0)) for p in stages),
+                  trace.total_bytes, tuple(rejected))
     _LAST[model] = chain
     return chain
+
+
+#: The modules the forward calls several times become stages, one per call, when their
+#: calls together hold at least this share of the activation memory (rule 2).
+CALLS_SHARE = 0.5
+
+
+def _with_calls(model: nn.Module, trace: _Trace, sub: dict[str, int], stages: list[str]
+                ) -> tuple[list[str], dict[str, int], list[str]]:
+    """``stages`` with the calls of looped blocks as stages (rule 2, docs/stages.md); the
+    bytes each call saved; and a line for each looped block that gave no stage.
+
+    A looped block is a module with children that the forward calls two or more times and
+    no module around it calls more than once (ALBERT's shared layer group, not the layers
+    inside it). When the looped blocks hold at least :data:`CALLS_SHARE` of what the
+    forward saved, and more than the stages found in or around them, each of their calls
+    is a stage ``path#k`` (Note [Stages that are calls of one module] in
+    remat.core.stage_names), and those stages go.
+    """
+    modules = dict(without_compiled_insides(model))
+
+    def repeated(path: str) -> bool:
+        return trace.calls.get(path, 0) >= 2
+
+    def outermost(path: str) -> bool:
+        parts = path.split(".")
+        return not any(repeated(".".join(parts[:k])) for k in range(1, len(parts)))
+
+    looped = [p for p, m in modules.items() if p and repeated(p) and outermost(p)
+              and any(True for _ in m.children()) and sub.get(p, 0) > 0]
+    if not looped:
+        return stages, {}, []
+
+    def related(a: str, b: str) -> bool:
+        return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.")
+
+    held = sum(sub[p] for p in looped)
+    displaced = sum(sub.get(s, 0) for s in stages if any(related(s, p) for p in looped))
+    share = held / trace.total_bytes if trace.total_bytes else 0.0
+    if share < CALLS_SHARE or held <= displaced:
+        why = (f"holds {share:.0%} of the activation memory (its calls are stages from "
+               f"{CALLS_SHARE:.0%})" if share < CALLS_SHARE
+               else "the blocks found inside or around it hold more")
+        return stages, {}, [f"{p}: rejected, called {trace.calls[p]} times and the calls "
+                            f"of such blocks {why}" for p in looped
+                            if not any(related(p, s) for s in stages)][:REJECTED_LINES]
+    kept = [s for s in stages if not any(related(s, p) for p in looped)]
+    starts = {s: trace.start[s] for s in kept}
+    call_bytes: dict[str, int] = {}
+    for p in looped:
+        for k, (at, _, nbytes) in enumerate(sorted(trace.call_spans[p])):
+            name = call_name(p, k)
+            starts[name] = at
+            call_bytes[name] = nbytes
+    return sorted(starts, key=starts.__getitem__), call_bytes, []
 
 
 _LAST: weakref.WeakKeyDictionary[nn.Module, Chain] = weakref.WeakKeyDictionary()
