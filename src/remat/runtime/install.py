@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Plan
 from remat.core.plan_set import OUTSIDE, PlanSet
-from remat.core.stage_names import call_index, module_path, split_stage_name
+from remat.core.stage_names import call_index, module_path
 from remat.runtime._torch_checkpoint import check_available
 from remat.runtime.batch_shape import ShapeHook
 from remat.runtime.compiled_stages import CompiledForward, stages_compiled
@@ -479,19 +479,17 @@ def _resolve_stages(model: nn.Module, plan: Plan) -> tuple[nn.Module, ...]:
     for i, module in enumerate(modules):
         index.setdefault(id(module), i)
     for i, module in enumerate(modules):
-        first = index[id(module)]
-        if first != i:
-            other = plan.stages[first]
-            path, k = split_stage_name(plan.stages[i])
-            if k is None or call_index(other) is None or module_path(other) != path:
-                raise UsageError(
-                    f"stages {other!r} and {plan.stages[i]!r} are the same module; list it "
-                    f"once, or name each of its calls as {module_path(other)}#0, "
-                    f"{module_path(other)}#1, ... (docs/stages.md)"
-                )
-            continue
+        if index[id(module)] != i:
+            continue  # checked with its first stage
         calls = [plan.stages[j] for j, m in enumerate(modules) if m is module]
-        if len(calls) > 1 or call_index(calls[0]) is not None:
+        other = next((c for c in calls if module_path(c) != module_path(calls[0])), None)
+        if other is not None or (len(calls) > 1 and call_index(calls[0]) is None):
+            raise UsageError(
+                f"stages {calls[0]!r} and {other or calls[1]!r} are the same module; list it "
+                f"once, or name each of its calls as {module_path(calls[0])}#0, "
+                f"{module_path(calls[0])}#1, ... (docs/stages.md)"
+            )
+        if call_index(calls[0]) is not None:
             expected = [f"{module_path(calls[0])}#{k}" for k in range(len(calls))]
             if calls != expected:
                 raise UsageError(
