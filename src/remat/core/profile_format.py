@@ -220,6 +220,8 @@ class StageProfile(StageRecord):
             **({"cast_cache_bytes": self.cast_cache_bytes,
                 "cast_unsaved_bytes": self.cast_unsaved_bytes} if self.cast_cache_bytes
                else {}),
+            **({"call_args": [a.to_dict() for a in self.call_args]} if self.call_args
+               else {}),
             **({"identity": self.identity.to_dict()} if self.identity is not None else {}),
             **({"same_as": self.same_as} if self.same_as is not None else {}),
             **(
@@ -277,6 +279,7 @@ _OPTIONAL_STAGE_KEYS = (
     "rebuild_grad_bytes",
     "cast_cache_bytes",
     "cast_unsaved_bytes",
+    "call_args",
     "identity",
     "same_as",
     "time_spread",

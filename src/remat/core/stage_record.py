@@ -25,7 +25,7 @@ import remat.core.fields as check
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Option
 
-__all__ = ["HeldRead", "StageRecord", "reads_from", "shared_fields"]
+__all__ = ["CallArg", "HeldRead", "StageRecord", "call_args_from", "reads_from", "shared_fields"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,44 @@ def reads_from(value: Any, where: str) -> tuple[HeldRead, ...]:
     if not isinstance(value, (list, tuple)):
         raise UsageError(f"{where} reads must be a list of reads, got {type(value).__name__}")
     return tuple(r if isinstance(r, HeldRead) else HeldRead.from_dict(r) for r in value)
+
+
+@dataclass(frozen=True)
+class CallArg:
+    """A tensor the stage's call is passed from before the chain besides its input (a 4-D
+    attention mask, position ids) that no stage saves and that the model lets go of when
+    its forward returns: a checkpoint frame over the stage holds it to its backward
+    (Note [Arguments a checkpoint frame holds] in ``remat.core.solve.simulator``).
+
+    ``tensor`` names it among the stages' arguments (stages passed one tensor share it);
+    the total of the distinct ones is ``args_at_return_bytes``.
+    """
+
+    tensor: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "nbytes"):
+            object.__setattr__(self, name,
+                               check.byte_count(getattr(self, name), f"profile call arg {name}"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor": self.tensor, "bytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CallArg:
+        keys = ("tensor", "bytes")
+        check.check_keys(data, keys, keys, "a stage call argument",
+                         missing_hint="regenerate it with remat profile")
+        return cls(data["tensor"], data["bytes"])
+
+
+def call_args_from(value: Any, where: str) -> tuple[CallArg, ...]:
+    """``value`` as a tuple of call arguments: CallArg objects or their JSON dicts."""
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"{where} call_args must be a list of arguments, got "
+                         f"{type(value).__name__}")
+    return tuple(a if isinstance(a, CallArg) else CallArg.from_dict(a) for a in value)
 
 
 @dataclass(frozen=True)
@@ -149,6 +187,10 @@ class StageRecord:
     # Of saved_bytes, what the model's code between the previous stage and this one keeps
     # for backward (a block the chain does not list: a module between two stages the user named).
     link_saved_bytes: int = 0
+    # What the stage's call is passed from before the chain that a checkpoint frame over
+    # it holds (empty in profiles from before it was measured per stage: every frame is
+    # then taken to hold all of ``args_at_return_bytes``).
+    call_args: tuple[CallArg, ...] = field(default=(), hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -190,6 +232,7 @@ class StageRecord:
             self.option(k, "input_kept_by_option"): v
             for k, v in self.input_kept_by_option.items()}))
         object.__setattr__(self, "reads", reads_from(self.reads, where))
+        object.__setattr__(self, "call_args", call_args_from(self.call_args, where))
 
     @property
     def where(self) -> str:

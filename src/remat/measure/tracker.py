@@ -419,6 +419,17 @@ class LiveMemoryTracker:
             self._phase_peaks.clear()
 
     @property
+    def serial(self) -> int:
+        """How many storages the tracker has counted so far (see :meth:`made_before`)."""
+        return self._serial
+
+    def made_before(self, t: torch.Tensor, serial: int) -> bool:
+        """Whether ``t``'s storage is a counted one the tracker saw before it had counted
+        ``serial`` storages (a tensor the model made before some point of its forward)."""
+        record = self._lookup(t)
+        return record is not None and record.serial < serial
+
+    @property
     def live_bytes(self) -> int:
         return self._live_total
 

@@ -40,8 +40,8 @@ add up to what that step really did), in the terms ``remat.core.solve.simulate``
   parameter gradients: the loss the caller holds and what autograd keeps with it (8 bytes
   for a float32 cross entropy), which no part of the chain frees.
 * pre-chain: what is alive when the first stage starts, beyond the step's start and the
-  first stage's input. Of it, ``args_at_return``: what the first stage's call is passed
-  from before the chain besides its input (a padded batch's 4-D attention mask, position
+  first stage's input. Of it, ``args_at_return``: what the stages' calls are passed
+  from before the chain besides their input (a padded batch's 4-D attention mask, position
   ids) that no stage saves and the model's code lets go of at its forward's return (read
   in the no-save pass); the residue is read with it added back (it went before the
   chain's backward began), the simulator lets it go at the return unless a checkpoint
@@ -230,6 +230,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 saves_output=nosave.saves_output,
                 break_before=m.breaks[i],
                 reads=m.reads[i],
+                call_args=m.nosave.call_args[i] if m.nosave.call_args else (),
                 link_saved_bytes=link_saved_bytes(m, i),
                 selective_bwd_transient_bytes=replay,
                 input_kept_by_option=input_kept,

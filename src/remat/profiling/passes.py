@@ -23,6 +23,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
+from remat.core.stage_record import CallArg
 from remat.measure import LiveMemoryTracker
 from remat.measure.tracker import iter_tensors
 from remat.profiling._tensors import (
@@ -91,10 +92,12 @@ class ForwardPass:
     # The storage behind the loss loss_fn returned: more than its one element where the
     # kernel returns a view of a whole buffer (CPU mse_loss keeps its elementwise losses).
     loss_storage_bytes: int = 0
-    # No-save pass: what the first stage's call is passed from before the chain besides
-    # its input (not the batch's own tensors) that no stage offers to save and that is
-    # gone once the model's forward has returned (FixedBytes.args_at_return_bytes)
+    # No-save pass: what the stages' calls are passed from before the chain besides their
+    # input (not the batch's own tensors) that no stage offers to save and that is gone
+    # once the model's forward has returned (FixedBytes.args_at_return_bytes), and per
+    # stage which of those its call got (StageRecord.call_args)
     args_at_return_bytes: int = 0
+    call_args: tuple[tuple[CallArg, ...], ...] = ()
 
 
 def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
@@ -172,11 +175,16 @@ def forward_pass(
     current: list[int] = []  # the stage running now, if any
     offered: list[weakref.ref[torch.UntypedStorage]] = []  # what it asked autograd to save
 
-    # storage id -> (the storage, bytes): what stage 0's call is passed besides its input
-    # (a 4-D attention mask, position ids); and the ids some stage offered to save
+    # storage id -> (the storage, bytes): what the stages' calls are passed from before
+    # the chain besides their input (a 4-D attention mask, position ids; gemma2 passes
+    # its sliding-window layers one mask and the others another); which of them each
+    # call got; and the ids some stage offered to save
     call_args: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+    stage_args: list[list[int]] = [[] for _ in range(n)]
     args_saved: set[int] = set()
     args_at_return = 0
+    args_by_stage: tuple[tuple[CallArg, ...], ...] = ()
+    chain_start = [0]  # the tracker's serial when stage 0 was called
 
     # per stage: the stage inputs the model's code just before it offered to save
     link_saves: list[set[int]] = [set() for _ in range(n)]
@@ -220,13 +228,18 @@ def forward_pass(
         tracker.reset_peak()
         x = main_input(args, kwargs)
         entries[i] = (tracker.live_bytes, x)
-        if i == 0 and not save:
+        if i == 0:
+            chain_start[0] = tracker.serial
+        if not save:
             for t in iter_tensors((args, kwargs)):
                 with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                     storage = t.untyped_storage()
                     if (x is None or not same_storage(x, t)) and not any(
-                            same_storage(t, b) for b in batch_tensors):
+                            same_storage(t, b) for b in batch_tensors) and (
+                            i == 0 or tracker.made_before(t, chain_start[0])):
                         call_args[id(storage)] = (weakref.ref(storage), storage.nbytes())
+                        if id(storage) not in stage_args[i]:
+                            stage_args[i].append(id(storage))
         previous[i] = i > 0 and x is not None and alive(i - 1) and (
             outputs[i - 1]() is x.untyped_storage()  # type: ignore[misc]
         )
@@ -280,8 +293,14 @@ def forward_pass(
                     with torch.autograd.graph.saved_tensors_hooks(drop, _never):
                         loss = loss_fn(model, batch)
                     # the forward has returned; nothing is saved in this pass
-                    args_at_return = sum(nbytes for key, (ref, nbytes) in call_args.items()
-                                         if key not in args_saved and ref() is None)
+                    gone = [key for key, (ref, _) in call_args.items()
+                            if key not in args_saved and ref() is None]
+                    args_at_return = sum(call_args[key][1] for key in gone)
+                    index = {key: k for k, key in enumerate(gone)}
+                    args_by_stage = tuple(
+                        tuple(CallArg(index[key], call_args[key][1])
+                              for key in keys if key in index)
+                        for keys in stage_args)
                 loss_storage = (loss.untyped_storage().nbytes()
                                 if isinstance(loss, torch.Tensor) else 0)
                 if save:  # what the graph holds counts, so before it goes
@@ -325,4 +344,5 @@ def forward_pass(
         ),
         loss_storage_bytes=loss_storage,
         args_at_return_bytes=args_at_return,
+        call_args=args_by_stage,
     )

@@ -182,6 +182,8 @@ class StageCost(StageRecord):
             **({"cast_cache_bytes": self.cast_cache_bytes,
                 "cast_unsaved_bytes": self.cast_unsaved_bytes} if self.cast_cache_bytes
                else {}),
+            **({"call_args": [a.to_dict() for a in self.call_args]} if self.call_args
+               else {}),
             **({"held_through": self.held_through} if self.held_through is not None else {}),
             **({"output_held_through": self.output_held_through,
                 "output_held_bytes": self.output_held_bytes}
@@ -219,7 +221,7 @@ _STAGE_KEYS = (
     *_STAGE_KEYS_V1, "grad_bytes", "saves_input", "break_before", "bwd_transient_by_option",
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
     "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option", "link_s",
-    "gather_s", "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes",
+    "gather_s", "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes", "call_args",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",

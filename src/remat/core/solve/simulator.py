@@ -145,7 +145,13 @@ such frame as said. hf:llama (4 layers, batch 4 x 64) with a padded mask: select
 layer 0 kept the 16 KiB bool mask and the 512-byte position ids to layer 0's backward,
 and the peak at the post-chain's backward was measured 16,896 bytes over the prediction
 before they were counted (frames on later layers only hid it: their peaks were
-elsewhere). Every stage is taken to read all of them (an upper bound where one does not).
+elsewhere). Stages may get different ones (gemma2: one mask for its sliding-window layers,
+another for the rest): each stage's ``call_args`` name those its call got, a region holds
+those of its stages and a selective frame its own stage's, each tensor once (keyed by its
+index) however many hold it. hf:gemma2 with only layer 0's counted: a region over layers
+0 and 1 was 256 KiB under at the top of the backward, and a region per layer 256 KiB
+over, the second mask charged to the pre-chain. A profile without ``call_args`` (older
+ones) makes every frame hold all of them (an upper bound where one holds fewer).
 
 Note [FSDP2 units]
 ------------------
@@ -292,6 +298,26 @@ def plan_tree(plan: Plan) -> tuple[Item, ...]:
 
 
 
+def _call_args(problem: Problem) -> tuple[list[tuple[tuple[Hashable, int], ...]],
+                                          list[tuple[Hashable, int]]]:
+    """Per stage, the (key, bytes) of the arguments from before the chain a checkpoint
+    frame over it holds; and all of them, which the model holds to its return (Note
+    [Arguments a checkpoint frame holds])."""
+    total, stages = problem.args_at_return_bytes, problem.stages
+    if not total:
+        return [()] * problem.n, []
+    distinct = {a.tensor: a.nbytes for s in stages for a in s.call_args}
+    if not distinct or sum(distinct.values()) > total:
+        # measured as one figure (or clipped below the parts): every frame holds it all
+        return [((ARGS, total),)] * problem.n, [(ARGS, total)]
+    per_stage = [tuple({(ARGS, a.tensor): a.nbytes for a in s.call_args}.items())
+                 for s in stages]
+    everything: list[tuple[Hashable, int]] = [((ARGS, t), b) for t, b in distinct.items()]
+    if total > sum(distinct.values()):  # what no stage's record names: the model's alone
+        everything.append((ARGS, total - sum(distinct.values())))
+    return per_stage, everything
+
+
 class _Walker:
     """Walks one step, keeping the live bytes (boundaries deduplicated by holder).
 
@@ -349,11 +375,15 @@ class _Walker:
         # there) to the stage's backward; whether the stage holds them now
         self.link_keeps = [tuple(r.made_after for r in s.reads if r.saved) for s in stages]
         self.link_kept = [False] * n
-        # Note [Arguments a checkpoint frame holds]: their bytes, and per stage whether
-        # its selective frame holds them now
+        # Note [Arguments a checkpoint frame holds]: per stage, the (key, bytes) of the
+        # arguments from before the chain a frame over it holds; those the model holds to
+        # its return; per stage whether its selective frame holds its own now
         self.args = problem.args_at_return_bytes
+        self.stage_args, self.model_args = _call_args(problem)
         self.args_held = [False] * n
-        self.frames = [bool(self.args) and Option(o).is_selective for o in options]
+        self.frames = [bool(self.stage_args[i]) and Option(o).is_selective
+                       for i, o in enumerate(options)]
+        self.open_args: dict[Region, list[tuple[Hashable, int]]] = {}
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -449,7 +479,11 @@ class _Walker:
         for q in self.link_keeps[start]:
             self.hold(q)
         if self.args:
-            self.hold_shared(ARGS, self.args)
+            held = {key: nbytes for j in range(start, region.stop)
+                    for key, nbytes in self.stage_args[j]}
+            self.open_args[region] = list(held.items())
+            for key, nbytes in held.items():
+                self.hold_shared(key, nbytes)
         reads = self.region_reads(region) if self.any_reads else []
         self.open_reads[region] = reads
         for r in reads:
@@ -466,7 +500,8 @@ class _Walker:
         for q in self.link_keeps[start]:
             self.release(q)
         if self.args:
-            self.release_shared(ARGS, self.args)
+            for key, nbytes in self.open_args.pop(region):
+                self.release_shared(key, nbytes)
         for r in self.open_reads.pop(region):
             if r.boundary:
                 self.release(r.made_after)
@@ -490,7 +525,8 @@ class _Walker:
         if self.frames[i]:
             assert not self.args_held[i], i
             self.args_held[i] = True
-            self.hold_shared(ARGS, self.args)
+            for key, nbytes in self.stage_args[i]:
+                self.hold_shared(key, nbytes)
 
     def let_go(self, is_output: bool, b: int) -> None:
         """The model's code lets go of stage ``b``'s output or of boundary ``x_b``."""
@@ -679,7 +715,8 @@ class _Walker:
                 self.release(q)
         if self.args_held[i]:
             self.args_held[i] = False
-            self.release_shared(ARGS, self.args)
+            for key, nbytes in self.stage_args[i]:
+                self.release_shared(key, nbytes)
         grad = self.grad[i + 1]
         assert grad is not None, i
         self.grad[i + 1] = None
@@ -885,8 +922,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.add("optimizer", p.optimizer_bytes)
     w.add("input", p.input_bytes)
     w.add("pre-chain", p.pre_chain_bytes - p.args_at_return_bytes)
-    if p.args_at_return_bytes:  # the model's code holds them (Note [Arguments a checkpoint ...])
-        w.hold_shared(ARGS, p.args_at_return_bytes)
+    for key, nbytes in w.model_args:  # the model's code holds them (Note [Arguments a ...])
+        w.hold_shared(key, nbytes)
     w.hold_current(0)
     w.forward_flat = p.root_unit_bytes  # the root's all-gather, kept to the first unit's
     w.live += w.forward_flat
@@ -914,8 +951,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         # measured so, from the chain's end less what that let go of without a plan)
         for is_output, b in w.held_to_post:
             w.let_go(is_output, b)
-        if p.args_at_return_bytes:  # the model lets go of the stages' arguments
-            w.release_shared(ARGS, p.args_at_return_bytes)
+        for key, nbytes in w.model_args:  # the model lets go of the stages' arguments
+            w.release_shared(key, nbytes)
         w.event("backward post-chain", p.post_chain_backward_bytes)
     else:
         w.event("backward post-chain", p.post_chain_bytes)
