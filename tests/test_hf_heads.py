@@ -243,7 +243,9 @@ def test_the_language_model_families_are_unchanged() -> None:
     assert _heads("perceiver")[0] == "masked"  # it classifies images too
 
 
-# 30 and more types across modalities: the whole cycle with tiny sizes (-m slow).
+# 30 and more types across modalities: the whole cycle with tiny sizes (-m slow), as
+# benchmarks/hf_heads.py --tiny runs them; CTC families as the fast wav2vec2 (verify
+# cannot run them yet: VERIFY_REFUSES).
 SLOW = {
     "text": ["gpt2", "llama", "bert", "roberta", "t5", "bart", "gpt_neox", "opt"],
     "vision": [
@@ -251,28 +253,22 @@ SLOW = {
         "deit",
         "beit",
         "dinov2",
-        "swin",
+        "ijepa",
         "convnext",
         "resnet",
         "regnet",
         "levit",
+        "mobilenet_v2",
+        "mobilevit",
         "poolformer",
         "segformer",
-        "mobilevit",
+        "focalnet",
     ],
     "video": ["videomae", "vivit", "timesformer"],
-    "audio": [
-        "wav2vec2",
-        "hubert",
-        "wavlm",
-        "unispeech",
-        "data2vec-audio",
-        "whisper",
-        "speech_to_text",
-        "audio-spectrogram-transformer",
-    ],
-    "multimodal": ["clip", "siglip", "chinese_clip", "altclip"],
+    "audio": ["whisper", "speech_to_text", "audio-spectrogram-transformer", "moonshine"],
+    "multimodal": ["clip", "siglip", "chinese_clip"],
 }
+SLOW_REFUSED = ["wav2vec2", "hubert"]
 
 
 def _slow_selected(config: pytest.Config) -> bool:
@@ -281,7 +277,16 @@ def _slow_selected(config: pytest.Config) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", [t for types in SLOW.values() for t in types])
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        *(t for types in SLOW.values() for t in types),
+        *(
+            pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=VERIFY_REFUSES))
+            for t in SLOW_REFUSED
+        ),
+    ],
+)
 def test_many_types_of_every_modality_run_the_whole_cycle(
     model_type: str, request: pytest.FixtureRequest
 ) -> None:
@@ -290,15 +295,15 @@ def test_many_types_of_every_modality_run_the_whole_cycle(
     extra: dict[str, Any] = {}
     if model_type in SLOW["text"]:
         extra = {"vocab_size": 64, "seq_len": 32}
-    elif model_type in SLOW["audio"]:
+    elif model_type in (*SLOW["audio"], *SLOW_REFUSED):
         extra = {"seq_len": 32}
-    elif model_type in SLOW["multimodal"]:
-        extra = {"seq_len": 16}
+    else:  # images, videos, image-text pairs
+        extra = {"image_size": 64}
     stages, _, predicted, measured = cycle(model_type, **tiny(model_type, **extra))
     assert len(stages) >= 2, stages
-    assert measured <= 1.1 * predicted, (measured, predicted)
+    assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)
 
 
 def test_the_slow_test_spans_30_types_of_every_modality() -> None:
-    assert sum(map(len, SLOW.values())) >= 30
+    assert sum(map(len, SLOW.values())) >= 30  # expected to pass, SLOW_REFUSED aside
     assert all(len(types) >= 3 for types in SLOW.values())

@@ -664,6 +664,10 @@ def hf_model(
     uses = _uses(chosen_head)
     if uses in ("pixels", "video") and "image_size" in overrides and "image_size" not in defaults:
         image_side = check_int("image_size", overrides.pop("image_size"))  # the batch's only
+    elif isinstance(defaults.get("image_size"), (list, tuple)) and _int(
+        overrides.get("image_size")
+    ):
+        overrides["image_size"] = [overrides["image_size"]] * 2  # hiera: (height, width)
     groups: dict[str, list[str]] = {}
     if family is not None:
         valid = _config_fields(config_class, defaults) | set(family.names) | set(_OWN)
