@@ -226,15 +226,30 @@ class Shared(nn.Module):
         return x.sum()
 
 
-def test_containers_whose_blocks_run_twice_are_not_stages() -> None:
-    assert discover_stages(Shared(), torch.randn(2, 4)) == ["once.0", "once.1"]
+def test_blocks_that_run_twice_are_a_stage_per_call() -> None:
+    # rule 2: the shared stack's blocks hold 8 of the 10 block calls' memory, so each
+    # call is a stage, in call order, and the blocks run once stay stages
+    assert discover_stages(Shared(), torch.randn(2, 4)) == [
+        *(f"twice.{b}#0" for b in range(4)), *(f"twice.{b}#1" for b in range(4)),
+        "once.0", "once.1",
+    ]
+
+
+class OneBlock(nn.Module):
+    """One block, and a layer (no block: no children) called before and after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = TanhBlock(4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.block(self.proj(x))).sum()
 
 
 def test_no_blocks_called_once_is_a_usage_error() -> None:
-    model = Shared()
-    model.once = nn.ModuleList([TanhBlock(4)])
-    with pytest.raises(UsageError, match=r"found no repeated blocks in Shared.*stages="):
-        discover_stages(model, torch.randn(2, 4))
+    with pytest.raises(UsageError, match=r"found no repeated blocks in OneBlock.*stages="):
+        discover_stages(OneBlock(), torch.randn(2, 4))
 
 
 def _t5(transformers: Any) -> tuple[nn.Module, Any, Any]:
