@@ -215,7 +215,9 @@ def test_outputs_held_outside_are_held_in_the_forwards_they_outlive() -> None:
               stage(3, held_out=4), stage(4, gets_previous=False))
     prof = Profile(model="M", batch_size=1, stages=stages, fixed=FixedBytes(0, 0, 0, 0, 0, 0, 0))
     held_through, output = held_outside(prof)
-    assert held_through == [4, None, 3, 5, None]
+    # x_4, the last stage's input, is its caller's when it returns (Note [The last
+    # stage's input at the chain's end]); stage 4 keeps it here, so no plan charges it
+    assert held_through == [4, None, 3, 5, 4]
     assert output == [None, None, None, (4, 500), None]
     problem = problem_from_profile(prof)
     assert [s.held_through for s in problem.stages] == held_through

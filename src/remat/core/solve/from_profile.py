@@ -28,7 +28,15 @@ map one to one. The rest:
   (``fixed.first_input_at_start_bytes``), which is exact while ``x_0`` is held; after
   stage 0's backward lets ``x_0`` go, the pre-chain's backward event is short of it as
   much as it counts ``x_0``'s gradient, which a batch that does not require grad never
-  gets, and the pre-chain's bytes are back from the optimizer step on.
+  gets, and the pre-chain's bytes are back from the optimizer step on. The caller holds
+  ``x_0`` all step, so the problem's stage 0 keeps it to its backward under every option
+  (``saves_input``) whether or not autograd saves it: a stack of ``nn.LSTM`` blocks fed
+  the batch (the LSTM saves a transposed copy, not its input) let it go after stage 0's
+  forward, every later event 64 KiB under, which the profile then read as gradients
+  pending at every stage's backward and charged to rebuilds too (plans whose peak was an
+  early stage's backward 1.3% over).
+* Note [The last stage's input at the chain's end] (``remat.core.solve.simulator``): its
+  caller's frame holds it when the chain's forward ends; ``held_outside`` says so.
 * ``extra_bwd_s``: a selective option's measured cost (its unsaved ops rebuilt and its
   checkpoint frame); a profile of schema version 1 has none, and its options cost no time.
 * parameter gradients: the profile says which part creates each (stages' ``grad_bytes``,
@@ -58,6 +66,8 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     # Note [Links inside a region] (remat/profiling/optimes.py): a region over t stages
     # costs region_overhead_s and the t - 1 links inside it (StageCost.link_s).
     link = min(profile.region_link_s or 0.0, profile.region_overhead_s)
+    # Note [The first input at the start]: the caller holds x_0 to stage 0's backward
+    caller_holds = [_caller_holds_first_input(profile, i) for i in range(len(stages))]
     costs = []
     for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
         by_option = {
@@ -79,6 +89,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                     "link_s": (0.0 if i + 1 == len(stages) else link if s.link_s is None
                                else s.link_s),
                     "extra_bwd_s": {o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
+                    **({"saves_input": True,
+                        "input_kept_by_option": dict.fromkeys(s.input_kept_by_option, True)}
+                       if caller_holds[i] else {}),
                 },
                 bwd_transient_by_option=by_option,
                 held_through=held_through[i],
@@ -132,6 +145,14 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     )
 
 
+def _caller_holds_first_input(profile: Profile, i: int) -> bool:
+    """Whether stage ``i`` is the first and its whole input was alive when the step began
+    (Note [The first input at the start]): the caller holds it, whether or not autograd
+    saves it."""
+    stages = profile.stages
+    return i == 0 and 0 < stages[0].boundary_bytes <= profile.fixed.first_input_at_start_bytes
+
+
 def _links(profile: Profile) -> list[int]:
     """x_{i+1}: what stage i returns and stage i+1 receives, one size for both."""
     return [max(a.output_bytes, b.boundary_bytes) for a, b in itertools.pairwise(profile.stages)]
@@ -168,6 +189,8 @@ def held_outside(
             note(i + 1, s.output_held_through)
         elif s.output_held_through > i:
             output[i] = (s.output_held_through, s.output_bytes)
+    if n:  # Note [The last stage's input at the chain's end]: its caller's frame holds it
+        last[n - 1] = max(last.get(n - 1, n - 1), n - 1)
     return [last.get(i) for i in range(n)], output
 
 
@@ -180,8 +203,9 @@ def let_go_at_return(profile: Profile, held_through: list[int | None],
     last = len(stages) - 1
     boundaries = sum(
         stages[b].boundary_bytes
-        for b, through in enumerate(held_through[:last])
+        for b, through in enumerate(held_through)
         if through is not None and through >= last and not stages[b].saves_input
+        and not _caller_holds_first_input(profile, b)
     )
     outputs = sum(held[1] for held in output_held[:last] if held and held[0] >= last)
     return boundaries + outputs

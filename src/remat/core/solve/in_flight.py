@@ -115,7 +115,8 @@ def fastest_kept_capped(problem: Problem, budget: int, in_flight: InFlight,
     grads, unattributed = problem.grads_bytes, problem.unattributed_grads_bytes
     residue = problem.backward_residue_bytes
     post_x = a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end
-    post_f = a[n] + problem.post_chain_bytes + problem.held_at_chain_end
+    post_f = (a[n] + problem.post_chain_bytes + problem.last_input_held_bytes
+              + problem.held_at_chain_end)
     after_g = sg[0] + problem.pre_chain_grads_bytes
     out = in_flight.output_bytes
     fill = table_filler(path)

@@ -67,6 +67,9 @@ class StageCost(StageRecord):
     # the model's own code beyond what the chain holds (a skip list, a caller's frame);
     # n or more: through the chain's end. None: nothing. Only the top-level forward: the
     # simulator holds the input there exactly, the DP charges it (Problem.held_in_forward).
+    # On the last stage, its own index or more: its input is still referenced when it
+    # returns (the caller's frame), held through the post-chain's forward
+    # (Problem.last_input_held_bytes).
     held_through: int | None = None
     # This stage's output where it is a tensor apart from the next stage's input (the
     # model's code made that one from it: a concatenation, an upsampling) and the model's
@@ -417,7 +420,20 @@ class Problem(JsonArtifact):
     def post_chain_peak_bytes(self) -> int:
         """The larger of the post-chain's two figures (an upper bound of both its events
         for the solvers, which hold what the model's code held at the chain's end)."""
-        return max(self.post_chain_bytes, self.post_chain_backward_bytes or 0)
+        return max(self.post_chain_bytes + self.last_input_held_bytes,
+                   self.post_chain_backward_bytes or 0)
+
+    @property
+    def last_input_held_bytes(self) -> int:
+        """The last stage's input where the model's code holds it at the chain's end (its
+        ``held_through`` at least its own index): the simulator keeps it through the
+        post-chain's forward, once with its other holders; the solvers charge it there
+        (an upper bound where the plan holds it already). Note [The last stage's input at
+        the chain's end] in ``remat.core.solve.simulator``."""
+        last = self.stages[-1] if self.stages else None
+        if last is None or last.held_through is None or last.held_through < self.n - 1:
+            return 0
+        return last.boundary_bytes
 
     @property
     def held_in_forward(self) -> tuple[int, ...]:

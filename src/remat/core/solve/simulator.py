@@ -153,6 +153,25 @@ index) however many hold it. hf:gemma2 with only layer 0's counted: a region ove
 over, the second mask charged to the pre-chain. A profile without ``call_args`` (older
 ones) makes every frame hold all of them (an upper bound where one holds fewer).
 
+Note [The last stage's input at the chain's end]
+------------------------------------------------
+A stage's input is its call's argument: when the last stage returns, its caller's frame
+still references it, and lets go of it only after (``h = block(h)``), or later still
+(``x + block(x)`` in the model's own code, a list of hidden states). The post-chain's two
+figures are measured from that moment, the last stage's return, with it alive. Where the
+stage does not save its input under keep (``x + f(x + bias)``, an LSTM's batch-first
+transpose: autograd saves a copy), the simulator had let go of it there, so every plan
+was one boundary under from the chain's end through the top of the backward: the small
+model of ``tests/test_call_args_peaks.py`` 32,768 bytes (+6.9%) there even without
+checkpointing. So the problem marks the last stage's input as held by the model's code
+at the chain's end (its ``held_through`` at least its own index; a profile's always is):
+the simulator holds it after the chain's forward, once with its other holders (the stage
+that saved it, a region or selective frame that starts at it), through the post-chain's
+forward; the model's forward has returned by the post-chain's backward, so it goes then,
+and the backward figure gets it back where the profiled step let go of it (its stage did
+not save it: ``let_go_at_return``). The tables charge it with the post-chain's forward
+figure (``Problem.last_input_held_bytes``; over where the plan holds it already).
+
 Note [FSDP2 units]
 ------------------
 A per-rank problem under FSDP2 (:func:`remat.core.transforms.per_rank_problem`) gives each
@@ -736,9 +755,14 @@ class _Walker:
         n = self.p.n
         starts: dict[int, list[tuple[bool, int]]] = {}  # stage -> (is an output, b)
         ends: dict[int, list[tuple[bool, int]]] = {}
-        for b, s in enumerate(stages[: n - 1]):
-            for is_output, through in ((False, s.held_through), (True, s.output_held_through)):
-                if through is None or through <= b:
+        for b, s in enumerate(stages):
+            holds = ((False, s.held_through), (True, s.output_held_through))
+            if b == n - 1:  # its input, held at the chain's end where its held_through
+                # reaches it (Note [The last stage's input at the chain's end])
+                at_end = s.held_through is not None and s.held_through >= b
+                holds = ((False, s.held_through),) if at_end else ()
+            for is_output, through in holds:
+                if through is None or (through <= b and b < n - 1):
                     continue
                 starts.setdefault(b + 1, []).append((is_output, b))
                 if through >= n - 1:  # still held at the chain's end
@@ -780,6 +804,7 @@ class _Walker:
                 model_lets_go(i)
             if self.any_reads:
                 self.hold_escapes(item.region)
+        model_holds(n)
 
     def rebuild(self, region: Region, items: Sequence[Item]) -> None:
         """Region's rebuild: its items run again, with early stop as in the module note."""
