@@ -178,7 +178,7 @@ def test_a_bench_row_whose_rebuild_torch_rejects_names_the_hazard_and_fails_the_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from remat.benchmarking import bench
-    from remat.benchmarking.main_job import REJECTED
+    from remat.benchmarking.stopping import REJECTED
     from remat.cli.bench import _failed
 
     monkeypatch.setitem(CACHING, "on", False)  # profiling sees a clean model ...

@@ -124,7 +124,7 @@ def profile_and_plan(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
                      ) -> tuple[Profile, PlanSet, float]:
     """The profile over ``shapes``, its plan set under ``budget``, and the seconds the
     profile took. ``stage(name)`` wraps each of the two steps (``profiling``,
-    ``planning``; :func:`remat.benchmarking.main_job.step` names what stopped a run)."""
+    ``planning``; :func:`remat.benchmarking.stopping.step` names what stopped a run)."""
     say = progress or (lambda _what: None)
     within = stage or (lambda _name: contextlib.nullcontext())
     began = time.perf_counter()

@@ -183,21 +183,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _warnings_on_one_line(debug: bool) -> Iterator[None]:
     """Print each Python warning as one ``warning: <message>`` line on stderr: the user
     ran a command, and the source path and the line of code under it (often torch's
-    ``return fn(*args, **kwargs)``) tell them nothing. ``--debug`` keeps Python's form."""
+    ``return fn(*args, **kwargs)``) tell them nothing. ``--debug`` keeps Python's form.
+    Only the text is changed (``warnings.formatwarning``): filters, and callers that
+    record warnings (``catch_warnings(record=True)``), see them as before."""
     if debug:
         yield
         return
-    before = warnings.showwarning
+    before = warnings.formatwarning
 
-    def one_line(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
-        text = " ".join(str(message).split())
-        print(f"warning: {text}", file=sys.stderr)
+    def one_line(message: Warning | str, *_: Any, **__: Any) -> str:
+        return "warning: " + " ".join(str(message).split()) + "\n"
 
-    warnings.showwarning = one_line
+    warnings.formatwarning = one_line
     try:
         yield
     finally:
-        warnings.showwarning = before
+        warnings.formatwarning = before
 
 
 def _usage_error_json(command: str, path: str, message: str) -> None:
@@ -255,7 +256,7 @@ def _verdict(args: argparse.Namespace, err: BaseException, stage: str | None
     if isinstance(err, (SystemExit, KeyboardInterrupt)):  # the user's code, not a way out
         if _debug(args):
             traceback.print_exception(err)
-        from remat.benchmarking.main_job import exit_words
+        from remat.benchmarking.stopping import exit_words
 
         message = (f"your own code (the model factory, forward or loss_fn) raised "
                    f"{exit_words(err)}; remove that call, or guard it with "

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from rich import box
 from rich.table import Table
 
-from remat.cli.bench import progress_bar
 from remat.cli.common import (
     add_model_options,
     add_optimizer_option,
@@ -21,7 +20,7 @@ from remat.cli.common import (
     stage_list,
     torchrun_rank,
 )
-from remat.cli.output import add_json_option, console_for, write_error, write_json
+from remat.cli.output import add_json_option, console_for, progress_bar, write_error, write_json
 from remat.cli.shape_ranges import add_shapes_option, auto_range_command
 from remat.core.artifact import write_text
 from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
@@ -229,7 +228,7 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     from remat.benchmarking import auto, parse_budgets
     from remat.benchmarking.factory import failure
-    from remat.benchmarking.main_job import Stopped
+    from remat.benchmarking.stopping import Stopped
 
     if args.shapes is not None:
         return auto_range_command(args)
@@ -263,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, report: AutoReport) -> None:
     from rich.console import Console
 
-    from remat.cli.bench import rank_path
+    from remat.cli.output import rank_path
 
     env = report.environment
     rank = env.rank if env is not None and args.distributed else None

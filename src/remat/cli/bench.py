@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich import box
@@ -20,7 +19,7 @@ from remat.cli.common import (
     stage_list,
     torchrun_rank,
 )
-from remat.cli.output import add_json_option, console_for, write_json
+from remat.cli.output import add_json_option, console_for, progress_bar, rank_path, write_json
 from remat.cli.shape_ranges import add_shapes_option, bench_range_table
 from remat.core.errors import UsageError
 
@@ -90,24 +89,6 @@ def add_parser(sub: Any, name: str) -> None:
     p.set_defaults(run=run)
 
 
-@contextmanager
-def progress_bar(what: str) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback drawing a bar on stderr (shown only on a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    status = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                   console=status, transient=True, disable=not status.is_terminal)
-    with bar:
-        task = bar.add_task(what, total=None)
-
-        def update(text: str, done: int, total: int) -> None:
-            bar.update(task, description=f"{what}: {text}", completed=done, total=total)
-
-        yield update
-
-
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run, every option spelled out."""
     words = ["remat", "bench", "--model", args.model]
@@ -144,16 +125,6 @@ def command_line(args: argparse.Namespace) -> str:
         words = ["torchrun", "--nproc-per-node", os.environ.get("WORLD_SIZE", "N"), "-m",
                  *words, "--distributed", args.distributed]
     return shlex.join(words)
-
-
-def rank_path(path: str | None, rank: int | None) -> str | None:
-    """``bench.json`` -> ``bench.rank1.json`` (``-`` and no path stay as they are)."""
-    if path is None or path == "-" or rank is None:
-        return path
-    stem, dot, ext = path.rpartition(".")
-    if not dot or "/" in ext:
-        return f"{path}.rank{rank}"
-    return f"{stem}.rank{rank}.{ext}"
 
 
 def _table(report: BenchReport) -> Table:

@@ -141,7 +141,7 @@ def load(
     were, not what the forward changed (batch-norm statistics, Python-side state). A
     transformers model's key/value cache is switched off for training, with a note.
     """
-    from remat.benchmarking.main_job import first_step, step
+    from remat.benchmarking.stopping import first_step, step
     from remat.models import load_model
     from remat.runtime.install import cache_off_for_training
     from remat.runtime.stages import resolve_stages
@@ -305,7 +305,7 @@ def profile_with_progress(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from remat.benchmarking.main_job import hazard_reason, step
+    from remat.benchmarking.stopping import hazard_reason, step
     from remat.measure.malloc import set_malloc
     from remat.profiling.profiler import profile
 

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TextIO
@@ -261,3 +261,31 @@ def check_paths(args: argparse.Namespace) -> None:
             if _same_file(path, second):
                 raise OutputRefused(f"{option} and {other} both name {path!r}; give them "
                                     "different paths", json_at_fault=True)
+
+
+@contextmanager
+def progress_bar(what: str) -> Iterator[Callable[[str, int, int], None]]:
+    """A progress callback drawing a bar on stderr (shown only on a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    status = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                   console=status, transient=True, disable=not status.is_terminal)
+    with bar:
+        task = bar.add_task(what, total=None)
+
+        def update(text: str, done: int, total: int) -> None:
+            bar.update(task, description=f"{what}: {text}", completed=done, total=total)
+
+        yield update
+
+
+def rank_path(path: str | None, rank: int | None) -> str | None:
+    """``bench.json`` -> ``bench.rank1.json`` (``-`` and no path stay as they are)."""
+    if path is None or path == "-" or rank is None:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    if not dot or "/" in ext:
+        return f"{path}.rank{rank}"
+    return f"{stem}.rank{rank}.{ext}"

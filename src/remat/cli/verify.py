@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so building the parser for other subcommands never imports torch.
     import copy
 
-    from remat.benchmarking.main_job import first_step
+    from remat.benchmarking.stopping import first_step
     from remat.cli.common import model_options
     from remat.runtime.identity import plan_notes
     from remat.verification.harness import verify
