@@ -189,3 +189,19 @@ def test_hf_albert_runs_its_shared_layer_group_as_call_stages() -> None:
                 options=("keep",) * (layers - 1) + ("selective:save-matmuls",))
     report = remat.verify(model, batch, plan, loss_fn, steps=2)
     assert report.ok, report.to_dict()
+
+
+def test_a_deep_copy_runs_the_calls_of_its_own_layer() -> None:
+    model, batch, loss_fn = looped()
+    plain = copy.deepcopy(model)
+    remat.apply(model, Plan(stages=CALLS, regions=(Region(0, 3), Region(3, 6))))
+    twin = copy.deepcopy(model)
+    assert remat.applied(twin) and twin.layer.forward.engine is not model.layer.forward.engine
+    for m in (twin, plain):
+        torch.manual_seed(0)
+        loss_fn(m, batch).backward()
+    for (name, a), b in zip(twin.named_parameters(), plain.parameters(), strict=True):
+        assert a.grad is not None and torch.equal(a.grad, b.grad), name
+    assert all(p.grad is None for p in model.parameters())
+    remat.remove(twin)
+    assert "forward" not in twin.layer.__dict__ and remat.applied(model)
