@@ -101,22 +101,7 @@ FAST = {
 }
 
 
-# verify's twins take a copy of the batch whose float tensors require grad (to compare
-# input gradients); wav2vec2's feature encoder then sets requires_grad on a view of the
-# waveform, which torch refuses ("you can only change requires_grad flags of leaf
-# variables"): profile, plan, apply and measure run, verify cannot (verification's to fix)
-VERIFY_REFUSES = "verify's batch copy requires grad; wav2vec2 sets it on a view of it"
-
-
-@pytest.mark.parametrize(
-    "model_type",
-    [
-        pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=VERIFY_REFUSES))
-        if t == "wav2vec2"
-        else t
-        for t in sorted(FAST)
-    ],
-)
+@pytest.mark.parametrize("model_type", sorted(FAST))
 def test_a_family_of_each_modality_runs_the_whole_cycle_with_its_head(model_type: str) -> None:
     options, cls, inputs, first = FAST[model_type]
     options = tiny(model_type, **options)
@@ -244,8 +229,8 @@ def test_the_language_model_families_are_unchanged() -> None:
 
 
 # 30 and more types across modalities: the whole cycle with tiny sizes (-m slow), as
-# benchmarks/hf_heads.py --tiny runs them; CTC families as the fast wav2vec2 (verify
-# cannot run them yet: VERIFY_REFUSES).
+# benchmarks/hf_heads.py --tiny runs them; CTC families verify without input gradients
+# (Note [A model that refuses a batch that requires grad] in remat/verification/harness.py).
 SLOW = {
     "text": ["gpt2", "llama", "bert", "roberta", "t5", "bart", "gpt_neox", "opt"],
     "vision": [
@@ -268,7 +253,7 @@ SLOW = {
     "audio": ["whisper", "speech_to_text", "audio-spectrogram-transformer", "moonshine"],
     "multimodal": ["clip", "siglip", "chinese_clip"],
 }
-SLOW_REFUSED = ["wav2vec2", "hubert"]
+SLOW_CTC = ["wav2vec2", "hubert"]
 
 
 def _slow_selected(config: pytest.Config) -> bool:
@@ -281,10 +266,7 @@ def _slow_selected(config: pytest.Config) -> bool:
     "model_type",
     [
         *(t for types in SLOW.values() for t in types),
-        *(
-            pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=VERIFY_REFUSES))
-            for t in SLOW_REFUSED
-        ),
+        *SLOW_CTC,
     ],
 )
 def test_many_types_of_every_modality_run_the_whole_cycle(
@@ -295,7 +277,7 @@ def test_many_types_of_every_modality_run_the_whole_cycle(
     extra: dict[str, Any] = {}
     if model_type in SLOW["text"]:
         extra = {"vocab_size": 64, "seq_len": 32}
-    elif model_type in (*SLOW["audio"], *SLOW_REFUSED):
+    elif model_type in (*SLOW["audio"], *SLOW_CTC):
         extra = {"seq_len": 32}
     else:  # images, videos, image-text pairs
         extra = {"image_size": 64}
@@ -305,5 +287,5 @@ def test_many_types_of_every_modality_run_the_whole_cycle(
 
 
 def test_the_slow_test_spans_30_types_of_every_modality() -> None:
-    assert sum(map(len, SLOW.values())) >= 30  # expected to pass, SLOW_REFUSED aside
+    assert sum(map(len, SLOW.values())) >= 30  # CTC families besides
     assert all(len(types) >= 3 for types in SLOW.values())

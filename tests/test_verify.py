@@ -444,3 +444,30 @@ def test_a_parameter_that_differs_besides_the_gradients_still_fails_the_steps() 
     trajectory = report.check("trajectory-parameters")
     assert trajectory.status == "fail" and "amplifies" not in trajectory.message
     assert not report.ok
+
+
+class _MarksItsInput(nn.Module):
+    """Sets requires_grad on a view of its input, as wav2vec2's feature encoder does."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x[:, None].squeeze(1)
+        h.requires_grad = True  # torch refuses this on a non-leaf: x must not require grad
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_a_model_that_refuses_a_batch_that_requires_grad_is_verified_without_input_grads(
+) -> None:
+    torch.manual_seed(0)
+    model, batch = _MarksItsInput(), torch.randn(4, 8, 16)
+    report = verify(model, batch, plans.per_stage(model), mean_square, steps=2)
+    checks = {c.name: c for c in report.checks}
+    assert report.ok, [str(c) for c in report.checks]
+    assert checks["input-gradients"].status == "skip"
+    assert "requires grad" in checks["input-gradients"].message
+    assert checks["parameter-gradients"].passed and checks["trajectory-losses"].passed
