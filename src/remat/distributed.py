@@ -89,6 +89,7 @@ from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.measure.allocator_events import AllocatorEvents
 from remat.measure.tracker import iter_tensors
+from remat.runtime.stage_calls import stage_submodule
 
 __all__ = [
     "STRATEGIES",
@@ -227,7 +228,7 @@ def shard_stages(
     grouped = _in_multi_stage_region(plan, stages)
     units = []
     for name in stages:
-        module = model.get_submodule(name)
+        module = stage_submodule(model, name)
         children = [c for c in module.children() if any(True for _ in c.parameters())]
         if name in grouped and children:
             fully_shard(children, **fsdp_options)
@@ -401,7 +402,7 @@ def time_unit_gathers(model: nn.Module, stages: Sequence[str], *, repeats: int =
 
     seconds = []
     for name in stages:
-        units: list[Any] = units_in(model.get_submodule(name))
+        units: list[Any] = units_in(stage_submodule(model, name))
         if not units:
             seconds.append(0.0)
             continue
