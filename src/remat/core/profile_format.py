@@ -199,6 +199,8 @@ class StageProfile(StageRecord):
             "extra_bwd_s": dict(self.extra_bwd_s),
             **({"break_before": self.break_before} if self.break_before is not None else {}),
             **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
+            **({"link_backward_bytes": self.link_backward_bytes} if self.link_backward_bytes
+               else {}),
             **{
                 name: getattr(self, name)
                 for name in ("input_held_through", "output_held_through")
@@ -269,6 +271,7 @@ _STAGE_KEYS = (*_STAGE_KEYS_V1, "extra_bwd_s")
 _OPTIONAL_STAGE_KEYS = (
     "break_before",
     "link_saved_bytes",
+    "link_backward_bytes",
     "input_held_through",
     "output_held_through",
     "gets_previous_output",

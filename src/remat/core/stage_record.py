@@ -187,6 +187,12 @@ class StageRecord:
     # Of saved_bytes, what the model's code between the previous stage and this one keeps
     # for backward (a block the chain does not list: a module between two stages the user named).
     link_saved_bytes: int = 0
+    # The backward of the model's code between the previous stage and this one (an in-place
+    # ReLU between two convolutions): its peak above what is live when it is done and the
+    # previous stage's backward begins (what that code saved, the gradient it was handed,
+    # the one it makes). An event of its own in the simulator, after this stage's backward
+    # (Note [The backward of the code between stages] in remat.core.solve.simulator).
+    link_backward_bytes: int = 0
     # What the stage's call is passed from before the chain that a checkpoint frame over
     # it holds (empty in profiles from before it was measured per stage: every frame is
     # then taken to hold all of ``args_at_return_bytes``).
@@ -200,7 +206,7 @@ class StageRecord:
         for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
                      "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes",
                      "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes",
-                     "link_saved_bytes"):
+                     "link_saved_bytes", "link_backward_bytes"):
             object.__setattr__(self, name, self.nbytes(getattr(self, name), name))
         if self.nosave_transient_bytes is not None:
             object.__setattr__(self, "nosave_transient_bytes", self.nbytes(

@@ -30,6 +30,10 @@ add up to what that step really did), in the terms ``remat.core.solve.simulate``
   less stage ``i``'s input when that code made it, plus stage ``i - 1``'s output when that
   code let it go (neither saved by the stage nor referenced outside the chain; one the
   model's code still references is held outside the chain, ``output_held_through``).
+* link backward (``link_backward_bytes``): the peak of the backward of the model's code
+  between stage ``i - 1`` and stage ``i`` (the events between the two stages' backward)
+  above the live total when it is done: what that code saved (an in-place ReLU's output,
+  which is stage ``i``'s input), the gradient it was handed and the one it makes.
 * selective backward (``selective_bwd_transient_bytes``): the stage's backward under a
   selective option (its replay included), measured in a step with the option on, as the
   backward transient the simulator would need while it charges keep's saved bytes there:
@@ -111,6 +115,16 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
     return max(0, rise - after.boundary_bytes + (before.new_output_bytes if let_go else 0))
 
 
+def link_backward_bytes(m: Measurements, i: int) -> int:
+    """The peak of the backward of the model's code between stage ``i - 1`` and stage ``i``
+    above what is live once it is done (Note [The backward of the code between stages] in
+    ``remat.core.solve.simulator``)."""
+    if i == 0 or not m.spans.link_backward:
+        return 0
+    span = m.spans.link_backward[i]
+    return max(0, span.peak_bytes - span.exit_bytes)
+
+
 # Note [Outputs a selective cache holds]
 # torch's selective checkpoint keeps the outputs of the ops its policy saves in its own
 # cache, whether or not backward needs them, until the region's backward. A stage whose
@@ -183,6 +197,7 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
         # (README's own example: 512 KiB at 'backward 0', its peak under a plan)
         input_grad = nosave.boundary_bytes
         clones = nosave.mutated_buffer_bytes
+        saved_before = bool(m.nosave.input_saved_before) and m.nosave.input_saved_before[i]
         # A stage that saves its own output (ends in a ReLU) holds it into its backward;
         # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
         held_output = nosave.output_bytes if nosave.saves_output and not output_saved else 0
@@ -226,14 +241,18 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 nosave_transient_bytes=nosave.over_io_bytes + clones,
                 grad_bytes=grads[i],
                 output_kept_outside=m.nosave.kept_outside[i],
-                saves_input=nosave.saves_input,
+                # the code before the stage holds its input to the backward of that code,
+                # after the stage's (Note [The backward of the code between stages])
+                saves_input=nosave.saves_input or saved_before,
                 saves_output=nosave.saves_output,
                 break_before=m.breaks[i],
                 reads=m.reads[i],
                 call_args=m.nosave.call_args[i] if m.nosave.call_args else (),
                 link_saved_bytes=link_saved_bytes(m, i),
+                link_backward_bytes=link_backward_bytes(m, i),
                 selective_bwd_transient_bytes=replay,
-                input_kept_by_option=input_kept,
+                input_kept_by_option=(dict.fromkeys(input_kept, True) if saved_before
+                                      else input_kept),
                 input_held_through=m.nosave.input_held_through[i],
                 output_held_through=m.nosave.output_held_through[i],
                 gets_previous_output=i == 0 or nosave.gets_previous_output,

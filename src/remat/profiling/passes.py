@@ -89,6 +89,9 @@ class ForwardPass:
     # Per stage: the stages whose input the model's code just before it saves for
     # backward (``x * sigmoid(block(x))``); read from the no-save pass only.
     link_saved_inputs: tuple[frozenset[int], ...] = ()
+    # Per stage: the model's code just before it saves its input (an in-place ReLU between
+    # two stages saves its result, the next stage's input); read from the no-save pass only.
+    input_saved_before: tuple[bool, ...] = ()
     # The storage behind the loss loss_fn returned: more than its one element where the
     # kernel returns a view of a whole buffer (CPU mse_loss keeps its elementwise losses).
     loss_storage_bytes: int = 0
@@ -188,6 +191,10 @@ def forward_pass(
 
     # per stage: the stage inputs the model's code just before it offered to save
     link_saves: list[set[int]] = [set() for _ in range(n)]
+    # what the code since the last stage returned offered to save, and per stage whether
+    # its input was one of them (an in-place ReLU saves its result)
+    link_offered: list[weakref.ref[torch.UntypedStorage]] = []
+    input_saved_before = [False] * n
 
     def drop(t: torch.Tensor) -> None:
         # a tensor without one storage is neither an input nor an output
@@ -196,6 +203,7 @@ def forward_pass(
             if current:
                 offered.append(weakref.ref(storage))
             elif len(order) < n:  # the code before the next stage, order[-1] + 1
+                link_offered.append(weakref.ref(storage))
                 for j, ref in enumerate(inputs):
                     if ref is not None and ref() is storage:
                         link_saves[len(order)].add(j)
@@ -222,11 +230,16 @@ def forward_pass(
         seen(n - 1, at=n)
 
     def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = main_input(args, kwargs)
+        if i > 0 and x is not None:  # (the code before the first stage is the pre-chain)
+            with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                if any(ref() is x.untyped_storage() for ref in link_offered):
+                    input_saved_before[i] = True
+        link_offered.clear()
         order.append(i)
         for j in range(i - 1):  # the loop holds only the previous stage's output now
             kept[j] = kept[j] or alive(j)
         tracker.reset_peak()
-        x = main_input(args, kwargs)
         entries[i] = (tracker.live_bytes, x)
         if i == 0:
             chain_start[0] = tracker.serial
@@ -338,6 +351,7 @@ def forward_pass(
         stages,
         tuple(kept),
         link_saved_inputs=tuple(frozenset(js) for js in link_saves),
+        input_saved_before=tuple(input_saved_before),
         input_held_through=tuple(k if k > i else None for i, k in enumerate(input_seen)),
         output_held_through=tuple(
             k if k > own[i] and i < n - 1 else None for i, k in enumerate(output_seen)

@@ -46,6 +46,9 @@ class StepSpans:
     pre_modules: frozenset[str]
     post_modules: frozenset[str]
     stage_ops: tuple[frozenset[str], ...]  # aten ops each stage's forward ran
+    # Per stage: the backward of the model's code before it, the events between its
+    # backward and the previous stage's (an empty span for the first stage)
+    link_backward: tuple[Span, ...] = ()
 
 
 class StageNotRun(UsageError):
@@ -134,6 +137,11 @@ def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
         pre_modules=modules(0, first_fwd),
         post_modules=modules(last_fwd, bwd_start),
         stage_ops=tuple(ops(a, b) for a, b in fwd),
+        link_backward=tuple(
+            _span(events, bwd[i][1], bwd[i - 1][0], live_before(bwd[i][1])) if i else
+            Span(0, 0, 0)
+            for i in range(len(stages))
+        ),
     )
 
 

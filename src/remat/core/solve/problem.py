@@ -192,6 +192,8 @@ class StageCost(StageRecord):
                 "output_held_bytes": self.output_held_bytes}
                if self.output_held_through is not None else {}),
             **({"link_saved_bytes": self.link_saved_bytes} if self.link_saved_bytes else {}),
+            **({"link_backward_bytes": self.link_backward_bytes} if self.link_backward_bytes
+               else {}),
             **({"unit_bytes": self.unit_bytes} if self.unit_bytes else {}),
             **({"reduce_bytes": self.reduce_bytes} if self.reduce_bytes else {}),
             **({"link_s": self.link_s} if self.link_s else {}),
@@ -225,6 +227,7 @@ _STAGE_KEYS = (
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
     "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option", "link_s",
     "gather_s", "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes", "call_args",
+    "link_backward_bytes",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",

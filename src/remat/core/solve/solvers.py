@@ -249,11 +249,12 @@ def _has_units(problem: Problem) -> bool:
 
 def _least_is_exact(problem: Problem) -> bool:
     """Whether the tables count everything the simulator does, so their smallest peak is
-    every plan's (not with reads, links, FSDP2 units, autocast's cast cache or arguments
-    a frame holds: Note [Reads from before a region], Note [Autocast's cast cache] and
-    Note [Arguments a checkpoint frame holds] in simulator.py)."""
-    return not (any(s.reads or s.link_saved_bytes or s.unit_bytes or s.cast_cache_bytes
-                    for s in problem.stages)
+    every plan's (not with reads, links, the links' backward, FSDP2 units, autocast's cast
+    cache or arguments a frame holds: Note [Reads from before a region], Note [Autocast's
+    cast cache], Note [Arguments a checkpoint frame holds] and Note [The backward of the
+    code between stages] in simulator.py)."""
+    return not (any(s.reads or s.link_saved_bytes or s.link_backward_bytes or s.unit_bytes
+                    or s.cast_cache_bytes for s in problem.stages)
                 or problem.root_unit_bytes
                 or problem.args_at_return_bytes)  # Note [Arguments a checkpoint frame holds]
 
