@@ -17,10 +17,10 @@ compared with eager's. Per row: the first step's loss and gradients against ``ea
 (largest ``|a - b|`` over ``max |b|``, and whether every element is within float32's
 ``rtol=1.3e-6, atol=1e-5``); the peak of a whole training step (forward, backward, AdamW
 step, after a warm-up step) from ``torch.profiler``'s allocator events
-(``remat.benchmarking.measure.by_profiler``), and from remat's live-storage tracker, which for a
-compiled row is wrong on purpose: under its dispatch mode Dynamo does not compile, so the
-tracker sees the eager model; step times interleaved, quoted as medians of per-round
-ratios against ``eager``.
+(``remat.benchmarking.step_measures.by_profiler``), and from remat's live-storage
+tracker, which for a compiled row is wrong on purpose: under its dispatch mode Dynamo does
+not compile, so the tracker sees the eager model; step times interleaved, quoted as
+medians of per-round ratios against ``eager``.
 
 Run from the repository root::
 
@@ -48,8 +48,8 @@ from torch import nn
 
 import remat
 from remat import plans
-from remat.benchmarking.measure import by_profiler, by_tracker, interleaved, paired
 from remat.benchmarking.runners import Runner
+from remat.benchmarking.step_measures import by_profiler, by_tracker, interleaved, paired
 from remat.core.plan_format import Plan
 from remat.models import load_model
 

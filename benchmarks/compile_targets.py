@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from remat.benchmarking.measure import paired
+from remat.benchmarking.step_measures import paired
 from remat.core.units import format_bytes
 
 RC = "remat+compile"

@@ -13,7 +13,7 @@ or ``traced:A-B,C-D`` (regions [A,B) and [C,D) of the model's ``blocks``, compil
 whole at 1.0). Models: the built-in gpt (a ``ModuleList`` in a plain loop) and
 mlp-hetero (a ``Sequential``).
 
-Per row: the peak (allocator events, ``remat.benchmarking.measure.by_profiler``), the
+Per row: the peak (allocator events, ``remat.benchmarking.step_measures.by_profiler``), the
 median step and the median of per-round ratios to ``eager`` over interleaved rounds after
 3 warm-up steps, and the largest gradient difference from ``eager`` after one step from
 the same weights and seed (dropout 0.1 under inductor's ``fallback_random``). Not yet a
@@ -52,8 +52,8 @@ def measure(model_name: str, rows_wanted: list[str], rounds: int
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    from remat.benchmarking.measure import by_profiler, interleaved, paired
     from remat.benchmarking.runners import Runner
+    from remat.benchmarking.step_measures import by_profiler, interleaved, paired
     from remat.models import load_model
 
     torch.set_num_threads(1)

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from remat import distributed as rd
+from remat.benchmarking.bench_report import plan_summary
 from remat.benchmarking.ranks import rank_zeros
-from remat.benchmarking.report import plan_summary
 from remat.core.errors import CheckFailed
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from remat.benchmarking.factory import make_factory
-from remat.benchmarking.measure import interleaved, paired
 from remat.benchmarking.runners import EagerRunner, Runner
+from remat.benchmarking.step_measures import interleaved, paired
 from remat.core.planner import plan as make_plan
 from remat.core.planner import to_problem
 from remat.core.solve.paired import round_overheads

@@ -222,8 +222,8 @@ def test_compiling_the_loss_runs_planned_stages_eagerly() -> None:
 
 
 def _profiler_peak(model: nn.Module, x: torch.Tensor) -> int:
-    from remat.benchmarking.measure import by_profiler
     from remat.benchmarking.runners import Runner
+    from remat.benchmarking.step_measures import by_profiler
 
     return by_profiler(Runner(model, x, mean_square, "adamw")).peak_bytes
 

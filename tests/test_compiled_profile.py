@@ -17,8 +17,8 @@ import torch
 import remat
 from conftest import mean_square
 from remat import plans
-from remat.benchmarking.measure import by_profiler
 from remat.benchmarking.runners import Runner
+from remat.benchmarking.step_measures import by_profiler
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.core.planner import to_problem

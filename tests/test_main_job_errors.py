@@ -325,7 +325,7 @@ def test_apply_warns_once_per_model_where_the_cache_is_built() -> None:
 def test_bench_exits_1_naming_a_remat_row_that_could_not_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import remat.benchmarking.run as bench_run
+    import remat.benchmarking.bench_job as bench_run
 
     real = bench_run.check_plan
 

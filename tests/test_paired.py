@@ -142,8 +142,8 @@ def test_the_paired_error_shrinks_with_rounds_and_needs_two() -> None:
 def test_bench_rows_predict_their_overhead_as_the_median_of_per_round_ratios(
     chain_profile: Profile,
 ) -> None:
+    from remat.benchmarking.bench_job import _paired_predictions
     from remat.benchmarking.results import Row
-    from remat.benchmarking.run import _paired_predictions
     from remat.benchmarking.strategies import RowSpec
 
     names = chain_profile.stage_names

@@ -35,8 +35,8 @@ def _grads(model: nn.Module, batch: Any, loss_fn: Any) -> list[torch.Tensor]:
 
 
 def _peak(model: nn.Module, batch: Any, loss_fn: Any) -> int:
-    from remat.benchmarking.measure import by_profiler
     from remat.benchmarking.runners import Runner
+    from remat.benchmarking.step_measures import by_profiler
 
     return by_profiler(Runner(model, batch, loss_fn, "sgd")).peak_bytes
 

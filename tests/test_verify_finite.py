@@ -23,7 +23,7 @@ def _model() -> nn.Module:
 STAGES = [str(i) for i in range(4)]
 
 
-def _check(report: remat.VerifyReport, name: str) -> remat.verification.report.Check:
+def _check(report: remat.VerifyReport, name: str) -> remat.verification.verify_report.Check:
     return next(c for c in report.checks if c.name == name)
 
 

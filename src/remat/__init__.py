@@ -28,7 +28,7 @@ _LAZY: dict[str, str] = {
     "profile": "remat.profiling.profiler",
     "Profile": "remat.core.profile_format",
     "verify": "remat.verification.harness",
-    "bench": "remat.benchmarking.run",
+    "bench": "remat.benchmarking.bench_job",
     "auto": "remat.benchmarking.main_job",
     "auto_checkpoint": "remat.in_script.script_entry",
     "compile_stages": "remat.runtime.compiled_stages",
@@ -38,8 +38,8 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:
+    from remat.benchmarking.bench_job import bench
     from remat.benchmarking.main_job import auto
-    from remat.benchmarking.run import bench
     from remat.core.plan_format import Plan, Region
     from remat.core.planner import plan
     from remat.core.profile_format import Profile

@@ -12,12 +12,12 @@ set at each bucket's ends (``remat bench --shapes``).
 
 from __future__ import annotations
 
+from remat.benchmarking.bench_job import bench
+from remat.benchmarking.bench_report import ReportFiles, write_report
 from remat.benchmarking.environment import Environment
 from remat.benchmarking.main_job import AutoReport, auto
 from remat.benchmarking.range_bench import RangeBenchReport, bench_range, write_range_report
-from remat.benchmarking.report import ReportFiles, write_report
 from remat.benchmarking.results import BenchReport, Finding, MicrobatchReport, MicrobatchRow, Row
-from remat.benchmarking.run import bench
 from remat.benchmarking.strategies import (
     DEFAULT_BUDGETS,
     STRATEGIES,

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from remat.core.units import format_bytes
 
-from .measure import paired
 from .results import Finding, MicrobatchReport, Row
+from .step_measures import paired
 from .strategies import REMAT_COMPILE
 
 __all__ = ["PEAK_TOLERANCE", "findings"]

@@ -25,8 +25,8 @@ from remat.core.plan_format import Plan
 from remat.measure.step import make_optimizer
 from remat.verification.compare import check_tensors
 from remat.verification.harness import verify
-from remat.verification.report import Check
 from remat.verification.tolerance import parse_tolerance
+from remat.verification.verify_report import Check
 
 from .runners import Factory, Runner, enable_hf_gc, is_hf_gc
 

@@ -62,9 +62,9 @@ from .environment import Environment, describe_environment
 from .factory import compiling, describe, make_factory, torch_threads, whole
 from .findings import PEAK_TOLERANCE
 from .grads import check_plan
-from .measure import by_tracker, interleaved, paired, time_stats
 from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
 from .runners import EagerRunner, Runner
+from .step_measures import by_tracker, interleaved, paired, time_stats
 from .stopping import (
     STAGES,
     Stopped,

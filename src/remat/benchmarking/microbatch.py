@@ -30,9 +30,9 @@ from remat.core.units import format_bytes
 from remat.measure import measure_step
 from remat.runtime import apply
 
-from .measure import interleaved, time_stats
 from .results import MicrobatchReport, MicrobatchRow
 from .runners import Factory, LossFn, enable_hf_gc, is_hf_gc
+from .step_measures import interleaved, time_stats
 from .strategies import baseline_plan
 
 __all__ = ["compare_microbatches", "split"]

@@ -36,14 +36,14 @@ from remat.core.solve.simulator import simulate
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
 
+from .bench_report import options_summary
 from .environment import Environment, describe_environment
 from .factory import describe, failure, make_factory, torch_threads, whole
-from .measure import by_tracker, interleaved, paired, time_stats
 from .range_job import batch_at, bucket_ends, grads_equal, problem_at, profile_and_plan
 from .ranks import profile_rounds
-from .report import options_summary
 from .results import SCHEMA_VERSION, Finding, Row
 from .runners import HF_GC, EagerRunner, Runner, supports_hf_gc
+from .step_measures import by_tracker, interleaved, paired, time_stats
 from .stopping import first_step, step
 from .strategies import REMAT_COMPILE, STRATEGIES, baseline_plan, parse_budgets, parse_strategies
 

@@ -18,8 +18,8 @@ from remat.core.solve import Problem
 from remat.distributed import RankInfo
 
 from .factory import whole
-from .measure import MemoryMeasure
 from .runners import EagerRunner, Factory, Runner
+from .step_measures import MemoryMeasure
 
 __all__ = ["RANK_PROFILE_REPEATS", "Ranks", "profile_rounds", "rank_problem", "rank_zeros"]
 

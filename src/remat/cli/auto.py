@@ -160,7 +160,7 @@ def _step_lines(report: AutoReport, one_thread: bool = False) -> list[str]:
 
 
 def render(report: AutoReport, console: Console, *, one_thread: bool = False) -> None:
-    from remat.benchmarking.report import plan_summary
+    from remat.benchmarking.bench_report import plan_summary
     from remat.core.coverage import coverage_lines
     from remat.core.units import format_bytes
 

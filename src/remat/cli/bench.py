@@ -128,7 +128,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _table(report: BenchReport) -> Table:
-    from remat.benchmarking.report import options_summary
+    from remat.benchmarking.bench_report import options_summary
     from remat.core.units import format_bytes
 
     def size(n: int | None) -> str:

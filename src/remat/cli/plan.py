@@ -124,7 +124,7 @@ def _largest_batches(args: argparse.Namespace, source: Any, world: Any, console:
     """``--largest-batch``: each strategy's largest micro-batch under the budget."""
     from rich.table import Table
 
-    from remat.benchmarking.report import plan_summary
+    from remat.benchmarking.bench_report import plan_summary
     from remat.core.sizing import STRATEGIES, Fit, fastest_batch, largest_batch
 
     budget = _bytes_budget(args.budget)

@@ -194,7 +194,7 @@ def auto_range_command(args: argparse.Namespace) -> int:
 def bench_range_table(report: Any) -> Table:
     """``remat bench --shapes``: one row per strategy at each bucket end; the first row of
     a bucket names the plan and the shapes it runs."""
-    from remat.benchmarking.report import options_summary
+    from remat.benchmarking.bench_report import options_summary
 
     def size(n: int | None) -> str:
         return "-" if n is None else format_bytes(n)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from remat.core.plan_format import Plan
-    from remat.verification.report import Hazard, VerifyReport
+    from remat.verification.verify_report import Hazard, VerifyReport
 
 #: The seeds --seed takes: torch's 64-bit range, less the steps added to it per step.
 SEEDS = (-(2**63), 2**63 - 1 - 10_000)

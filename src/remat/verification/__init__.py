@@ -14,7 +14,9 @@ from __future__ import annotations
 from remat.verification.fingerprint import ValueCheck
 from remat.verification.harness import verify
 from remat.verification.hazards import HazardProbe
-from remat.verification.report import (
+from remat.verification.tolerance import Tolerance, TolerancePolicy, parse_tolerance
+from remat.verification.twin_models import default_loss
+from remat.verification.verify_report import (
     CHECK_NAMES,
     HAZARD_KINDS,
     Check,
@@ -24,8 +26,6 @@ from remat.verification.report import (
     ValueCheckResult,
     VerifyReport,
 )
-from remat.verification.tolerance import Tolerance, TolerancePolicy, parse_tolerance
-from remat.verification.twins import default_loss
 
 __all__ = [
     "CHECK_NAMES",

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from remat.verification.report import Check
 from remat.verification.tolerance import TolerancePolicy
+from remat.verification.verify_report import Check
 
 __all__ = ["Diff", "check_tensors", "diff"]
 

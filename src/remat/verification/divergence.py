@@ -14,8 +14,8 @@ from torch.utils.hooks import RemovableHandle
 from remat.runtime.engine import main_output
 from remat.runtime.stage_calls import hook_stages, stage_submodule
 from remat.verification.compare import diff
-from remat.verification.report import Divergence, ValueCheckResult
 from remat.verification.tolerance import TolerancePolicy
+from remat.verification.verify_report import Divergence, ValueCheckResult
 
 __all__ = ["StageRecords", "first_divergence"]
 

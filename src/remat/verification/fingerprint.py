@@ -46,8 +46,8 @@ from remat.measure.tracker import iter_tensors
 from remat.runtime.install import Handle, observe
 from remat.runtime.policies import ROUTING_OPS
 from remat.runtime.stage_calls import stage_submodule
-from remat.verification.report import OpMismatch, ValueCheckResult
 from remat.verification.tolerance import TolerancePolicy, parse_tolerance
+from remat.verification.verify_report import OpMismatch, ValueCheckResult
 
 __all__ = [
     "ROUTING",

@@ -35,9 +35,8 @@ from remat.verification.compare import check_tensors
 from remat.verification.divergence import StageRecords, first_divergence
 from remat.verification.fingerprint import ValueCheck
 from remat.verification.hazards import HazardProbe
-from remat.verification.report import Check, Divergence, Hazard, ValueCheckResult, VerifyReport
 from remat.verification.tolerance import TolerancePolicy, parse_tolerance
-from remat.verification.twins import (
+from remat.verification.twin_models import (
     LossFn,
     PlanLike,
     build_twins,
@@ -45,6 +44,13 @@ from remat.verification.twins import (
     fresh_batch,
     resolve_plan,
     seeded,
+)
+from remat.verification.verify_report import (
+    Check,
+    Divergence,
+    Hazard,
+    ValueCheckResult,
+    VerifyReport,
 )
 
 __all__ = ["verify"]
@@ -218,7 +224,7 @@ def verify(
     (``batch`` and ``loss_fn`` may then be None). ``plan`` is a :class:`remat.Plan` or a
     builder such as ``remat.plans.per_stage``. ``loss_fn(model, batch)`` runs the forward
     and returns the scalar loss (default:
-    :func:`remat.verification.twins.default_loss`). ``tolerance`` is ``"auto"`` (by
+    :func:`remat.verification.twin_models.default_loss`). ``tolerance`` is ``"auto"`` (by
     dtype), ``"exact"`` or a number used as rtol and atol.
 
     ``check_rebuilds`` runs the value check and the hazard detectors in step 1;

@@ -57,7 +57,7 @@ from remat.verification.fingerprint import (
     outside_dispatch_modes,
     rebuilt_stages,
 )
-from remat.verification.report import Hazard, ValueCheckResult
+from remat.verification.verify_report import Hazard, ValueCheckResult
 
 __all__ = ["HazardProbe"]
 

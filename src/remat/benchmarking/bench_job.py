@@ -36,11 +36,11 @@ from .factory import (
 )
 from .findings import findings
 from .grads import GradCheck, check_compiled, check_plan
-from .measure import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
 from .microbatch import compare_microbatches
 from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
 from .results import BenchReport, Row
 from .runners import CompiledRunner, EagerRunner, Factory, Runner
+from .step_measures import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
 from .stopping import first_step, hazard_reason, rebuild_rejected, step
 from .strategies import (
     DEFAULT_BUDGETS,
