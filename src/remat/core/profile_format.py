@@ -15,7 +15,8 @@ Conventions (they are the simulator's, see :mod:`remat.core.solve.problem`):
   ``nosave_transient_bytes`` above input and output for a forward that saves nothing;
   ``bwd_transient_bytes`` above what is live when its backward starts and its input's
   gradient, plus its output when it saved that (``saves_output``: the simulator no
-  longer counts it there). The parameter gradients the stage has created by that peak
+  longer counts it there); negative where the backward lets go of what the stage saved
+  before its peak. The parameter gradients the stage has created by that peak
   are part of it; the simulator adds all of them (``grad_bytes``) after the peak.
 * ``extra_bwd_s[option]``: what a selective option adds to the stage's backward (its
   unsaved ops rebuilt, and its checkpoint frame); see :mod:`remat.profiling.optimes`.

@@ -146,6 +146,10 @@ class StageRecord:
     # option -> seconds a selective option adds to the backward (its ops rebuilt)
     extra_bwd_s: Mapping[str, float] = field(default_factory=dict, hash=False)
     fwd_transient_bytes: int = 0
+    # May be negative: a backward that frees what its stage saved, or the gradient it was
+    # handed, before its peak (Note [A backward that frees before its peak] in
+    # remat/core/solve/simulator.py); never below minus keep's saved bytes and the two
+    # boundaries' gradients (the backward event would hold less than nothing).
     bwd_transient_bytes: int = 0
     # Peak extra bytes of a forward that saves nothing (inside a region), beyond input and
     # output; None: not measured (a hand-written problem), charged like a keep forward.
@@ -204,7 +208,7 @@ class StageRecord:
                              "give a string")
         where = self.where
         for name in ("boundary_bytes", "output_bytes", "fwd_transient_bytes",
-                     "bwd_transient_bytes", "grad_bytes", "pending_grad_bytes",
+                     "grad_bytes", "pending_grad_bytes",
                      "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes",
                      "link_saved_bytes", "link_backward_bytes"):
             object.__setattr__(self, name, self.nbytes(getattr(self, name), name))
@@ -223,6 +227,17 @@ class StageRecord:
         saved = {self.option(k, "saved_bytes"): self.nbytes(v, f"saved_bytes[{k!r}]")
                  for k, v in self.saved_bytes.items()}
         object.__setattr__(self, "saved_bytes", MappingProxyType(saved))
+        freed = self.bwd_transient_bytes
+        if isinstance(freed, int) and not isinstance(freed, bool) and freed < 0:
+            least = saved[KEEP] + self.boundary_bytes + self.output_bytes
+            if -freed > least:
+                raise UsageError(
+                    f"{where} bwd_transient_bytes={freed} frees more than its backward "
+                    f"holds ({least} bytes: keep's saved bytes and the two gradients); "
+                    f"give -{least} or more")
+        else:
+            object.__setattr__(self, "bwd_transient_bytes",
+                               self.nbytes(freed, "bwd_transient_bytes"))
         if not isinstance(self.extra_bwd_s, Mapping):
             raise UsageError(f"{where} extra_bwd_s={self.extra_bwd_s!r} must map options to "
                              "seconds")

@@ -13,9 +13,10 @@ add up to what that step really did), in the terms ``remat.core.solve.simulate``
   region runs its stages that way inside a rebuild).
 * backward transient: the stage backward's peak above the live total when it began, less
   its input's gradient (the simulator counts it), plus its output when it saved that (the
-  simulator no longer counts it there); no clones: keep's backward makes none. The
-  parameter gradients it has created by its peak are in it; the simulator adds the
-  stage's ``grad_bytes`` after that peak.
+  simulator no longer counts it there); negative where the backward lets go of what the
+  stage saved, or of the gradient it was handed, before its peak; no clones: keep's
+  backward makes none. The parameter gradients it has created by its peak are in it; the
+  simulator adds the stage's ``grad_bytes`` after that peak.
 * times (``fwd_s``, ``bwd_s``, ``rebuild_s``, ``extra_bwd_s``): medians over the timed
   rounds of the stage and of every stage identical to it (:mod:`.noise`), each with its
   interquartile range (``time_spread``).
@@ -234,10 +235,10 @@ def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
                 # keep's backward clones no buffer (a selective stage's replay does: its
                 # own transient, measured with the option on, has them), so none here:
                 # with them a BatchNorm stage's backward was over by its changed buffers,
-                # and the peak without checkpointing with it (issue 47, item 4)
-                bwd_transient_bytes=max(
-                    0, bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad
-                ),
+                # and the peak without checkpointing with it (issue 47, item 4). Negative
+                # where the backward frees what the stage saved before its peak
+                # (Note [A backward that frees before its peak] in the simulator).
+                bwd_transient_bytes=bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad,
                 nosave_transient_bytes=nosave.over_io_bytes + clones,
                 grad_bytes=grads[i],
                 output_kept_outside=m.nosave.kept_outside[i],

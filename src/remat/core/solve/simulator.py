@@ -210,6 +210,26 @@ plan peaking 6.8% above the least one. Before, the step without checkpointing pu
 into stage ``i``'s ``pending_grad_bytes`` (the ``vgg`` built-in's two classifier
 dropouts, 4 KiB each), held at that stage's backward whatever the plan.
 
+Note [A backward that frees before its peak]
+--------------------------------------------
+A stage's backward event charges what the stage saved, the gradient it was handed
+(``x_{i+1}``'s) and the one it makes (``x_i``'s), plus ``bwd_transient_bytes``. Autograd
+lets go of each node's saved tensors and incoming gradient as soon as that node is done,
+so where the stage's largest tensor is made last the first two are partly gone by then:
+wav2vec2's feature encoder (a convolution of stride 2, then a GELU, which saves the
+convolution's output) peaks at the convolution's backward, making the input's gradient
+(twice the output's size) after the GELU's backward has freed its saved input and the
+gradient it was handed, one of them replaced by the gradient it made. The measured rise
+above the backward's start less the input's gradient is then negative (the weight's
+gradient less the output's size), and the profile keeps it so; the simulator and the
+tables add it like any other transient. Clamped at 0, every plan peaking at such a stage's
+backward was over by the difference: hf:wav2vec2, hubert, wavlm, unispeech and
+unispeech-sat 5.4% (859,136 bytes) at the minimum they named, which is now predicted to
+the byte. The least the figure may be is minus keep's saved bytes and both gradients
+(the event would hold less than nothing); the measured rise is never below zero, so a
+profile stays above minus the input's gradient. A selective option's own figure
+(``bwd_transient_by_option``) is still clamped at 0: an upper bound there.
+
 Note [FSDP2 units]
 ------------------
 A per-rank problem under FSDP2 (:func:`remat.core.transforms.per_rank_problem`) gives each
