@@ -36,7 +36,7 @@ from remat.core.solve.simulator import simulate
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
 
-from .bench_report import options_summary
+from .bench_report import _ms, _pct, _size, options_summary
 from .environment import Environment, describe_environment
 from .factory import describe, failure, make_factory, torch_threads, whole
 from .range_job import batch_at, bucket_ends, grads_equal, problem_at, profile_and_plan
@@ -360,18 +360,6 @@ def bench_range(
         budget=str(chosen_budget), strategies=names, repeats=repeats, warmup=warmup,
         plan_set=chosen, rows=tuple(rows), findings=_findings(rows, chosen.budget_bytes),
         profile_s=profile_s, elapsed_s=time.perf_counter() - began, command=command)
-
-
-def _size(n: int | None) -> str:
-    return "-" if n is None else format_bytes(n)
-
-
-def _ms(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1e3:.1f}"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.1%}"
 
 
 def _within(r: Row) -> str:
