@@ -8,18 +8,30 @@ live-storage tracker, a whole training step), whether it stayed within the budge
 whether gradients were equal and verify passed, and ``auto``'s verdict (exit 0 or 1).
 
 Models: the built-ins (``resnet``, ``convnext``, ``encdec``, ``unet``, ``gpt``,
-``mlp-hetero``, ``convnet-bn``), transformers families from configs (``hf:bert``,
-``hf:t5``, ``hf:gpt_neox``, ``hf:mixtral``, ``hf:mamba``, ``hf:llama``) and a diffusers
-``UNet2DModel`` (``diffusers-unet``, skipped without diffusers), and three loops with
-code between their blocks, written here (``loop-add``: ``x = x + block(x)`` over
-LayerNorm-MLP blocks; ``loop-relu-add``: the blocks end in a ReLU; ``loop-gate``:
-``x = x * sigmoid(block(x))``). Random weights, nothing downloaded.
+``mlp-hetero``, ``convnet-bn``; ``mobilenet``, ``efficientnet`` and ``vgg``, blocks in a
+container beside a stem and a head, at width 4, 32 x 32 images, batch 8), transformers
+families from configs (``hf:bert``, ``hf:t5``, ``hf:gpt_neox``, ``hf:mixtral``,
+``hf:mamba``, ``hf:llama``, ``hf:albert`` with its one shared layer group, and
+``HF_TYPES``: 30 and more types of every modality, each with the head
+:mod:`remat.models.hf` chooses and the sizes benchmarks/hf_heads.py builds it with), a
+diffusers ``UNet2DModel`` (``diffusers-unet``, skipped without diffusers), and models
+written here: three loops with code between their blocks (``loop-add``:
+``x = x + block(x)`` over LayerNorm-MLP blocks; ``loop-relu-add``: the blocks end in a
+ReLU; ``loop-gate``: ``x = x * sigmoid(block(x))``), ``lstm-stack`` (four
+``nn.LSTM`` blocks, as tests/test_verify_lstm.py) and ``looped-shared`` (one shared
+``TransformerEncoderLayer`` called six times, as tests/test_shared_layers.py). Random
+weights, nothing downloaded.
+
+Where no plan fits 75% (the parameters and their AdamW state alone take more), the 75%
+row says so and the minimum row still runs, at the budget the planning error names.
 
 Run from the repository root::
 
     PYTHONPATH=src .venv/bin/python benchmarks/architectures.py [--models resnet unet ...]
 
-Prints a table and writes it to ``benchmarks/architectures.md``.
+Prints the rows and merges them into ``benchmarks/architectures.md`` by model name as
+each model finishes (rows of models not run stay as recorded; each row names the run
+that made it: commit, date and the machine's load).
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
+import subprocess
 import sys
 import time
 import traceback
@@ -43,9 +57,32 @@ from remat.core.coverage import coverage
 from remat.core.solve import solvers
 from remat.core.solve.from_profile import problem_from_profile
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_heads import options as hf_options  # a sibling script
+
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/architectures.py"
 BUILTINS = ["resnet", "convnext", "encdec", "unet", "gpt", "mlp-hetero", "convnet-bn"]
-HF = ["hf:bert", "hf:t5", "hf:gpt_neox", "hf:mixtral", "hf:mamba", "hf:llama"]
+#: blocks in a container beside a stem and a head, small enough for a run under a minute
+MIXED = ["mobilenet", "efficientnet", "vgg"]
+SMALL = {"width": 4, "image_size": 32, "batch_size": 8}
+HF = ["hf:bert", "hf:t5", "hf:gpt_neox", "hf:mixtral", "hf:mamba", "hf:llama", "hf:albert"]
+#: transformers types of every modality that pass in benchmarks/hf_heads.md, each with the
+#: head remat.models.hf chooses, at the sizes hf_heads.py builds them with (its --tiny)
+HF_TYPES = [
+    # text
+    "gpt2", "qwen2", "mistral", "roberta", "electra", "distilbert", "bart", "opt",
+    "falcon", "phi",
+    # vision
+    "vit", "deit", "beit", "dinov2", "data2vec-vision", "vit_msn", "ijepa", "mobilenet_v2",
+    "focalnet", "hiera", "levit", "segformer",
+    # video
+    "videomae", "vivit", "timesformer",
+    # audio
+    "whisper", "audio-spectrogram-transformer", "moonshine", "speech_to_text", "wav2vec2",
+    "hubert",
+    # image and text
+    "clip", "siglip", "chinese_clip", "blip", "metaclip_2",
+]  # fmt: skip
 
 
 def diffusers_unet(*, batch_size: int = 4, seed: int = 0) -> tuple[Any, Any, Callable]:
@@ -110,12 +147,86 @@ def _loop(glue: str, relu: bool) -> Callable[..., Any]:
     return make
 
 
+class _LSTMBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(d, d, batch_first=True)
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.lstm(x)
+        return x + self.proj(y)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, blocks: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def lstm_stack(*, batch_size: int = 4, seed: int = 0) -> tuple[Any, Any, Callable]:
+    """Four LSTM blocks (width 32) over a (batch, 16, 32) tensor, a mean-square loss."""
+    torch.manual_seed(seed)
+
+    def loss_fn(m: Any, x: torch.Tensor) -> torch.Tensor:
+        return m(x).square().mean()
+
+    return _Stack([_LSTMBlock(32) for _ in range(4)]), torch.randn(batch_size, 16, 32), loss_fn
+
+
+class _Looped(torch.nn.Module):
+    """An embedding, one shared encoder layer called ``depth`` times, a head."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layer = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.1,
+                                                      batch_first=True)
+        self.depth = depth
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for _ in range(self.depth):
+            h = self.layer(h)
+        return self.head(h)
+
+
+def looped_shared(*, batch_size: int = 4, seed: int = 0) -> tuple[Any, Any, Callable]:
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 64, (batch_size, 16))
+
+    def loss_fn(m: Any, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(b).flatten(0, 1), b.flatten())
+
+    return _Looped(), ids, loss_fn
+
+
 EXTRA: dict[str, Callable[..., Any]] = {
     "diffusers-unet": diffusers_unet,
     "loop-add": _loop("add", relu=False),
     "loop-relu-add": _loop("add", relu=True),
     "loop-gate": _loop("gate", relu=False),
+    "lstm-stack": lstm_stack,
+    "looped-shared": looped_shared,
 }
+ALL = [*BUILTINS, *MIXED, *HF, *(f"hf:{t}" for t in HF_TYPES), *EXTRA]
+
+
+def target_of(name: str) -> tuple[Any, dict[str, Any]]:
+    """What ``auto`` builds for a row name, and the options it is built with."""
+    if name in EXTRA:
+        return EXTRA[name], {}
+    if name in MIXED:
+        return name, dict(SMALL)
+    if name.startswith("hf:") and name[3:] in HF_TYPES:
+        return name, hf_options(name[3:], tiny=False)
+    return name, {}
 
 
 def _mib(n: int) -> str:
@@ -144,74 +255,170 @@ def _row(name: str, budget: str, report: AutoReport) -> str:
     )
 
 
-def run_model(name: str, repeats: int) -> tuple[list[str], str]:
-    target: Any = EXTRA.get(name, name)
-    kwargs: dict[str, Any] = {"repeats": repeats, "verify_steps": 2, "threads": 1}
+def _stopped(name: str, budget: str, err: Stopped, run: str) -> str:
+    reason = str(err).replace("|", "/").replace("\n", " ")
+    return f"| `{name}` | {budget} | stopped: {reason} | | | | | | {err.exit_code} | {run} |"
+
+
+def run_model(name: str, repeats: int, run: str) -> tuple[list[str], str]:
+    target, options = target_of(name)
+    kwargs: dict[str, Any] = {"repeats": repeats, "verify_steps": 2, "threads": 1,
+                              "options": options}
     rows: list[str] = []
+    first: AutoReport | None = None
     try:
         first = auto(target, budget="75%", **kwargs)
+        rows.append(_row(name, "75%", first) + f" {run} |")
+        assert first.profile is not None
+        least = solvers.minimum_budget(problem_from_profile(first.profile))
     except Stopped as err:
-        return [f"| `{name}` | 75% | stopped: {err} | | | | | | {err.exit_code} |"], ""
-    assert first.profile is not None
-    cov = coverage(first.profile)
-    chain = (f"| `{name}` | {len(cov.stages)}: `{cov.stages[0]}` .. `{cov.stages[-1]}` | "
-             f"{100 * cov.share:.0f}% |")
-    rows.append(_row(name, "75%", first))
-    least = solvers.minimum_budget(problem_from_profile(first.profile))
+        rows.append(_stopped(name, "75%", err, run))
+        if err.minimum_budget_bytes is None:
+            return rows, ""
+        least = err.minimum_budget_bytes
     try:
-        rows.append(_row(name, "minimum", auto(target, budget=least, **kwargs)))
+        last = auto(target, budget=least, **kwargs)
+        rows.append(_row(name, "minimum", last) + f" {run} |")
     except Stopped as err:
-        rows.append(f"| `{name}` | minimum ({_mib(least)}) | stopped: {err} | | | | | | "
-                    f"{err.exit_code} |")
+        rows.append(_stopped(name, f"minimum ({_mib(least)})", err, run))
+        last = None
+    report = first or last
+    if report is None or report.profile is None:
+        return rows, ""
+    cov = coverage(report.profile)
+    chain = (f"| `{name}` | {len(cov.stages)}: `{cov.stages[0]}` .. `{cov.stages[-1]}` | "
+             f"{100 * cov.share:.0f}% | {run} |")
     return rows, chain
+
+
+CHAINS_HEAD = ["| model | stages found | covered | run |", "| --- | --- | --- | --- |"]
+RUNS_HEAD = ["| model | budget (MiB) | plan | no checkpointing | predicted | measured | "
+             "within budget | gradients | exit | run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+#: the runs recorded before rows named theirs (the 2026-12-01 run; diffusers-unet rerun)
+FIRST_RUN = "R0"
+
+
+def _name(line: str) -> str | None:
+    found = re.match(r"\| `([^`]+)` \|", line)
+    return found.group(1) if found else None
+
+
+def _recorded(path: Path) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+    """The runs listed in the md and its rows by model name (a run cell added to the rows
+    written before rows carried one)."""
+    if not path.exists():
+        return [], {}, {}
+    runs_list: list[str] = []
+    chains: dict[str, str] = {}
+    rows: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("- R"):
+            runs_list.append(line)
+        name = _name(line)
+        if name is None:
+            continue
+        cells = line.count("|") - 1
+        if cells in (3, 9):  # no run cell: the first run's rows
+            run = "R1" if name == "diffusers-unet" else FIRST_RUN
+            line = f"{line} {run} |"
+            cells += 1
+        if cells == 4:
+            chains[name] = line
+        else:
+            rows.setdefault(name, []).append(line)
+    return runs_list, chains, rows
+
+
+def _write(path: Path, runs_list: list[str], chains: dict[str, str],
+           rows: dict[str, list[str]]) -> str:
+    order = [*ALL, *(n for n in {**chains, **rows} if n not in ALL)]
+    text = "\n".join([
+        "# remat auto on the architectures users bring",
+        "",
+        "Each model: the stages discovery finds and the share of the activation memory they "
+        "cover, then `remat auto` (profile, plan, apply, verify, measure) at 75% of the peak "
+        "without checkpointing and at 'minimum', the smallest budget any plan reaches, as "
+        "the planning error names it. Peaks in MiB, measured by the live-storage tracker "
+        "over a whole training step; one thread. The last column names the run that made "
+        "the row:",
+        "",
+        *runs_list,
+        "",
+        *CHAINS_HEAD,
+        *(chains[n] for n in order if n in chains),
+        "",
+        *RUNS_HEAD,
+        *(line for n in order for line in rows.get(n, [])),
+        "",
+    ])
+    path.write_text(text)
+    return text
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=[*BUILTINS, *HF, *EXTRA])
+    parser.add_argument("--models", nargs="+", default=ALL)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".md")))
     args = parser.parse_args(argv)
     default_out = str(Path(__file__).with_suffix(".md"))
     out_flag = "" if args.out == default_out else f" --out {args.out}"
-    chains = ["| model | stages found | covered |", "| --- | --- | --- |"]
-    runs = ["| model | budget (MiB) | plan | no checkpointing | predicted | measured | "
-            "within budget | gradients | exit |", "| --- | --- | --- | --- | --- | --- | --- | "
-            "--- | --- |"]
+    path = Path(args.out)
+    runs_list, chains, rows = _recorded(path)
+    if not runs_list and (chains or rows):
+        runs_list = [
+            f"- {FIRST_RUN}: `{COMMAND} --models resnet convnext encdec unet gpt mlp-hetero "
+            "convnet-bn hf:bert hf:t5 hf:gpt_neox hf:mixtral hf:mamba hf:llama "
+            "diffusers-unet`; x86_64, 2 cores (shared), torch 2.13.0+cpu, Python 3.11.7, "
+            "3 timed steps; 2026-12-01 20:39 UTC, 6 min.",
+            f"- R1: `{COMMAND} --models diffusers-unet`; commit 80045e4, 2026-12-03 21:37 UTC "
+            "(discovery made the mid block's attention a stage, docs/stages.md rule 5: 20 "
+            "stages where R0 found 19).",
+        ]
+    run = f"R{len(runs_list)}"
     started = time.time()
+    load = os.getloadavg()[0]
+    done: list[str] = []
+
+    def record(minutes_note: str) -> str:
+        line = (
+            f"- {run}: `{COMMAND} --models {' '.join(args.models)}{out_flag}`; commit "
+            f"{_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}; "
+            f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs (load "
+            f"average {load:.1f} at the start, {os.getloadavg()[0]:.1f} now), torch "
+            f"{torch.__version__}, Python {platform.python_version()}, {args.repeats} timed "
+            f"steps; {minutes_note}."
+        )
+        return _write(path, [*runs_list, line], chains, rows)
+
     for name in args.models:
         t0 = time.time()
         try:
-            rows, chain = run_model(name, args.repeats)
+            new_rows, chain = run_model(name, args.repeats, run)
         except ImportError as err:
-            rows, chain = [f"| `{name}` | skipped: {err} | | | | | | | |"], ""
+            new_rows, chain = [f"| `{name}` | skipped: {err} | | | | | | | | {run} |"], ""
         except Exception as err:  # a benchmark records failures, it does not stop at one
             traceback.print_exc()
-            failed = f"failed: {type(err).__name__}: {err}"
-            rows, chain = [f"| `{name}` | {failed} | | | | | | | 1 |"], ""
+            failed = f"failed: {type(err).__name__}: {err}".replace("|", "/")
+            new_rows, chain = [f"| `{name}` | {failed} | | | | | | | 1 | {run} |"], ""
+        chains.pop(name, None)
         if chain:
-            chains.append(chain)
-        runs += rows
-        print("\n".join(rows), f"({time.time() - t0:.0f} s)", flush=True)
-    text = "\n".join([
-        "# remat auto on the architectures users bring",
-        "",
-        f"Command: `{COMMAND} --models {' '.join(args.models)}{out_flag}`",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared), torch "
-        f"{torch.__version__}, Python {platform.python_version()}; one thread, "
-        f"{args.repeats} timed steps; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{(time.time() - started) / 60:.0f} min. Peaks in MiB, measured by the live-storage "
-        "tracker over a whole training step; 'minimum' is the smallest budget any plan "
-        "reaches, as the planning error names it.",
-        "",
-        *chains,
-        "",
-        *runs,
-        "",
-    ])
-    Path(args.out).write_text(text)
-    print(text)
+            chains[name] = chain
+        rows[name] = new_rows
+        done.append(name)
+        print("\n".join(new_rows), f"({time.time() - t0:.0f} s)", flush=True)
+        record(f"{len(done)} of {len(args.models)} models done, "
+               f"{(time.time() - started) / 60:.0f} min so far")
+    print(record(f"{(time.time() - started) / 60:.0f} min"))
     return 0
 
 
