@@ -27,7 +27,7 @@ _BYTES = ("boundary_bytes", "output_bytes", "saved_bytes", "fwd_transient_bytes"
           "bwd_transient_bytes", "nosave_transient_bytes", "grad_bytes", "output_kept_outside",
           "saves_input", "saves_output", "input_held_through", "output_held_through",
           "gets_previous_output", "selective_bwd_transient_bytes", "pending_grad_bytes",
-          "link_saved_bytes", "input_kept_by_option", "break_before")
+          "link_saved_bytes", "link_backward_bytes", "input_kept_by_option", "break_before")
 
 SMALL = {
     "gpt": {"n_layer": 3, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab_size": 64,
