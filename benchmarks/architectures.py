@@ -385,14 +385,15 @@ def main(argv: list[str] | None = None) -> int:
             "stages where R0 found 19).",
         ]
     run = f"R{len(runs_list)}"
-    started = time.time()
+    started, commit = time.time(), _commit()
     load = os.getloadavg()[0]
     done: list[str] = []
 
     def record(minutes_note: str) -> str:
         line = (
             f"- {run}: `{COMMAND} --models {' '.join(args.models)}{out_flag}`; commit "
-            f"{_commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}; "
+            f"{commit} (HEAD at the start), "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}; "
             f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs (load "
             f"average {load:.1f} at the start, {os.getloadavg()[0]:.1f} now), torch "
             f"{torch.__version__}, Python {platform.python_version()}, {args.repeats} timed "
