@@ -304,15 +304,19 @@ def _name(line: str) -> str | None:
     return found.group(1) if found else None
 
 
-def _recorded(path: Path) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
-    """The runs listed in the md and its rows by model name (a run cell added to the rows
-    written before rows carried one)."""
+NOTES = "## Notes"
+
+
+def _recorded(path: Path) -> tuple[list[str], dict[str, str], dict[str, list[str]], str]:
+    """The runs listed in the md, its rows by model name (a run cell added to the rows
+    written before rows carried one) and its notes (from ``## Notes`` on, kept as written)."""
     if not path.exists():
-        return [], {}, {}
+        return [], {}, {}, ""
     runs_list: list[str] = []
     chains: dict[str, str] = {}
     rows: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
+    text, _, notes = path.read_text().partition(NOTES)
+    for line in text.splitlines():
         if line.startswith("- R"):
             runs_list.append(line)
         name = _name(line)
@@ -327,11 +331,11 @@ def _recorded(path: Path) -> tuple[list[str], dict[str, str], dict[str, list[str
             chains[name] = line
         else:
             rows.setdefault(name, []).append(line)
-    return runs_list, chains, rows
+    return runs_list, chains, rows, NOTES + notes if notes else ""
 
 
 def _write(path: Path, runs_list: list[str], chains: dict[str, str],
-           rows: dict[str, list[str]]) -> str:
+           rows: dict[str, list[str]], notes: str) -> str:
     order = [*ALL, *(n for n in {**chains, **rows} if n not in ALL)]
     text = "\n".join([
         "# remat auto on the architectures users bring",
@@ -351,7 +355,7 @@ def _write(path: Path, runs_list: list[str], chains: dict[str, str],
         *RUNS_HEAD,
         *(line for n in order for line in rows.get(n, [])),
         "",
-    ])
+    ]) + (f"\n{notes.rstrip()}\n" if notes else "")
     path.write_text(text)
     return text
 
@@ -373,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     default_out = str(Path(__file__).with_suffix(".md"))
     out_flag = "" if args.out == default_out else f" --out {args.out}"
     path = Path(args.out)
-    runs_list, chains, rows = _recorded(path)
+    runs_list, chains, rows, notes = _recorded(path)
     if not runs_list and (chains or rows):
         runs_list = [
             f"- {FIRST_RUN}: `{COMMAND} --models resnet convnext encdec unet gpt mlp-hetero "
@@ -399,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.__version__}, Python {platform.python_version()}, {args.repeats} timed "
             f"steps; {minutes_note}."
         )
-        return _write(path, [*runs_list, line], chains, rows)
+        return _write(path, [*runs_list, line], chains, rows, notes)
 
     for name in args.models:
         t0 = time.time()
