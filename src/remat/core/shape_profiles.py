@@ -8,6 +8,7 @@ the range, as a plain profile every planner and simulator takes. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -84,6 +85,25 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:
     return f"{path or 'the profile'} ({repr(a)[:60]} against {repr(b)[:60]})"
 
 
+def _call_args_alike(profiles: Mapping[Shape, Profile]) -> Mapping[Shape, Profile]:
+    """``profiles``, without the stages' ``call_args`` where their lists differ between
+    shapes.
+
+    Which arguments a stage gets can change with the shape: transformers drops the 4-D
+    attention mask where a batch has no padding (SDPA then runs causal), so a padded
+    sample cut to a shorter length passes one argument fewer. The lists cannot be fitted
+    then, and a profile without them counts the arguments the frames hold as one total
+    (``args_at_return``, fitted like every figure), as profiles before the lists did
+    (Note [Arguments a checkpoint frame holds] in remat.core.solve.simulator).
+    """
+    lists = {tuple(len(st.call_args) for st in p.stages) for p in profiles.values()}
+    if len(lists) <= 1:
+        return profiles
+    return {shape: dataclasses.replace(p, stages=tuple(
+        dataclasses.replace(st, call_args=()) for st in p.stages))
+        for shape, p in profiles.items()}
+
+
 def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
                 timed: Sequence[Shape], inputs: Mapping[str, tuple[int, int]]) -> Profile:
     """The profile at the largest timed shape, carrying the fit through ``profiles``.
@@ -102,6 +122,7 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
         raise UsageError(f"no profile at {dims.shape_text(missing[0])}; profile every shape "
                          "of the byte grid, the ladder and the timed shapes")
     at = max(timed, key=lambda s: (sum(s), s))
+    profiles = _call_args_alike(profiles)
     base = profiles[at]
     data = {s: p.to_dict() for s, p in profiles.items()}
     skeleton = _skeleton(data[at])
