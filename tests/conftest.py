@@ -74,6 +74,22 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
             "remat.models.gpt"]
 
 
+def planned_peak(model: nn.Module, batch: Any, loss_fn: Any, plan: Any) -> int:
+    """The measured peak of one whole training step of a copy of ``model`` with ``plan``
+    applied (the model itself untouched)."""
+    import copy
+
+    import remat
+    from remat.measure import measure_step
+
+    applied = copy.deepcopy(model)
+    handle = remat.apply(applied, plan)
+    try:
+        return measure_step(applied, batch, loss_fn).peak_bytes
+    finally:
+        handle.remove()
+
+
 def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
     """``mp.spawn(fn, args, nprocs)``, the processes forked from a server that imported
     torch and remat once (a clean interpreter as spawn's is: it holds nothing the test

@@ -10,16 +10,14 @@ item 4).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 import remat
+from conftest import planned_peak
 from remat.core.plan_format import Plan, Region
 from remat.core.solve import simulate
 from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
-from remat.measure import measure_step
 
 D, S, B = 32, 64, 4
 
@@ -55,12 +53,7 @@ def _loss(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
 
 
 def _measured(model: nn.Module, batch: torch.Tensor, plan: Plan) -> int:
-    applied = copy.deepcopy(model)
-    handle = remat.apply(applied, plan)
-    try:
-        return measure_step(applied, batch, _loss).peak_bytes
-    finally:
-        handle.remove()
+    return planned_peak(model, batch, _loss, plan)
 
 
 def test_each_stage_records_the_arguments_its_call_got() -> None:

@@ -6,7 +6,6 @@ that frees before its peak] in ``remat.core.solve.simulator``)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from conftest import planned_peak
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.core.solve import Problem, simulate, solvers
 from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
-from remat.measure import measure_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,12 +68,7 @@ def profiled() -> tuple[nn.Module, Any, Profile]:
 
 
 def _measured(model: nn.Module, batch: Any, plan: Plan) -> int:
-    applied = copy.deepcopy(model)
-    handle = remat.apply(applied, plan)
-    try:
-        return measure_step(applied, batch, _loss).peak_bytes
-    finally:
-        handle.remove()
+    return planned_peak(model, batch, _loss, plan)
 
 
 def test_the_backward_is_measured_below_what_the_stage_saved(

@@ -19,17 +19,16 @@ Before, the plan ``auto`` chose at the minimum budget it named went over that bu
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 import remat
+from conftest import planned_peak
 from remat.core.plan_format import Plan, Region
 from remat.core.solve import simulate, solvers
 from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
-from remat.measure import LiveMemoryTracker, measure_step
+from remat.measure import LiveMemoryTracker
 from remat.measure.report import Phase
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,12 +69,7 @@ def _model() -> tuple[nn.Module, torch.Tensor]:
 
 
 def _measured(model: nn.Module, batch: torch.Tensor, plan: Plan) -> int:
-    applied = copy.deepcopy(model)
-    handle = remat.apply(applied, plan)
-    try:
-        return measure_step(applied, batch, _loss).peak_bytes
-    finally:
-        handle.remove()
+    return planned_peak(model, batch, _loss, plan)
 
 
 def test_every_node_an_op_makes_runs_under_its_module_in_backward() -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import remat
+from conftest import planned_peak
 from remat.core.plan_format import Plan, Region
 from remat.core.solve import Problem, StageCost, parse_budget, simulate, solvers
 from remat.core.solve.from_profile import problem_from_profile
@@ -53,12 +54,7 @@ def _gpt(precision: str) -> tuple[torch.nn.Module, Any, Callable[..., Any]]:
 
 def _measured(model: torch.nn.Module, batch: Any, loss_fn: Callable[..., Any], plan: Plan
               ) -> int:
-    applied = copy.deepcopy(model)
-    handle = remat.apply(applied, plan)
-    try:
-        return measure_step(applied, batch, loss_fn).peak_bytes
-    finally:
-        handle.remove()
+    return planned_peak(model, batch, loss_fn, plan)
 
 
 # -- the cost model --------------------------------------------------------------------------

@@ -5,7 +5,6 @@ pending by position", assumption 14)."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -13,11 +12,11 @@ import torch
 from torch import nn
 
 import remat
+from conftest import planned_peak
 from remat.core.plan_format import Plan, Region
 from remat.core.profile_format import Profile
 from remat.core.solve import simulate, solvers
 from remat.core.solve.from_profile import problem_from_profile
-from remat.measure import measure_step
 from remat.models.unet import unet
 
 
@@ -30,12 +29,7 @@ def profiled() -> tuple[nn.Module, Any, Any, Profile]:
 
 
 def _measured(model: nn.Module, batch: Any, loss_fn: Any, plan: Plan) -> int:
-    applied = copy.deepcopy(model)
-    handle = remat.apply(applied, plan)
-    try:
-        return measure_step(applied, batch, loss_fn).peak_bytes
-    finally:
-        handle.remove()
+    return planned_peak(model, batch, loss_fn, plan)
 
 
 def test_the_up_path_reads_the_down_paths_skips_and_their_gradients_pend(
