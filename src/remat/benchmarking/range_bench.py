@@ -36,7 +36,7 @@ from remat.core.solve.simulator import simulate
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
 
-from .bench_report import _ms, _pct, _size, options_summary
+from .bench_report import _finding, _ms, _pct, _size, options_summary
 from .environment import Environment, describe_environment
 from .factory import describe, failure, make_factory, torch_threads, whole
 from .range_job import batch_at, bucket_ends, grads_equal, problem_at, profile_and_plan
@@ -421,11 +421,7 @@ def markdown(report: RangeBenchReport) -> str:
             f"{_size(row.measured_peak_bytes)} | {_pct(row.peak_error)} | {_within(row)} | "
             f"{span} | {_pct(row.overhead)} ({_pct(row.predicted_overhead)}) | {_grads(row)} | "
             f"{' '.join(row.regions) or '-'} | {options_summary(row.options)} |")
-    mark = {True: "MET", False: "MISSED", None: "note"}
-    out += ["", "## Findings", "",
-            *(f"- **{mark[f.met]}** {f.name}: {f.statement}"
-              + (f" _(target: {f.target})_" if f.met is not None else "")
-              for f in report.findings), ""]
+    out += ["", "## Findings", "", *(_finding(f) for f in report.findings), ""]
     return "\n".join(out)
 
 
