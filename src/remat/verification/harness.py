@@ -486,11 +486,8 @@ class _Run:
         gradients (Note [Optimizer steps that amplify rounding]): fails where a step's
         gradients differ beyond the tolerance, or the parameters and buffers at the end."""
         models = (self.twin, self.plain)
-        with torch.no_grad():
-            for model in models:
-                own = _state_refs(model)
-                for n, value in initial.items():
-                    own[n].copy_(value)
+        for model in models:
+            _put_back(model, initial)
         opts = [make_optimizer(m, optimizer, lr=self.lr) for m in models]
         for t in range(steps):
             for model, opt in zip(models, opts, strict=True):
