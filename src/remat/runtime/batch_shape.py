@@ -70,10 +70,16 @@ class ShapeHook(EngineCallable):
         dims = self.plan_set.dims
         where = dims.shape_text(shape)
         if self.plan_set.outside == "error":
+            off_step = [d for d, v in zip(dims.dims, shape, strict=True)
+                        if d.lo <= v <= d.hi and not d.holds(v)]
+            why = ("" if len(off_step) != len(dims.dims) else
+                   " (between its ends, but not on its steps: "
+                   + ", ".join(f"{d.name} in steps of {d.step}" for d in off_step)
+                   + "; a range inferred from batches takes the step they share)")
             raise UsageError(
-                f"a batch of {where} is outside the plan set's range {dims}, where no plan "
-                "was predicted to fit; plan a range that holds it, or apply the plan set with "
-                "outside='conservative'")
+                f"a batch of {where} is outside the plan set's range {dims}{why}, where no "
+                "plan was predicted to fit; plan a range that holds it, or apply the plan set "
+                "with outside='conservative'")
         if not self.warned:
             self.warned = True
             warnings.warn(
