@@ -137,19 +137,7 @@ def test_auto_on_an_lstm_stack_says_verify_passed(tmp_path: Path) -> None:
 # The rule itself, on an op whose second output is a workspace that differs every call
 
 _calls = itertools.count()
-
-
-@torch.library.custom_op("remat_test::double_with_workspace", mutates_args=())
-def double_with_workspace(x: torch.Tensor, drift: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``2 x`` (plus ``drift`` times the call's number), and a workspace that differs each
-    call; backward saves the workspace and reads nothing from it."""
-    n = float(next(_calls))
-    return x * 2 + drift * n, torch.full((8,), n)
-
-
-@double_with_workspace.register_fake
-def _(x: torch.Tensor, drift: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), x.new_empty((8,))
+_defined = itertools.count()
 
 
 def _setup(ctx: Any, inputs: Any, output: Any) -> None:
@@ -160,38 +148,65 @@ def _backward(ctx: Any, grad: torch.Tensor, _grad_workspace: Any) -> tuple[Any, 
     return grad * 2, None
 
 
-double_with_workspace.register_autograd(_backward, setup_context=_setup)
+def workspace_op() -> tuple[Any, str]:
+    """A custom op returning ``2 x`` (plus ``drift`` times the call's number) and a
+    workspace that differs each call; backward saves the workspace and reads nothing from
+    it. The op and its name as fingerprints print it.
+
+    Each test defines its own, under a new name: one defined at import, shared by the
+    worker's whole run, twice failed under xdist with torch's "schema_.has_value()
+    INTERNAL ASSERT" on its first call (never alone: 150 calls in one process passed),
+    which a fresh registration cannot meet.
+    """
+    name = f"double_with_workspace_{next(_defined)}"
+
+    @torch.library.custom_op(f"remat_test::{name}", mutates_args=())
+    def op(x: torch.Tensor, drift: float) -> tuple[torch.Tensor, torch.Tensor]:
+        n = float(next(_calls))
+        return x * 2 + drift * n, torch.full((8,), n)
+
+    @op.register_fake
+    def _(x: torch.Tensor, drift: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), x.new_empty((8,))
+
+    op.register_autograd(_backward, setup_context=_setup)
+
+    def call(x: torch.Tensor, drift: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return op(x, drift)  # a plain function: the twins' deepcopy keeps it as it is
+
+    return call, f"remat_test.{name}.default"
 
 
 class WorkspaceBlock(TanhBlock):
-    def __init__(self, drift: float = 0.0) -> None:
+    def __init__(self, op: Any, drift: float = 0.0) -> None:
         super().__init__()
-        self.drift = drift
+        self.op, self.drift = op, drift
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        doubled, _ = double_with_workspace(self.fc(x), self.drift)
+        doubled, _ = self.op(self.fc(x), self.drift)
         return x + torch.tanh(doubled)
 
 
-OP = "remat_test.double_with_workspace.default"
+OP = "remat_test.double_with_workspace.default"  # a name for the records made by hand
 
 
 def test_an_output_no_later_op_reads_is_skipped_and_one_that_is_read_is_compared() -> None:
+    op, name = workspace_op()
     torch.manual_seed(0)
-    chain = Stack([TanhBlock(), WorkspaceBlock(), TanhBlock()])
+    chain = Stack([TanhBlock(), WorkspaceBlock(op), TanhBlock()])
     plan = Plan(stages=STAGES[:3], regions=(Region(0, 3),))
     report = verify(chain, torch.randn(4, 8), plan, mean_square, steps=1)
     assert report.ok, [c.message for c in report.checks if not c.passed]
     values = _values(report)
-    assert (values.outputs_skipped, values.skipped_outputs) == (1, (f"{OP} output 1",))
+    assert (values.outputs_skipped, values.skipped_outputs) == (1, (f"{name} output 1",))
     assert "1 output(s) skipped: not read by backward" in report.check("rebuilt-values").message
 
     torch.manual_seed(0)
-    chain = Stack([TanhBlock(), WorkspaceBlock(drift=1e-3), TanhBlock()])
+    chain = Stack([TanhBlock(), WorkspaceBlock(op, drift=1e-3), TanhBlock()])
     report = verify(chain, torch.randn(4, 8), plan, mean_square, steps=1)
     first = _values(report).first
     assert not report.ok and first is not None
-    assert (first.stage, first.rebuilt_op, first.output_index) == ("blocks.1", OP, 0)
+    assert (first.stage, first.rebuilt_op, first.output_index) == ("blocks.1", name, 0)
 
 
 def _fp(sums: tuple[float, float], read: tuple[bool, ...] | None) -> Fingerprint:
