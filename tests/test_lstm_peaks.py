@@ -29,7 +29,7 @@ from remat.core.plan_format import Plan, Region
 from remat.core.solve import simulate, solvers
 from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
 from remat.measure import LiveMemoryTracker
-from remat.measure.report import Phase
+from remat.measure.records import Phase
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

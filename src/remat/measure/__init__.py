@@ -6,7 +6,7 @@ events are read instead (:mod:`remat.measure.allocator_events`).
 
 from __future__ import annotations
 
-from remat.measure.report import (
+from remat.measure.records import (
     Category,
     CategoryBytes,
     Event,

@@ -12,7 +12,7 @@ from torch import nn
 
 from remat.core.errors import UsageError
 from remat.core.profile_format import OPTIMIZERS
-from remat.measure.report import Phase, StepMemory
+from remat.measure.records import Phase, StepMemory
 from remat.measure.tracker import LiveMemoryTracker, iter_tensors
 
 __all__ = ["measure_step"]

@@ -60,7 +60,7 @@ from remat.measure.modes import (
     compiled_code_runs_eagerly,
     without_compiled_insides,
 )
-from remat.measure.report import (
+from remat.measure.records import (
     Category,
     CategoryBytes,
     Event,
