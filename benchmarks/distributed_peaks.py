@@ -3,7 +3,7 @@
 Issue 15 item 2. For each model (gpt, ``hf:llama``), wrap and plan (no regions, one
 region per block, ``segments``, ``optimal`` at 75% and at 50% of the rank's predicted peak
 without a plan) ``--runs`` fresh 2-process jobs each measure both ranks' peak of one
-training step (:func:`remat.distributed.plan_rank_memory`, Note [Steady per-rank peaks]);
+training step (:func:`remat.parallel.data_parallel.plan_rank_memory`, Note [Steady per-rank peaks]);
 the prediction is the simulator's peak of :func:`remat.core.transforms.per_rank_problem`
 built from one rank's profile. Wraps: ``ddp``; ``fsdp blocks``, ``fully_shard`` on every
 block and then the root (the common wrapping); ``fsdp stages``, :func:`shard_stages` with
@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 import remat
-from remat import distributed as rd
 from remat.core.errors import CheckFailed
 from remat.core.plan_format import Plan
 from remat.core.planner import to_problem
@@ -40,6 +39,8 @@ from remat.core.solve import simulate, solvers
 from remat.core.solve.problem import Problem
 from remat.core.transforms import per_rank_problem
 from remat.models import load_model
+from remat.parallel import data_parallel as rd
+from remat.parallel.ranks import shard_batch
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/distributed_peaks.py"
 WORLD = 2
@@ -85,7 +86,7 @@ def _rank(rank: int, path: str, out: str, model_name: str, wrap: str, plan: Plan
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
     try:
         model, batch, loss_fn = load_model(spec, **options)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         memory = rd.plan_rank_memory(model, batch, loss_fn, plan, wrap=strategy, stages=stages,
                                      group_regions=grouped)
         dist.barrier()
@@ -139,7 +140,7 @@ def main() -> None:
     for model_name in args.models:
         spec, options, _ = MODELS[model_name]
         model, batch, loss_fn = load_model(spec, **options)
-        base = to_problem(remat.profile(model, rd.shard_batch(batch, 0, WORLD), loss_fn,
+        base = to_problem(remat.profile(model, shard_batch(batch, 0, WORLD), loss_fn,
                                         repeats=1))
         for wrap in args.wraps:
             strategy = WRAPS[wrap][0]

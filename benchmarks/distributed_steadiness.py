@@ -2,7 +2,7 @@
 
 For each wrap (``ddp``, ``fsdp``) and plan (no regions, one region per block) a fresh
 2-process gloo job measures each rank's step with
-:func:`remat.distributed.plan_rank_memory`, ``--runs`` times, and every run's figures are
+:func:`remat.parallel.data_parallel.plan_rank_memory`, ``--runs`` times, and every run's figures are
 recorded: the peak (the step's threads, by address; Note [Steady per-rank peaks]), the
 bytes alive at the start, DDP's buckets, what gloo's worker threads held at once, the
 frees of older blocks left out, the plain running sum of the same events, and how many
@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 import remat
-from remat import distributed as rd
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve import simulate
 from remat.core.transforms import per_rank_problem
 from remat.models import load_model
+from remat.parallel import data_parallel as rd
+from remat.parallel.ranks import shard_batch
 
 COMMAND = "PYTHONPATH=src .venv/bin/python benchmarks/distributed_steadiness.py"
 WORLD = 2
@@ -54,7 +55,7 @@ def _rank(rank: int, path: str, out: str, wrap: str, name: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=WORLD)
     try:
         model, batch, loss_fn = load_model("gpt", **GPT)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         memory = rd.plan_rank_memory(model, batch, loss_fn, PLANS[name], wrap=wrap, stages=STAGES)
         dist.barrier()
     finally:
@@ -85,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     began = time.perf_counter()
     model, batch, loss_fn = load_model("gpt", **GPT)
-    base = to_problem(remat.profile(model, rd.shard_batch(batch, 0, WORLD), loss_fn, repeats=1))
+    base = to_problem(remat.profile(model, shard_batch(batch, 0, WORLD), loss_fn, repeats=1))
     summary = [
         "| wrap | plan | predicted | rank | peak median | spread | within 1% of the median "
         "| steps recorded |",
@@ -128,7 +129,7 @@ def main() -> None:
         f"torch {torch.__version__}, {platform.machine()} CPU, {os.cpu_count()} cores shared "
         f"with other jobs, gloo, {WORLD} processes). gpt {GPT}, AdamW; each run is a fresh "
         f"{WORLD}-process job measuring one step per rank with `rd.plan_rank_memory` "
-        "(Note [Steady per-rank peaks] in `src/remat/distributed.py`).",
+        "(Note [Steady per-rank peaks] in `src/remat/measure/allocator_events.py`).",
         "",
         "Spread: the largest distance of a run's peak from the median of its row and rank. "
         "Steps recorded: how many steps the instrument recorded until every rank had a "

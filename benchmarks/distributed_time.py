@@ -3,12 +3,12 @@
 Issue 15 item 4. Each run is one fresh 2-process job. Both ranks profile their plain
 model on their shard (memory), rank 0's profile is the one every rank plans from, and
 the per-rank problem (:func:`remat.core.transforms.per_rank_problem`) takes its times
-from rank 0's profile of the wrapped model (:func:`remat.distributed.profile_as_run`,
+from rank 0's profile of the wrapped model (:func:`remat.parallel.data_parallel.profile_as_run`,
 Note [Per-rank time]), as ``remat bench --distributed`` and ``remat auto --distributed``
 do. The plans of ``benchmarks/distributed_peaks.py`` (no regions, one region per block,
 ``segments``, ``optimal`` at 75% and 50%) are then applied to wrapped models (``fsdp
 blocks``: ``fully_shard`` on every block, then the root; ``fsdp stages``:
-:func:`remat.distributed.shard_stages` with the plan, for plans with a multi-stage
+:func:`remat.parallel.data_parallel.shard_stages` with the plan, for plans with a multi-stage
 region) and timed interleaved, ``--rounds`` rounds of one step of each. Measured: each
 rank's median step, and its overhead as the median of the per-round ratios to the step
 without a plan. Predicted: the simulator's step time on the per-rank problem, and its
@@ -35,12 +35,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from remat import distributed as rd
-from remat.benchmarking.ranks import rank_zeros
 from remat.core.plan_format import Plan
 from remat.core.planner import to_problem
 from remat.core.solve import simulate
 from remat.core.transforms import per_rank_problem, with_times_of
+from remat.parallel import data_parallel as rd
+from remat.parallel.ranks import rank_zeros, shard_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_peaks import (
@@ -80,7 +80,7 @@ def start_rank(rank: int, path: str, model_name: str
     def build() -> tuple[Any, Any, Any]:
         torch.manual_seed(0)
         model, batch, loss_fn = load_model(spec, **options)
-        return model, rd.shard_batch(batch, rank, WORLD), loss_fn
+        return model, shard_batch(batch, rank, WORLD), loss_fn
 
     return build, stages
 
@@ -226,7 +226,7 @@ def _write(args: argparse.Namespace, rows: list[str], missed: int, total: int,
         "freed memory in each rank (`--malloc keep`, as `remat bench` runs).",
         "",
         "Predicted: the simulator's step on the per-rank problem whose times are rank 0's "
-        "profile of the FSDP2-wrapped model (`remat.distributed.profile_as_run`, Note "
+        "profile of the FSDP2-wrapped model (`remat.parallel.data_parallel.profile_as_run`, Note "
         "[Per-rank time]). Measured: each rank's median step (the step without a plan is "
         "`fsdp blocks` / `none`); overhead: the median of the per-round ratios to it. "
         f"Target (issue 15 item 4): step within {STEP_TOLERANCE:.0%} and overhead within "

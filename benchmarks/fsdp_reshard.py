@@ -6,12 +6,12 @@ Note [Keep or reshard after a rebuild] in ``remat/core/solve/solvers.py``). Each
 one fresh 2-process job per model; every block is an FSDP2 unit, then the root (the
 common wrapping). The per-rank problem is built as ``remat bench --distributed fsdp``
 builds it: memory from rank 0's profile of its shard, times from rank 0's profile of the
-wrapped model, each unit's gather after a reshard timed (``rd.time_unit_gathers``).
+wrapped model, each unit's gather after a reshard timed (``rg.time_unit_gathers``).
 Plans: one region over the blocks, ``[0,2) [2,4)``, and ``[0,4)`` holding both, each
 kept and resharded; then ``optimal`` over a sweep of budgets, and where it reshards, the
 budget where that gains most, its plan and the fastest plan keeping units there. Per
 plan: both ranks' peak of one step (``rd.plan_rank_memory``), the backward's all-gathers
-(``rd.count_all_gathers``), and the median of ``--rounds`` interleaved steps with the
+(``rg.count_all_gathers``), and the median of ``--rounds`` interleaved steps with the
 overhead as the median of the per-round ratios to the step without a plan. Writes
 ``benchmarks/fsdp_reshard.md``.
 
@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
-from remat import distributed as rd
 from remat.benchmarking.bench_report import plan_summary
-from remat.benchmarking.ranks import rank_zeros
 from remat.core.errors import CheckFailed
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve import simulate, solvers
 from remat.core.transforms import per_rank_problem, with_times_of
+from remat.parallel import data_parallel as rd
+from remat.parallel import gathers as rg
+from remat.parallel.ranks import rank_zeros
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_peaks import MODELS, WORLD, command_line, models_text
@@ -131,11 +132,11 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
         model, batch, loss_fn = build()
         base = rank_zeros(to_problem(remat.profile(model, batch, loss_fn, stages=stages,
                                                    repeats=2)))
-        bare = [rd.time_all_gather(s.grad_bytes) for s in base.stages]
+        bare = [rg.time_all_gather(s.grad_bytes) for s in base.stages]
         model, batch, loss_fn = build()
         timed = rank_zeros(to_problem(rd.profile_as_run(model, batch, loss_fn, wrap="fsdp",
                                                         stages=stages, repeats=2)))
-        shared: list[Any] = [rd.time_unit_gathers(model, stages)]  # as remat bench does
+        shared: list[Any] = [rg.time_unit_gathers(model, stages)]  # as remat bench does
         dist.broadcast_object_list(shared, src=0)
         gathers = shared[0]
         problem = per_rank_problem(base, world_size=WORLD, strategy="fsdp", gather_s=gathers)
@@ -150,7 +151,7 @@ def _rank(rank: int, path: str, out: str, model_name: str, rounds: int) -> None:
             lf(m, b).backward()
             opt.zero_grad(set_to_none=True)
             loss = lf(m, b)
-            with rd.count_all_gathers() as backward:
+            with rg.count_all_gathers() as backward:
                 loss.backward()
             opt.zero_grad(set_to_none=True)
             counts[key] = backward.calls
@@ -213,8 +214,8 @@ def main() -> None:
             ms = ", ".join(f"{g:.2f}" for g in r0["gather_ms"])
             bare = ", ".join(f"{g:.2f}" for g in r0["bare_ms"])
             notes.append(f"- {model_name}, run {run}: a block's unit gathered again "
-                         f"(`rd.time_unit_gathers`) {ms} ms, a bare all-gather of its bytes "
-                         f"(`rd.time_all_gather`) {bare} ms; {r0['sweep']}")
+                         f"(`rg.time_unit_gathers`) {ms} ms, a bare all-gather of its bytes "
+                         f"(`rg.time_all_gather`) {bare} ms; {r0['sweep']}")
             for key, peak in r0["predicted_peak"].items():
                 step = r0["predicted_s"][key]
                 base = r0["predicted_s"]["none"]
@@ -257,7 +258,7 @@ def _write(args: argparse.Namespace, rows: list[str], costs: list[str], notes: l
         "",
         "Predicted: the simulator on the per-rank problem (memory from rank 0's profile of "
         "its shard, times from its profile of the wrapped model, each unit's gather after a "
-        "reshard timed: `rd.time_unit_gathers`). `kept`: a region's units stay gathered from "
+        "reshard timed: `rg.time_unit_gathers`). `kept`: a region's units stay gathered from "
         "its rebuild to their backward (FSDP2's own behaviour); `resharded`: "
         "`Plan.reshard_after_rebuild`, each resharded after its call in the rebuild and "
         "gathered again for its backward. Measured: each rank's peak of one step "

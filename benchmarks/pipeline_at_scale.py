@@ -2,7 +2,7 @@
 
 Every rank's part of a GPT-shaped model (remat's gpt: 32 blocks, hidden 4096, 32 heads,
 vocabulary 32000, sequence 4096, bfloat16) is built under ``remat.fake_mode()`` and
-profiled without weights for a device of the table (``remat.pipelining.profile_part``
+profiled without weights for a device of the table (``remat.parallel.pipeline.profile_part``
 with ``fake=True, device=...``: memory exact, times from the device's roofline); the
 middle ranks' parts are identical, so one is profiled for all. Per rank count and
 micro-batch count: every rank per-block (uniform full recompute, what Megatron and
@@ -33,7 +33,7 @@ from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve.problem import Problem
 from remat.models.gpt import GPTPart, gpt, logits_loss
-from remat.pipelining import profile_part, schedule_buffers
+from remat.parallel.pipeline import profile_part, schedule_buffers
 
 MODEL = {"n_layer": 32, "n_embd": 4096, "n_head": 32, "block_size": 4096, "vocab_size": 32000,
          "dropout": 0.0}

@@ -11,7 +11,7 @@ The model is remat's gpt (8 blocks, hidden 64, sequence 32, batch 32), split eve
 over the ranks (``remat.models.gpt.GPTPart``), or under interleaved 1F1B over
 ranks x ``--chunks`` virtual stages, chunk ``c`` of rank ``r`` being stage
 ``c * ranks + r``; AdamW over the rank's parts. Per schedule and micro-batch count:
-every rank profiles its part on one micro-batch (``remat.pipelining.profile_part``), the
+every rank profiles its part on one micro-batch (``remat.parallel.pipeline.profile_part``), the
 ranks share their problems, and three plans run: no checkpointing, every rank per-block
 (the uniform setting users run today), and remat's per-rank plans
 (``remat.core.pipeline.plan_pipeline``) at the per-rank budget the uniform plan needs
@@ -46,7 +46,7 @@ from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve.problem import Problem
 from remat.models.gpt import GPTPart, gpt, logits_loss
-from remat.pipelining import apply_to_stage, profile_part, rank_step_peak, schedule_buffers
+from remat.parallel.pipeline import apply_to_stage, profile_part, rank_step_peak, schedule_buffers
 
 OPTS = {"n_layer": 8, "n_embd": 64, "block_size": 32, "vocab_size": 128, "batch_size": 32,
         "dropout": 0.0}

@@ -50,7 +50,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
     from remat.core.plan_format import Plan, Region
     from remat.models.gpt import GPTPart, gpt, logits_loss
-    from remat.pipelining import apply_to_stage, rank_step_peak
+    from remat.parallel.pipeline import apply_to_stage, rank_step_peak
     from remat.runtime.install import remove
 
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ with no plan, with a region per block on every stage, with
 between the per-block plan's largest predicted rank peak and no plan's largest (all with
 ``split_backward=True``).
 Predicted: :func:`remat.core.zero_bubble.split_pipeline_step` from every stage's
-profile (``remat.pipelining.profile_part``), its two passes measured once without a plan
+profile (``remat.parallel.pipeline.profile_part``), its two passes measured once without a plan
 (``split_figures``), what the schedule keeps for it (``schedule_buffers``) and the
 schedule's own order (``schedule_orders``). Measured: the live-storage tracker over a
 schedule step and an AdamW step after one warm-up step (``rank_step_peak``). Rank 0
@@ -114,7 +114,7 @@ def _rank(rank: int, world: int, store: str, out: str, counts: list[int], kind: 
     from remat.core.plan_format import Plan, Region
     from remat.core.solve.problem import Problem
     from remat.core.zero_bubble import plan_split_pipeline, split_pipeline_step
-    from remat.pipelining import apply_to_stage, rank_step_peak, schedule_orders, split_stage
+    from remat.parallel.pipeline import apply_to_stage, rank_step_peak, schedule_orders, split_stage
     from remat.runtime.install import applied, remove
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ The model is ``remat.models.tp``'s decoder, parallelized the torchtitan way
 (``remat.models.tp.parallelize``), with sequence parallelism (``sp``) and without
 (``tp``). Per mode, every rank profiles the parallelized model (its own shard:
 ``remat.profile(..., ranks_agree=True)``), measures each stage's collectives
-(``remat.tensor_parallel.stage_comms``), and runs: no checkpointing, per-stage regions,
+(``remat.parallel.tensor.stage_comms``), and runs: no checkpointing, per-stage regions,
 two segments, ``selective:save-nothing`` and ``selective:save-collectives`` on every
 stage, and remat's optimal plan half-way between the least peak and no checkpointing
 (rank 0's, on every rank: ``agreed_plan``). For each: the collectives the rebuilds
@@ -41,7 +41,7 @@ from remat.core.planner import to_problem
 from remat.core.solve import simulate, solvers
 from remat.measure.tracker import LiveMemoryTracker
 from remat.models.tp import parallelize, tp_transformer
-from remat.tensor_parallel import agreed_plan, count_collectives, stage_comms
+from remat.parallel.tensor import agreed_plan, count_collectives, stage_comms
 
 MIB = 2**20
 

@@ -9,7 +9,7 @@ Run (repository root)::
 
 The model is ``remat.models.tp``'s decoder (bfloat16, vocabulary 32000, micro-batch 1)
 parallelized the torchtitan way with sequence parallelism over ``--ranks``; this
-process is rank 0 of them (``remat.tensor_parallel.init_fake_ranks``). It prints the
+process is rank 0 of them (``remat.parallel.tensor.init_fake_ranks``). It prints the
 profile's wall time and the process's peak resident memory, a stage's per-rank bytes,
 and the per-rank peak of no checkpointing, per-stage regions, save-collectives on every
 stage and remat's optimal plan under ``--budget`` GiB.
@@ -29,7 +29,7 @@ from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve import simulate
 from remat.models.tp import parallelize, tp_transformer
-from remat.tensor_parallel import init_fake_ranks
+from remat.parallel.tensor import init_fake_ranks
 
 GIB, MIB = 2**30, 2**20
 

@@ -20,11 +20,13 @@ LAYERS: tuple[str, ...] = (
     "remat.models",
     "remat.measure",
     "remat.runtime",
-    "remat.tensor_parallel",
+    "remat.parallel.tensor",  # below the profiler, which records a TP model's collectives
+    "remat.tensor_parallel",  # old import path, re-exports remat.parallel.tensor
     "remat.plans",
     "remat.profiling",
     "remat.verification",
-    "remat.distributed",
+    "remat.parallel",
+    "remat.distributed",  # old import paths, re-exporting remat.parallel
     "remat.pipelining",
     "remat.benchmarking",
     "remat.in_script",

@@ -23,7 +23,6 @@ import torch
 
 import remat
 from conftest import launch_ranks
-from remat import distributed as rd
 from remat.core.errors import UsageError
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
@@ -31,6 +30,9 @@ from remat.core.solve import simulate
 from remat.core.transforms import per_rank_problem
 from remat.measure.step import make_optimizer
 from remat.models import load_model
+from remat.parallel import data_parallel as rd
+from remat.parallel import gathers as rg
+from remat.parallel.ranks import shard_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -98,9 +100,9 @@ def _gathers(model: Any, batch: Any, loss_fn: Any) -> tuple[int, int]:
     """All-gathers in the forward and in the backward of one step (after a warm-up)."""
     loss_fn(model, batch).backward()
     model.zero_grad(set_to_none=True)
-    with rd.count_all_gathers() as forward:
+    with rg.count_all_gathers() as forward:
         loss = loss_fn(model, batch)
-    with rd.count_all_gathers() as backward:
+    with rg.count_all_gathers() as backward:
         loss.backward()
     model.zero_grad(set_to_none=True)
     return forward.calls, backward.calls
@@ -115,7 +117,7 @@ def _rank(rank: int, path: str, out: str) -> None:
     try:
         # DDP: the plan on the inner model, then the wrapper.
         model, batch, loss_fn = load_model("gpt", **GPT)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         remat.apply(model, NESTED)
         ddp = rd.wrap_ddp(model)
         result["ddp"] = (
@@ -125,7 +127,7 @@ def _rank(rank: int, path: str, out: str) -> None:
         result["ddp_buckets"] = rd.ddp_bucket_bytes(ddp), rd.local_bytes(list(model.parameters()))
         # FSDP2: shard first (the stages of the multi-stage regions by their children).
         model, batch, loss_fn = load_model("gpt", **GPT)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         result["fsdp_units"] = rd.shard_stages(model, STAGES, NESTED)
         remat.apply(model, NESTED)
         result["fsdp"] = (
@@ -143,7 +145,7 @@ def _rank(rank: int, path: str, out: str) -> None:
             model, batch, loss_fn = load_model("gpt", **GPT)
             rd.shard_stages(model, STAGES, unit_plan)
             remat.apply(model, plan)
-            result[name] = _gathers(model, rd.shard_batch(batch, rank, WORLD), loss_fn)
+            result[name] = _gathers(model, shard_batch(batch, rank, WORLD), loss_fn)
         dist.barrier()  # gloo can abort at exit when one rank tears down first
     finally:
         dist.destroy_process_group()
@@ -169,7 +171,7 @@ def _mixed_precision(rank: int) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for name, plan in (("plain", None), ("nested", NESTED)):
         model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         _fully_shard_blocks(model, policy)
         if plan is not None:
             remat.apply(model, plan)
@@ -245,7 +247,7 @@ def _standard_rank(rank: int, path: str, out: str) -> None:
         for name, (order, options) in STANDARD.items():
             plan = NESTED_RESHARDED if name.endswith("_resharded") else NESTED
             model, batch, loss_fn = load_model("gpt", **PLAIN_GPT)
-            batch = rd.shard_batch(batch, rank, WORLD)
+            batch = shard_batch(batch, rank, WORLD)
             if order == "before":
                 handle = remat.apply(model, plan)
             _fully_shard_blocks(model, **options)
@@ -254,9 +256,9 @@ def _standard_rank(rank: int, path: str, out: str) -> None:
             opt = make_optimizer(model, "adamw")
             losses = []
             for _ in range(STANDARD_STEPS):  # the collectives of the last step are kept
-                with rd.count_all_gathers() as forward:
+                with rg.count_all_gathers() as forward:
                     loss = loss_fn(model, batch)
-                with rd.count_all_gathers() as backward, rd.count_reduce_scatters() as scatters:
+                with rg.count_all_gathers() as backward, rg.count_reduce_scatters() as scatters:
                     loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -289,7 +291,7 @@ def _peak_rank(rank: int, path: str, out: str, wrap: str, name: str) -> None:
     plan = PEAK_PLANS[name]
     try:
         model, batch, loss_fn = load_model("gpt", **MEMORY_GPT)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         # one unit per block, the common wrapping
         peak, resident = rd.plan_rank_peak(model, batch, loss_fn, plan, wrap=wrap, stages=STAGES,
                                            group_regions=False)
@@ -314,9 +316,9 @@ def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
         # collectives hang (the test's timeout ends it)
         run.PAIRED_SE = -1.0 if rank == 1 else 1e9
         model, batch, loss_fn = load_model("gpt", **GPT)
-        batch = rd.shard_batch(batch, rank, WORLD)
+        batch = shard_batch(batch, rank, WORLD)
         prof = rd.profile_as_run(model, batch, loss_fn, wrap=wrap, stages=STAGES, repeats=1)
-        gathers = rd.time_unit_gathers(model, STAGES) if wrap == "fsdp" else []
+        gathers = rg.time_unit_gathers(model, STAGES) if wrap == "fsdp" else []
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -441,7 +443,7 @@ def _reference(plan: Plan | None = None, **options: Any) -> tuple[list[list[floa
     if plan is not None:
         remat.apply(model, plan)
     opt = make_optimizer(model, "adamw")
-    shards = [rd.shard_batch(batch, r, WORLD) for r in range(WORLD)]
+    shards = [shard_batch(batch, r, WORLD) for r in range(WORLD)]
     losses: list[list[float]] = [[] for _ in range(WORLD)]
     for step in range(STEPS):
         for r, shard in enumerate(shards):
@@ -530,7 +532,7 @@ def test_shard_stages_picks_the_stages_of_multi_stage_regions() -> None:
 @pytest.fixture(scope="module")
 def rank_problem() -> Any:
     model, batch, loss_fn = load_model("gpt", **MEMORY_GPT)
-    return to_problem(remat.profile(model, rd.shard_batch(batch, 0, WORLD), loss_fn, repeats=1))
+    return to_problem(remat.profile(model, shard_batch(batch, 0, WORLD), loss_fn, repeats=1))
 
 
 def test_fsdp_sharding_and_regions_lower_the_measured_peak(
@@ -626,7 +628,7 @@ def test_the_wrapped_profile_runs_the_same_rounds_on_every_rank(tmp_path: Path,
     assert ranks[0]["stages"] == ranks[1]["stages"] == tuple(f"{prefix}{s}" for s in STAGES)
     assert ranks[0]["steps"] == ranks[1]["steps"] >= 2  # rank 1's added round, on both
     assert all(t > 0 for r in ranks for t in r["fwd_s"])
-    if wrap == "fsdp":  # each block's gather after a reshard (rd.time_unit_gathers)
+    if wrap == "fsdp":  # each block's gather after a reshard (rg.time_unit_gathers)
         assert all(len(r["gathers"]) == len(STAGES) and all(t > 0 for t in r["gathers"])
                    for r in ranks)
 

@@ -53,7 +53,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     import remat
     from remat.core.collectives import rebuilt_collectives
     from remat.models.ep import EPModel
-    from remat.tensor_parallel import count_collectives, stage_comms
+    from remat.parallel.tensor import count_collectives, stage_comms
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,

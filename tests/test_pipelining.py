@@ -1,4 +1,4 @@
-"""remat on torch.distributed.pipelining stages (remat.pipelining), 2 gloo ranks.
+"""remat on torch.distributed.pipelining stages (remat.parallel.pipeline), 2 gloo ranks.
 
 One launch runs GPipe and 1F1B over 4 micro-batches, with no plan and with per-block
 regions applied to each rank's half of a small GPT; every rank's peak, measured by the
@@ -41,8 +41,8 @@ def _measured_step(step: Any, parts: list[nn.Module], stages: list[Any], opt: An
                    batch: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
     """After a first ``step()`` and before the optimizer's step: that step, gradients
     cleared, then a second step and optimizer step under the live-storage tracker
-    (:func:`remat.pipelining.rank_step_peak`); its peak and the losses it returned."""
-    from remat.pipelining import rank_step_peak
+    (:func:`remat.parallel.pipeline.rank_step_peak`); its peak and the losses it returned."""
+    from remat.parallel.pipeline import rank_step_peak
 
     def step_and_update() -> list[torch.Tensor]:
         losses = step()
@@ -67,7 +67,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
     from remat.models.gpt import gpt
-    from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
+    from remat.parallel.pipeline import apply_to_stage, profile_part, schedule_buffers
     from remat.runtime.install import remove
 
     torch.set_num_threads(1)
@@ -279,7 +279,7 @@ def test_checkpoint_calls_the_pipeline_export_dropped_are_named_and_a_plan_puts_
 
     from remat.core.plan_format import Plan, Region
     from remat.models.gpt import gpt
-    from remat.pipelining import apply_to_stage, dropped_checkpoints
+    from remat.parallel.pipeline import apply_to_stage, dropped_checkpoints
     from remat.runtime.existing import recomputed_stages
     from remat.runtime.install import remove
 
@@ -373,7 +373,7 @@ def test_a_backward_in_passes_rebuilds_each_region_again_and_remat_says_so() -> 
 def test_a_stage_built_by_pipeline_profiles_as_the_manual_split_and_keeps_its_prediction(
 ) -> None:
     # pipeline()'s exported stage modules keep the model's module paths: each profiles
-    # (remat.pipelining.profile_part) to the bytes of the same blocks split by hand, and a
+    # (remat.parallel.pipeline.profile_part) to the bytes of the same blocks split by hand, and a
     # plan on the exported first stage measures the peak its profile predicts
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -382,7 +382,7 @@ def test_a_stage_built_by_pipeline_profiles_as_the_manual_split_and_keeps_its_pr
     from remat.core.solve import simulate
     from remat.measure.step import measure_step
     from remat.models.gpt import gpt
-    from remat.pipelining import apply_to_stage, part_loss, profile_part
+    from remat.parallel.pipeline import apply_to_stage, part_loss, profile_part
     from remat.runtime.install import remove
 
     opts = {**OPTS, "batch_size": 8}
@@ -427,7 +427,7 @@ def _built_rank(rank: int, store: str, out: str) -> None:
     from remat.core.planner import to_problem
     from remat.core.solve.problem import Problem
     from remat.models.gpt import gpt
-    from remat.pipelining import apply_to_stage, profile_part, schedule_buffers
+    from remat.parallel.pipeline import apply_to_stage, profile_part, schedule_buffers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,

@@ -1,6 +1,6 @@
-"""remat.distributed's per-rank step measurement: allocator events by address and thread.
+"""remat.parallel.data_parallel's per-rank step measurement: allocator events by address and thread.
 
-Note [Steady per-rank peaks] in ``remat.distributed``: what other threads allocate, and
+Note [Steady per-rank peaks] in ``remat.measure.allocator_events``: what other threads allocate, and
 frees of blocks older than the step, do not move the step's peak. No process group is
 needed: the accounting is checked on events built here and on a real profiled step.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from remat import distributed as rd
-from remat.distributed import Allocation, account_step
+from remat.measure.allocator_events import Allocation, account_step
+from remat.parallel import data_parallel as rd
 
 STEP, GLOO = 1, 2  # the profiler's thread numbers: the step's, a collective's worker
 

@@ -179,7 +179,7 @@ def _zero_bubble_rank(rank: int, store: str, out: str) -> None:
 
     from remat.core.solve.problem import Problem
     from remat.core.zero_bubble import split_pipeline_step
-    from remat.pipelining import apply_to_stage, rank_step_peak, schedule_orders, split_stage
+    from remat.parallel.pipeline import apply_to_stage, rank_step_peak, schedule_orders, split_stage
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -279,7 +279,7 @@ def test_split_backward_trains_a_zero_bubble_pipeline_exactly(zero_bubble: Path)
 
 
 def test_the_two_passes_are_measured_without_a_plan_on_a_later_ranks_input() -> None:
-    from remat.pipelining import schedule_orders, split_figures
+    from remat.parallel.pipeline import schedule_orders, split_figures
 
     model, (_, target), _ = gpt(**{**OPTS, "dropout": 0.0})
     part = GPTPart(model, 1, 2)

@@ -54,7 +54,7 @@ def _fake_rank(rank: int, out: str) -> None:
 
     import remat
     from remat.models.tp import parallelize, tp_transformer
-    from remat.tensor_parallel import init_fake_ranks
+    from remat.parallel.tensor import init_fake_ranks
 
     torch.set_num_threads(1)
     init_fake_ranks(WORLD)
@@ -108,7 +108,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     from remat.core.planner import to_problem
     from remat.core.solve import simulate, solvers
     from remat.models.tp import parallelize, tp_transformer
-    from remat.tensor_parallel import agreed_plan, count_collectives, stage_comms
+    from remat.parallel.tensor import agreed_plan, count_collectives, stage_comms
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,

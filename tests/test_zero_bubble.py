@@ -121,7 +121,7 @@ def _order(text: str) -> list[tuple[str, int, int]]:
 
 
 #: torch 2.13's ScheduleInterleavedZeroBubble, 2 ranks x 2 stages, 4 micro-batches
-#: (remat.pipelining.schedule_orders of the built schedule)
+#: (remat.parallel.pipeline.schedule_orders of the built schedule)
 INTERLEAVED_ZB = {
     0: _order("0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 "
               "2I3 2W3 0I2 0W2 0I3 0W3"),

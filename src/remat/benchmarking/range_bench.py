@@ -40,7 +40,7 @@ from .bench_report import _finding, _ms, _pct, _size, options_summary
 from .environment import Environment, describe_environment
 from .factory import describe, failure, make_factory, torch_threads, whole
 from .range_job import batch_at, bucket_ends, grads_equal, problem_at, profile_and_plan
-from .ranks import profile_rounds
+from .rank_runners import profile_rounds
 from .results import SCHEMA_VERSION, Finding, Row
 from .runners import HF_GC, EagerRunner, Runner, supports_hf_gc
 from .step_measures import by_tracker, interleaved, paired, time_stats
