@@ -19,8 +19,8 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ from remat.profiling.optimes import (
     region_overhead_s,
 )
 from remat.profiling.rounds import measured_link_rounds, timed_rounds
-from remat.profiling.run import measure_all, part_names
+from remat.profiling.run import Measurements, measure_all, part_names
 from remat.profiling.timeline import StageNotRun
 from remat.profiling.twins import merge_twin_options
 from remat.runtime.compiled_stages import compile_stages, compiled_flags
@@ -70,6 +70,9 @@ from remat.runtime.identity import model_stages, stage_identity
 from remat.runtime.install import applied
 from remat.runtime.stage_calls import stage_submodule
 from remat.runtime.stages import discover_stages, resolve_stages
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = ["Progress", "fit_scaling", "most_over_ranks", "notes", "profile", "profile_scaling"]
 
@@ -215,6 +218,48 @@ def profile(
         _timed: internal (the fake profile): False runs only the steps its byte figures
             and the times the format needs take, no rounds for timing alone.
     """
+    target, mode = _checked_arguments(model, batch, repeats, compile, fake, device,
+                                      padded_batches)
+    asked = _Asked(optimizer=optimizer, options=options, batch_size=batch_size,
+                   description=description, lr=lr, progress=progress,
+                   ranks_agree=ranks_agree)
+    # the steps train the model: it is put back as it was, also after an error
+    # (Note [The user's model is the user's])
+    with model_restored(model, optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                        else None):
+        if mode is not None:
+            with mode, counting_fake_storages():
+                return _fake_profile(model, batch, loss_fn, stages, target, padded_batches,
+                                     asked)
+        return _measured(model, batch, loss_fn, stages, asked, repeats=repeats,
+                         compile=compile, timed=_timed)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """The options of ``profile`` that go on, unchanged, to its real and fake measuring
+    (the fake one passes them to ``profile`` again for each cut of the chain)."""
+
+    optimizer: str | torch.optim.Optimizer
+    options: Sequence[str] | None
+    batch_size: int | None
+    description: str | None
+    lr: float
+    progress: Progress | None
+    ranks_agree: bool
+
+    def again(self, optimizer: str | torch.optim.Optimizer) -> dict[str, Any]:
+        """``profile``'s keyword arguments for these options, with ``optimizer``."""
+        return {"optimizer": optimizer, "options": self.options,
+                "batch_size": self.batch_size, "description": self.description,
+                "lr": self.lr, "progress": self.progress, "ranks_agree": self.ranks_agree}
+
+
+def _checked_arguments(model: nn.Module, batch: Any, repeats: int, compile: bool,
+                       fake: bool, device: str | Device | None, padded_batches: bool
+                       ) -> tuple[Device | None, FakeTensorMode | None]:
+    """``profile``'s arguments checked before anything runs; the target device, and with
+    ``fake`` the fake mode the model and batch were built under."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -231,6 +276,7 @@ def profile(
     if padded_batches and (target is None or not target.is_accelerator):
         raise UsageError("padded_batches=True says how an accelerator's attention runs and "
                          "needs fake=True and device=<an accelerator>")
+    mode = None
     if fake:
         mode = fake_mode_of(model, batch)
         if compile:
@@ -240,98 +286,138 @@ def profile(
         refuse_meta(model, batch)
     check_batch(batch)
     trainable_parameters(model)  # before anything runs
-    # the steps train the model: it is put back as it was, also after an error
-    # (Note [The user's model is the user's])
-    with model_restored(model, optimizer if isinstance(optimizer, torch.optim.Optimizer)
-                        else None):
-        if fake:
-            with mode, counting_fake_storages():
-                return _fake_profile(model, batch, loss_fn, stages, optimizer, target,
-                                     padded_batches, options=options, batch_size=batch_size,
-                                     description=description, lr=lr, progress=progress,
-                                     ranks_agree=ranks_agree)
-        return _measured(model, batch, loss_fn, stages, optimizer, repeats=repeats,
-                         options=options, batch_size=batch_size, description=description,
-                         lr=lr, progress=progress, ranks_agree=ranks_agree, compile=compile,
-                         timed=_timed)
+    return target, mode
 
 
-def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
-              stages: Sequence[str] | None, optimizer: str | torch.optim.Optimizer, *,
-              repeats: int, options: Sequence[str] | None, batch_size: int | None,
-              description: str | None, lr: float, progress: Progress | None,
-              ranks_agree: bool, compile: bool, timed: bool) -> Profile:
-    """``profile``'s real (not fake) measuring, on arguments it checked."""
-    given = options
+@dataclass(frozen=True)
+class _Chain:
+    """What ``_measured`` settles before the steps run: the stages, the options measured,
+    and what the profile records of the model and batch."""
+
+    names: list[str]
+    options: tuple[Option, ...]
+    loss_fn: LossFn
+    compiled: bool
+    tensor_parallel: bool
+    # what plans made from this profile record, so apply can tell another model
+    identities: list[Any]
+    batch_shapes: tuple[tuple[int, ...], ...]
+    device: torch.device | None
+    dtype: torch.dtype
+    batch_size: int | None
+
+
+def _chain(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+           stages: Sequence[str] | None, asked: _Asked, compile: bool) -> _Chain:
+    """The stages and options of a real profile, checked, the stages compiled if asked."""
+    given = asked.options
     tensor_parallel = _tp_ranks(model) is not None
+    options = given
     if options is None and tensor_parallel:
         options = (*OPTIONS, Option.selective("save-collectives"))
-    options = _check_options(OPTIONS if options is None else options)
-    loss_fn = checking_loss(loss_fn or _default_loss)  # a wrong loss named, not torch's error
+    checked = _check_options(OPTIONS if options is None else options)
+    loss = checking_loss(loss_fn or _default_loss)  # a wrong loss named, not torch's error
     names = (
         resolve_stages(model, stages)
         if stages is not None
-        else discover_stages(model, batch, loss_fn)
+        else discover_stages(model, batch, loss)
     )
     compiled = compile or any(compiled_flags(model, names))
-    partitioned = next((o for o in options if o.is_partitioned), None)
+    partitioned = next((o for o in checked if o.is_partitioned), None)
     if partitioned is not None and not compiled:
         raise UsageError(f"option {partitioned!r} needs compiled stages; pass compile=True "
                          "(--compile) or leave it out")
     if given is None and compiled:
-        options = (*options, *COMPILED_OPTIONS)
+        checked = (*checked, *COMPILED_OPTIONS)
     if compiled:
         compile_stages(model, names)  # the rest compiled, the caller's own wrapped
     if not applied(model):  # with a plan applied, remat's own rebuilds would count
-        refuse_checkpoint_calls(model, batch, loss_fn, names)  # checkpoint calls in code
-    # what plans made from this profile record, so apply can tell another model
-    identities = [stage_identity(stage_submodule(model, name)) for name in names]
-    batch_shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
+        refuse_checkpoint_calls(model, batch, loss, names)  # checkpoint calls in code
     first = next(model.parameters(), None)
-    on = first.device if first is not None else None
     dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
-    dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
+    batch_size = asked.batch_size
     if batch_size is None:
         tensor = next(iter_tensors(batch), None)
         batch_size = int(tensor.shape[0]) if tensor is not None and tensor.dim() else None
-    progress = progress or _no_progress
+    return _Chain(
+        names=names, options=checked, loss_fn=loss, compiled=compiled,
+        tensor_parallel=tensor_parallel,
+        identities=[stage_identity(stage_submodule(model, name)) for name in names],
+        batch_shapes=tuple(tuple(t.shape) for t in iter_tensors(batch)),
+        device=first.device if first is not None else None,
+        dtype=dtypes.most_common(1)[0][0] if dtypes else torch.float32,
+        batch_size=batch_size,
+    )
 
+
+def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
+              stages: Sequence[str] | None, asked: _Asked, *, repeats: int, compile: bool,
+              timed: bool) -> Profile:
+    """``profile``'s real (not fake) measuring, on arguments it checked."""
+    chain = _chain(model, batch, loss_fn, stages, asked, compile)
+    progress = asked.progress or _no_progress
     began = time.perf_counter()
+    m, comms = _run_steps(model, batch, chain, asked, repeats=repeats, progress=progress,
+                          timed=timed, stages_given=stages is not None)
+    result = _assembled(model, m, chain, comms, asked.optimizer,
+                        description=asked.description, timed=timed,
+                        profile_s=time.perf_counter() - began)
+    transformers_model = type(model).__module__.startswith("transformers.")
+    for note in notes(result, transformers_model=transformers_model):
+        warnings.warn(note, stacklevel=4)  # _measured, profile, its wrapper: the caller
+    total = len(part_names(chain.options))
+    progress("done", total, total)
+    return result
+
+
+def _run_steps(model: nn.Module, batch: Any, chain: _Chain, asked: _Asked, *, repeats: int,
+               progress: Progress, timed: bool, stages_given: bool
+               ) -> tuple[Measurements, list[Any] | None]:
+    """Every measured step of the profile, under a forked RNG and in training mode (both
+    put back after); with tensor parallelism, what each stage communicates."""
+    on = chain.device
     with ExitStack() as stack:
         devices = [on] if on is not None and on.type == "cuda" else []
         stack.enter_context(torch.random.fork_rng(devices=devices))
         stack.callback(model.train, model.training)
         model.train()
-        opt = make_optimizer(model, optimizer, lr=lr)
-        if compiled:  # compile forward and backward before anything is measured
+        opt = make_optimizer(model, asked.optimizer, lr=asked.lr)
+        if chain.compiled:  # compile forward and backward before anything is measured
             with buffers_restored(model):
-                checked_loss(model, batch, loss_fn).backward()
+                checked_loss(model, batch, chain.loss_fn).backward()
             model.zero_grad(set_to_none=True)
         try:
             m = measure_all(
                 model,
                 batch,
-                loss_fn,
-                names,
+                chain.loss_fn,
+                chain.names,
                 opt,
-                options=options,
+                options=chain.options,
                 repeats=repeats,
                 device=on,
-                dtype=dtype,
+                dtype=chain.dtype,
                 progress=progress,
-                agree=most_over_ranks if ranks_agree else None,
+                agree=most_over_ranks if asked.ranks_agree else None,
                 timed=timed,
             )
         except StageNotRun as err:
-            raise _not_run(model, names, err, given=stages is not None) from err
+            raise _not_run(model, chain.names, err, given=stages_given) from err
         # tensor parallelism: what each stage communicates, and again in a rebuild
-        comms = _stage_comms(model, batch, loss_fn, names) if tensor_parallel else None
-    profile_s = time.perf_counter() - began
+        comms = (_stage_comms(model, batch, chain.loss_fn, chain.names)
+                 if chain.tensor_parallel else None)
+    return m, comms
 
-    post_grads, grads, pre_grads = gradient_owners(model, names, m.spans.post_modules)
+
+def _assembled(model: nn.Module, m: Measurements, chain: _Chain, comms: list[Any] | None,
+               optimizer: str | torch.optim.Optimizer, *, description: str | None,
+               timed: bool, profile_s: float) -> Profile:
+    """The Profile made of the measurements, its twin options merged, its backward
+    calibrated and its no-checkpoint peak predicted."""
+    post_grads, grads, pre_grads = gradient_owners(model, chain.names, m.spans.post_modules)
     stage_list = [
         replace(s, identity=identity, comms=None if comms is None else comms[i])
-        for i, (s, identity) in enumerate(zip(stage_profiles(m, grads), identities,
+        for i, (s, identity) in enumerate(zip(stage_profiles(m, grads), chain.identities,
                                               strict=True))
     ]
     floor = m.overhead.time_s
@@ -346,9 +432,10 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                   else floor)
     # per round, so that one slow round's step is not set against another's stages
     outside = statistics.median(m.outside_rounds)
+    dtype = chain.dtype
     result = Profile(
         model=description or type(model).__name__,
-        batch_size=batch_size,
+        batch_size=chain.batch_size,
         stages=tuple(stage_list),
         # the loss (its whole storage: CPU mse_loss returns a view of its elementwise
         # losses) and its gradient, a scalar of the model's dtype or float32 above it
@@ -363,28 +450,22 @@ def _measured(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         step_s=float(statistics.median(m.plain_step_s)),
         measured_peak_bytes=m.step.peak_bytes,
         optimizer=optimizer if isinstance(optimizer, str) else type(optimizer).__name__.lower(),
-        device=_device_name(on),
+        device=_device_name(chain.device),
         torch_version=str(torch.__version__),
         dtype=str(dtype).removeprefix("torch."),
         profile_s=profile_s,
-        model_stages=len(model_stages(model, names)),
-        batch_shapes=batch_shapes,
+        model_stages=len(model_stages(model, chain.names)),
+        batch_shapes=chain.batch_shapes,
         timing_noise=noise,
-        compiled=compiled,
+        compiled=chain.compiled,
     )
-    links = link_s(measured_link_rounds(m), len(names))
+    links = link_s(measured_link_rounds(m), len(chain.names))
     if links is not None:
         result = replace(result, stages=tuple(replace(s, link_s=t) for s, t in
                                               zip(result.stages, links, strict=True)))
     result = merge_twin_options(calibrated(result, m), m)
     result = replace(result, timed_rounds=timed_rounds(m))
-    result = replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
-    transformers_model = type(model).__module__.startswith("transformers.")
-    for note in notes(result, transformers_model=transformers_model):
-        warnings.warn(note, stacklevel=4)  # _measured, profile, its wrapper: the caller
-    total = len(part_names(options))
-    progress("done", total, total)
-    return result
+    return replace(result, predicted_peak_bytes=predict_no_checkpoint_peak(result))
 
 
 def _not_run(model: nn.Module, names: Sequence[str], err: StageNotRun, *, given: bool
@@ -431,14 +512,15 @@ def _sliding_window(model: nn.Module) -> int | None:
 
 
 def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
-                  stages: Sequence[str] | None, optimizer: str | torch.optim.Optimizer,
-                  device: Device | None, padded_batches: bool, **kwargs: Any) -> Profile:
+                  stages: Sequence[str] | None, device: Device | None,
+                  padded_batches: bool, asked: _Asked) -> Profile:
     """``profile`` inside the fake mode; a long chain of identical stages by its first 3 and
     4 (Note [Depth under fake tensors] in :mod:`remat.profiling.fake`); on ``device``'s
     kernels (:mod:`remat.profiling.device_kernels`) where it has its own."""
     import remat.profiling.fake as fake_profiles
 
     loss = loss_fn or _default_loss
+    optimizer = asked.optimizer
     accelerator = device is not None and device.is_accelerator
     window = None if padded_batches else _sliding_window(model)
     kv_groups = _kv_groups(model)
@@ -457,13 +539,12 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
         # of the chain, so that it holds the cut model's parameters
         def opt() -> str | torch.optim.Optimizer:
             if accelerator and optimizer in ("adamw", "sgd"):
-                return make_optimizer(model, optimizer, lr=kwargs.get("lr", 1e-3),
-                                      foreach=True)
+                return make_optimizer(model, optimizer, lr=asked.lr, foreach=True)
             return optimizer
 
         with stand_ins(names):
-            found = replace(profile(model, batch, loss_fn, names, opt(), repeats=1,
-                                    _timed=False, **kwargs),
+            found = replace(profile(model, batch, loss_fn, names, repeats=1, _timed=False,
+                                    **asked.again(opt())),
                             fake=True, timing_noise=None, timed_rounds=None)
             if device is None:
                 return found
