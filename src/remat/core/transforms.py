@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import Option
@@ -112,6 +112,29 @@ def per_rank_problem(
     ``backend``: the collectives' (``gloo`` copies an all-gather's output and a
     reduce-scatter's input while the collective runs; ``nccl`` does not).
     """
+    _check_rank_arguments(strategy, world_size, rebuild_gathers)
+    collectives = _Collectives(
+        gather_s=_per_stage(gather_s, problem, "gather_s"),
+        reduce_s=_per_stage(reduce_s, problem, "reduce_s"),
+        rebuild_gathers=rebuild_gathers,
+    )
+    if strategy == "ddp":
+        return _ddp_rank(problem, world_size, bucket_bytes, collectives)
+    params = _stage_params(problem, stage_params_bytes)
+    return _fsdp_rank(problem, world_size, params, replicated_bytes, collectives, backend)
+
+
+@dataclass(frozen=True)
+class _Collectives:
+    """Each stage's collectives under a data-parallel wrapper, in seconds: one all-gather
+    (FSDP) and one gradient reduction; and the all-gathers each rebuild run makes again."""
+
+    gather_s: tuple[float, ...]
+    reduce_s: tuple[float, ...]
+    rebuild_gathers: int
+
+
+def _check_rank_arguments(strategy: str, world_size: int, rebuild_gathers: int) -> None:
     if strategy not in _STRATEGIES:
         raise UsageError(f"strategy {strategy!r} is unknown; use one of {', '.join(_STRATEGIES)}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -124,45 +147,57 @@ def per_rank_problem(
         raise UsageError(
             f"rebuild_gathers={rebuild_gathers!r} is invalid; give a whole number >= 0"
         )
-    gathers = _per_stage(gather_s, problem, "gather_s")
-    reduces = _per_stage(reduce_s, problem, "reduce_s")
-    w = world_size
 
-    def share(nbytes: int) -> int:
-        return -(-nbytes // w)
 
-    if strategy == "ddp":
-        buckets = problem.grads_bytes if bucket_bytes is None else bucket_bytes
-        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
-            raise UsageError(f"bucket_bytes={bucket_bytes!r} is invalid; give bytes >= 0")
-        stages = tuple(
-            replace(s, bwd_s=s.bwd_s + r) for s, r in zip(problem.stages, reduces, strict=True)
-        )
-        return replace(
-            problem,
-            stages=stages,
-            params_bytes=problem.params_bytes + buckets,
-            measured_no_checkpoint_peak_bytes=None,
-            description=_described(problem, f"ddp rank of {w}"),
-        )
+def _ddp_rank(problem: Problem, w: int, bucket_bytes: int | None,
+              collectives: _Collectives) -> Problem:
+    """A DDP rank: the gradient buckets join the parameters, each backward its reduction."""
+    buckets = problem.grads_bytes if bucket_bytes is None else bucket_bytes
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
+        raise UsageError(f"bucket_bytes={bucket_bytes!r} is invalid; give bytes >= 0")
+    stages = tuple(
+        replace(s, bwd_s=s.bwd_s + r)
+        for s, r in zip(problem.stages, collectives.reduce_s, strict=True)
+    )
+    return replace(
+        problem,
+        stages=stages,
+        params_bytes=problem.params_bytes + buckets,
+        measured_no_checkpoint_peak_bytes=None,
+        description=_described(problem, f"ddp rank of {w}"),
+    )
 
+
+def _stage_params(
+    problem: Problem, stage_params_bytes: Mapping[str, int] | Sequence[int] | None
+) -> tuple[int, ...]:
+    """Each stage's own parameter bytes, checked; by default its ``grad_bytes``."""
     if stage_params_bytes is None:
-        params = tuple(s.grad_bytes for s in problem.stages)
-    elif isinstance(stage_params_bytes, Mapping):
+        return tuple(s.grad_bytes for s in problem.stages)
+    if isinstance(stage_params_bytes, Mapping):
         missing = [n for n in problem.stage_names if n not in stage_params_bytes]
         if missing:
             raise UsageError(
                 f"stage_params_bytes lacks stage(s) {', '.join(missing)}; give "
                 "every stage's parameter bytes"
             )
-        params = tuple(int(stage_params_bytes[n]) for n in problem.stage_names)
-    else:
-        params = tuple(int(p) for p in stage_params_bytes)
-        if len(params) != problem.n:
-            raise UsageError(
-                f"stage_params_bytes has {len(params)} entries for {problem.n} "
-                "stages; give one per stage"
-            )
+        return tuple(int(stage_params_bytes[n]) for n in problem.stage_names)
+    params = tuple(int(p) for p in stage_params_bytes)
+    if len(params) != problem.n:
+        raise UsageError(
+            f"stage_params_bytes has {len(params)} entries for {problem.n} "
+            "stages; give one per stage"
+        )
+    return params
+
+
+def _fsdp_rank(problem: Problem, w: int, params: tuple[int, ...], replicated_bytes: int,
+               collectives: _Collectives, backend: str) -> Problem:
+    """An FSDP2 rank: each stage a unit of its own parameters, the rest the root unit."""
+
+    def share(nbytes: int) -> int:
+        return -(-nbytes // w)
+
     sharded = problem.params_bytes - replicated_bytes
     root = sharded - sum(params)
     if replicated_bytes < 0 or any(p < 0 for p in params) or root < 0:
@@ -180,9 +215,10 @@ def per_rank_problem(
             grad_bytes=share(s.grad_bytes),
             fwd_s=s.fwd_s + g,
             bwd_s=s.bwd_s + g + r,
-            rebuild_s=s.rebuild_s + rebuild_gathers * g,
+            rebuild_s=s.rebuild_s + collectives.rebuild_gathers * g,
         )
-        for s, p, g, r in zip(problem.stages, params, gathers, reduces, strict=True)
+        for s, p, g, r in zip(problem.stages, params, collectives.gather_s,
+                              collectives.reduce_s, strict=True)
     ]
     # The root's gradients stay unsharded until its post-backward, at the end of backward
     # (counted so through the optimizer step: an upper bound there).
