@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan
 from remat.core.planner import plan as make_plan
-from remat.core.solve import Problem, parse_budget
+from remat.core.solve import Problem
 from remat.core.solve.budget import Budget
 
 from .runners import HF_GC, supports_hf_gc
@@ -89,12 +89,14 @@ def with_default_rows(strategies: tuple[str, ...], model: object) -> tuple[str, 
 
 
 def parse_budgets(value: str | Sequence[str | int | float]) -> tuple[str | int | float, ...]:
-    """Budgets from ``"100%,50%,64MiB"`` (or a list), syntax-checked, unique, in given order."""
+    """Budgets from ``"100%,50%,64MiB"`` (or a list), each read (:meth:`Budget.parse`: a
+    usage error for one that is not a budget), unique, in given order, as given: the rows
+    read them again and label them as written."""
     found: list[str | int | float] = []
     for item in _entries(value, "budgets", "100%,50%,25%"):
         Budget.parse(item)  # type: ignore[arg-type]
         if item not in found:
-            found.append(item)
+            found.append(item)  # type: ignore[arg-type]
     return tuple(found)
 
 
@@ -141,10 +143,6 @@ def baseline_plan(problem: Problem, strategy: str) -> Plan:
     raise UsageError(f"strategy {strategy!r} has no plan; choose a checkpointing recipe")
 
 
-def _label(budget: str | int | float) -> str:
-    return budget if isinstance(budget, str) else str(budget)
-
-
 def _remat_row(
     problem: Problem, label: str, budget: int, peak: int | None, matched_to: str | None = None,
     strategy: str = "remat",
@@ -160,8 +158,8 @@ def _remat_row(
 
 
 def plan_rows(
-    problem: Problem, strategies: Sequence[str], budgets: Sequence[str | int | float],
-    compiled: Problem | None = None,
+    problem: Problem, strategies: Sequence[str],
+    budgets: Sequence[Budget | str | int | float], compiled: Problem | None = None,
 ) -> list[RowSpec]:
     """Every row the strategies and budgets ask for; ``none`` always comes first.
     ``compiled``: the problem of the stage-compiled model, for ``remat+compile`` rows
@@ -172,9 +170,9 @@ def plan_rows(
         if strategy in ("none", *BUDGETED):
             continue
         rows.append(RowSpec(strategy, plan=baseline_plan(problem, strategy)))
-    for budget in budgets:
-        nbytes = parse_budget(budget, problem)
-        label = _label(budget)
+    for given in budgets:
+        budget = Budget.parse(given)
+        nbytes, label = budget.bytes(problem), str(budget)
         if "compile" in strategies:
             fraction = min(1.0, nbytes / peak) if peak else 1.0
             rows.append(RowSpec("compile", label, nbytes, fraction))

@@ -302,35 +302,20 @@ def profile_with_progress(
     A rebuild torch rejects stops it with the hazard ``remat verify`` finds on a fresh
     ``(model, batch, loss_fn)`` from ``fresh()`` (default: the profiled model itself).
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from remat.benchmarking.stopping import hazard_reason, step
+    from remat.cli.progress import progress_bar
     from remat.measure.malloc import set_malloc
     from remat.profiling.profiler import profile
 
     if repeats < 1:
         raise UsageError(f"--repeats {repeats} is below 1; give 1 or more")
     set_malloc(malloc)
-    status = Console(stderr=True)
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=status,
-        transient=True,
-        disable=not status.is_terminal,
-    )
+
     def diagnose(err: BaseException) -> str:
         # verify copies the model it is given, if what profiling left in it allows
         return hazard_reason(err, fresh or (lambda: (model, batch, loss_fn)), stages)
 
-    with bar, step("profiling", diagnose=diagnose):
-        task = bar.add_task("profiling", total=None)
-
-        def progress(what: str, done: int, total: int) -> None:
-            bar.update(task, description=f"profiling: {what}", completed=done, total=total)
-
+    with progress_bar("profiling") as progress, step("profiling", diagnose=diagnose):
         return profile(
             model,
             batch,

@@ -16,15 +16,17 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
 
+from remat.cli.progress import progress_bar as progress_bar  # re-exported: cli/bench
 from remat.core.artifact import write_text
 from remat.core.errors import UsageError
+from remat.core.solve.budget import Budget
 
 # the stdout the command started with, while --json - has sys.stdout pointing at stderr
 _REAL_STDOUT: list[TextIO] = []
@@ -117,8 +119,9 @@ def error_document(args: argparse.Namespace, error: dict[str, Any]) -> dict[str,
         except UsageError:
             document["model"] = args.model
     for key in ("budget", "budgets", "profile", "plan"):
-        if getattr(args, key, None) is not None:
-            document[key] = getattr(args, key)
+        value = getattr(args, key, None)
+        if value is not None:  # a Budget read from --budget as given
+            document[key] = str(value) if isinstance(value, Budget) else value
     document["error"] = error
     return document
 
@@ -261,24 +264,6 @@ def check_paths(args: argparse.Namespace) -> None:
             if _same_file(path, second):
                 raise OutputRefused(f"{option} and {other} both name {path!r}; give them "
                                     "different paths", json_at_fault=True)
-
-
-@contextmanager
-def progress_bar(what: str) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback drawing a bar on stderr (shown only on a terminal)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    status = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                   console=status, transient=True, disable=not status.is_terminal)
-    with bar:
-        task = bar.add_task(what, total=None)
-
-        def update(text: str, done: int, total: int) -> None:
-            bar.update(task, description=f"{what}: {text}", completed=done, total=total)
-
-        yield update
 
 
 def rank_path(path: str | None, rank: int | None) -> str | None:

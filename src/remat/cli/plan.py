@@ -27,6 +27,7 @@ from remat.cli.shape_ranges import add_shapes_option, plan_range
 from remat.core.coverage import coverage_lines
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.profile_format import Profile
+from remat.core.solve.budget import Budget
 from remat.core.solve.uncertainty import noise_lines, steadiest_and_uncertainty
 from remat.core.units import format_bytes
 
@@ -108,15 +109,12 @@ def _scaled(args: argparse.Namespace, first: Any) -> Any:
     return replace(first, scaling=fit_scaling(first, second))
 
 
-def _bytes_budget(text: str) -> int:
-    """``text`` as bytes; a fraction is refused (of which micro-batch's step?)."""
-    from remat.core.solve.budget import Budget
-
-    budget = Budget.parse(text)
+def _bytes_budget(budget: Budget) -> int:
+    """``budget`` as bytes; a fraction is refused (of which micro-batch's step?)."""
     if budget.nbytes is None:
         raise UsageError(
-            f"budget {text!r} is a fraction of the measured peak without checkpointing, "
-            "which this problem does not have; give bytes such as 6GiB instead")
+            f"budget {budget.text!r} is a fraction of the measured peak without "
+            "checkpointing, which this problem does not have; give bytes such as 6GiB instead")
     return budget.nbytes
 
 
@@ -285,7 +283,6 @@ def run(args: argparse.Namespace) -> int:
     from remat.core.planner import plan as make_plan
     from remat.core.planner import to_problem, with_made_for
     from remat.core.solve import SOLVERS
-    from remat.core.solve.budget import check_budget
 
     # Every option is checked before profiling, which takes a while and trains the model.
     if args.solver not in SOLVERS:
@@ -297,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
     padded_batches(args)
     if args.budget is None and target is not None:  # the whole device, by default
         args.budget = str(target.memory_bytes)
+    if args.budget is not None:  # read once, here: the steps below take the Budget
+        args.budget = Budget.parse(args.budget)
     if args.largest_batch:
         if not args.fake:
             raise UsageError("--largest-batch works on fake profiles; add --fake (and "
@@ -309,8 +308,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--solver {args.solver} needs --budget, e.g. --budget 50% or --budget 6GiB"
         )
-    if args.budget is not None:
-        check_budget(args.budget)
     world = _world(args.world)
     if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
         raise UsageError(

@@ -251,9 +251,9 @@ def run(args: argparse.Namespace) -> int:
                          "added to it; give a whole number from -2**63 to 2**63-10001, e.g. "
                          "--seed 0")
     if args.budget is not None:
-        from remat.core.solve.budget import check_budget
+        from remat.core.solve.budget import Budget
 
-        check_budget(args.budget)  # before profiling, which takes a while
+        args.budget = Budget.parse(args.budget)  # before profiling, which takes a while
     model, batch, loss_fn, stages, description = load(args, check_step=False)
     # the user's own code fails here, named, on a copy: verify starts from the untouched model
     first_step(copy.deepcopy(model), batch, loss_fn)

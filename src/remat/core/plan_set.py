@@ -45,7 +45,7 @@ from remat.core.profile_format import Profile
 from remat.core.shape_profiles import at_shape
 from remat.core.shapes import Shape, ShapeRange
 from remat.core.solve import minimum_budget, solve
-from remat.core.solve.budget import parse_budget
+from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.simulator import simulate
 from remat.core.units import format_bytes
@@ -235,7 +235,7 @@ def _too_small(dims: ShapeRange, problems: Mapping[Shape, Any], limit: int) -> C
     return err
 
 
-def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.02,
+def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: float = 0.02,
              outside: str = "error") -> PlanSet:
     """The plan set for ``profile``'s range under ``budget`` (Note [Plan sets]).
 
@@ -260,7 +260,7 @@ def plan_set(profile: Profile, budget: str | int | float, *, within: float = 0.0
     lattice = list(dims.lattice())
     profiles = {x: at_shape(profile, x) for x in lattice}
     problems = {x: problem_from_profile(p) for x, p in profiles.items()}
-    limit = parse_budget(budget, problem_from_profile(profile))
+    limit = Budget.parse(budget).bytes(problem_from_profile(profile))
     solved_at = lattice if len(lattice) <= SOLVED_SHAPES else _sub_lattice(dims, SOLVED_SHAPES)
     candidates: dict[tuple[Any, ...], Plan] = {}
     best: dict[Shape, float] = {}

@@ -15,6 +15,7 @@ from remat.core.model_identity import MadeFor
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.core.solve import SOLVERS, Problem, solve
+from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
 
 __all__ = ["made_for", "plan", "to_problem", "with_made_for"]
@@ -56,7 +57,7 @@ def to_problem(source: Profile | Problem, *, slots: int | None = None) -> Proble
 
 def plan(
     profile: Profile | Problem,
-    budget: str | int | float | None = None,
+    budget: Budget | str | int | float | None = None,
     solver: str = "optimal",
     *,
     slots: int | None = None,
@@ -66,10 +67,11 @@ def plan(
 
     ``budget`` is bytes (``"6GiB"``, ``"512MiB"``, an integer) meaning the peak of a whole
     training step, or a fraction (``"50%"``, ``0.5``) of the profile's measured peak
-    without checkpointing. ``solver`` is one of :data:`remat.core.solve.SOLVERS` (``optimal``,
-    ``none``, ``per-stage``, ``every-k``, ``segments-k``, ``megatron-uniform``,
-    ``megatron-block``, ``selective-everywhere``, ``min-peak``); ``params`` go to it
-    (``k=`` for every-k and segments-k, ``num_layers=`` for the Megatron recipes).
+    without checkpointing; a :class:`~remat.core.solve.budget.Budget` is taken as read.
+    ``solver`` is one of :data:`remat.core.solve.SOLVERS` (``optimal``, ``none``,
+    ``per-stage``, ``every-k``, ``segments-k``, ``megatron-uniform``, ``megatron-block``,
+    ``selective-everywhere``, ``min-peak``); ``params`` go to it (``k=`` for every-k and
+    segments-k, ``num_layers=`` for the Megatron recipes).
     ``optimal`` raises :class:`remat.CheckFailed` naming the minimum feasible budget when
     nothing fits. The plan carries its predicted peak and step time, and, made from a
     profile, what it was made for (``plan.made_for``: ``remat.apply`` refuses it on a model

@@ -33,7 +33,7 @@ from remat.core.plan_set import OUTSIDE, PlanSet, plan_set
 from remat.core.planner import plan as make_plan
 from remat.core.profile_format import OPTIMIZERS, Profile
 from remat.core.shapes import ShapeRange, parse_shapes
-from remat.core.solve.budget import check_budget, parse_budget
+from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.units import format_bytes
 from remat.in_script.plan_cache import (
@@ -152,7 +152,7 @@ def _fields(model: nn.Module, batch: Any, optimizer: str, dims: ShapeRange | Non
 
 def auto_checkpoint(
     model: nn.Module,
-    budget: str | int | float,
+    budget: Budget | str | int | float,
     *,
     batch: Any = None,
     batches: Sequence[Any] | None = None,
@@ -213,10 +213,7 @@ def auto_checkpoint(
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise UsageError(f"optimizer={optimizer!r} is unknown; use one of "
                          f"{', '.join(OPTIMIZERS)}")
-    if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
-        raise UsageError(f"budget={budget!r} is not a budget; give bytes, a size such as "
-                         "'12GiB', or a fraction such as '60%'")
-    check_budget(budget)
+    budget = _read_budget(budget)
     if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or (
             reserve_bytes < 0):
         raise UsageError(f"reserve_bytes={reserve_bytes!r} must be a whole number of bytes "
@@ -261,15 +258,23 @@ def auto_checkpoint(
     return _result(handle, plan, "profiled", why, began, path, reserve_bytes)
 
 
-def _reserved(budget: str | int | float, prof: Profile, reserve: int) -> str | int | float:
+def _read_budget(budget: object) -> Budget:
+    """``budget`` read once, where the user gave it (a UsageError for what is not one)."""
+    if isinstance(budget, bool) or not isinstance(budget, (Budget, str, int, float)):
+        raise UsageError(f"budget={budget!r} is not a budget; give bytes, a size such as "
+                         "'12GiB', or a fraction such as '60%'")
+    return Budget.parse(budget)
+
+
+def _reserved(budget: Budget, prof: Profile, reserve: int) -> Budget:
     """``budget`` less ``reserve`` bytes (a fraction taken of the profile's peak first)."""
     if not reserve:
         return budget
-    limit = parse_budget(budget, problem_from_profile(prof)) - reserve
+    limit = budget.bytes(problem_from_profile(prof)) - reserve
     if limit <= 0:
         raise UsageError(f"reserve_bytes={reserve} leaves nothing of the budget "
                          f"({format_bytes(limit + reserve)}); give a larger budget")
-    return limit
+    return Budget.parse(limit)
 
 
 def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,

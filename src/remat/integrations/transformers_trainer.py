@@ -29,7 +29,7 @@ from remat.core.errors import UsageError
 from remat.core.plan_set import OUTSIDE
 from remat.core.profile_format import OPTIMIZERS
 from remat.core.shapes import Dim, ShapeRange, parse_shapes
-from remat.core.solve.budget import check_budget
+from remat.core.solve.budget import Budget
 from remat.in_script.script_entry import AutoCheckpoint, auto_checkpoint, model_loss
 from remat.runtime.existing import find
 from remat.runtime.install import applied, cache_off_for_training
@@ -209,7 +209,7 @@ class RematCallback(TrainerCallback):
 
     def __init__(
         self,
-        budget: str | int | float,
+        budget: Budget | str | int | float,
         *,
         batch: Any = None,
         pad_to: int | None = None,
@@ -221,10 +221,10 @@ class RematCallback(TrainerCallback):
         cache: str | os.PathLike[str] | bool | None = None,
         repeats: int = 2,
     ) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, (str, int, float)):
+        if isinstance(budget, bool) or not isinstance(budget, (Budget, str, int, float)):
             raise UsageError(f"budget={budget!r} is not a budget; give bytes, a size such as "
                              "'12GiB', or a fraction such as '60%'")
-        check_budget(budget)
+        read = Budget.parse(budget)  # before training begins, and only here
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise UsageError(f"optimizer={optimizer!r} is unknown; use one of "
                              f"{', '.join(OPTIMIZERS)}")
@@ -249,7 +249,7 @@ class RematCallback(TrainerCallback):
         if loss_fn is not None and not callable(loss_fn):
             raise UsageError(f"loss_fn is a {type(loss_fn).__name__}; pass a function "
                              "loss_fn(model, batch) that returns the scalar loss")
-        self.budget = budget
+        self.budget = read
         self.batch = batch
         self.pad_to = pad_to
         self.shapes = shapes
@@ -319,7 +319,7 @@ class RematCallback(TrainerCallback):
         logger.info("%s", self.checkpoint.report)
 
 
-def add_remat(trainer: Any, budget: str | int | float, **kwargs: Any) -> RematCallback:
+def add_remat(trainer: Any, budget: Budget | str | int | float, **kwargs: Any) -> RematCallback:
     """``trainer.add_callback(RematCallback(budget, **kwargs))``, returning the callback:
     the one line that makes ``trainer.train()`` checkpoint under ``budget``."""
     if not callable(getattr(trainer, "add_callback", None)):

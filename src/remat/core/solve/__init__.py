@@ -6,7 +6,7 @@ Never imports torch (a test imports it with torch made unavailable). See
 
 from __future__ import annotations
 
-from remat.core.solve.budget import parse_budget
+from remat.core.solve.budget import Budget, parse_budget
 from remat.core.solve.problem import SCHEMA_VERSION, Problem, StageCost
 from remat.core.solve.simulator import Event, Simulation, StepTime, simulate
 from remat.core.solve.solvers import SOLVERS, minimum_budget, optimal, solve
@@ -14,6 +14,7 @@ from remat.core.solve.solvers import SOLVERS, minimum_budget, optimal, solve
 __all__ = [
     "SCHEMA_VERSION",
     "SOLVERS",
+    "Budget",
     "Event",
     "Problem",
     "Simulation",

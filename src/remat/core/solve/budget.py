@@ -6,7 +6,9 @@ against a problem where one is at hand (:meth:`Budget.bytes`). A fraction has on
 meaning everywhere: a share of the peak of one whole training step without
 checkpointing, as measured on the device that runs it (``Problem.measured_no_checkpoint
 _peak_bytes``); under ``--distributed`` that device is a rank, and the problem carries
-the largest rank's peak, so every rank reads the same bytes and plans the same.
+the largest rank's peak, so every rank reads the same bytes and plans the same (``remat
+plan --world``, planning a rank on paper, takes it of the rank's predicted step). This is
+the meaning docs/commands.md and docs/python-api.md give.
 """
 
 from __future__ import annotations
@@ -50,17 +52,17 @@ class Budget:
         """Read ``value`` (UsageError, one sentence, for anything that is not a budget)."""
         if isinstance(value, Budget):
             return value
-        text = value
         fraction: float | None = None
-        if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-            raise UsageError(f"budget {text!r} is not a size; give bytes such as 6GiB, or 50%")
-        if isinstance(text, float):
-            if not math.isfinite(text) or text <= 0:
-                raise UsageError(f"budget {text!r} must be above zero; give bytes such as 6GiB")
-            if text <= 1:
-                fraction = text
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise UsageError(f"budget {value!r} is not a size; give bytes such as 6GiB, or 50%")
+        text: str | int = value if not isinstance(value, float) else 0
+        if isinstance(value, float):
+            if not math.isfinite(value) or value <= 0:
+                raise UsageError(f"budget {value!r} must be above zero; give bytes such as 6GiB")
+            if value <= 1:
+                fraction = value
             else:
-                text = math.floor(text)
+                text = math.floor(value)
         elif isinstance(text, str):
             if text.strip().startswith("-"):
                 raise UsageError(
@@ -120,7 +122,8 @@ def _zero_or_tiny(text: str | int | float) -> UsageError:
 
 
 def parse_budget(text: Budget | str | int | float, problem: Problem) -> int:
-    """The budget in bytes for ``problem``: ``Budget.parse(text).bytes(problem)``."""
+    """The budget in bytes for ``problem``: ``Budget.parse(text).bytes(problem)`` (kept for
+    callers of the older name; remat reads a :class:`Budget` once and passes it on)."""
     return Budget.parse(text).bytes(problem)
 
 
@@ -133,6 +136,5 @@ def _positive(text: str | int | float) -> bool:
 
 
 def check_budget(text: Budget | str | int | float) -> Budget:
-    """The budget read before anything is measured (UsageError for one no problem could
-    read)."""
+    """``Budget.parse(text)`` (kept for callers of the older name)."""
     return Budget.parse(text)

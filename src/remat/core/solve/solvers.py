@@ -23,7 +23,7 @@ import remat.core.recipes as recipes
 import remat.core.solve.dp as dp
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import KEEP, Option, Plan, Region
-from remat.core.solve.budget import parse_budget
+from remat.core.solve.budget import Budget as _Budget
 from remat.core.solve.minimum import min_peak_plan
 from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import baseline_time, simulate
@@ -48,11 +48,13 @@ __all__ = [
     "solver_memory_limit",
 ]
 
-Budget = int | str | float | None
+#: A budget as the solvers take it: a :class:`~remat.core.solve.budget.Budget` or what
+#: ``Budget.parse`` reads; None for the solvers that need none.
+Budget = _Budget | int | str | float | None
 
 
 def _budget(budget: Budget, problem: Problem) -> int | None:
-    return None if budget is None else parse_budget(budget, problem)
+    return None if budget is None else _Budget.parse(budget).bytes(problem)
 
 
 def _unlimited(problem: Problem, limit: int) -> bool:
