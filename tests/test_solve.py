@@ -210,6 +210,8 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
         ))
     pre_grads, post_grads = draw(st.integers(0, 6)), draw(st.integers(0, 3))
     attributed = sum(s.grad_bytes for s in stages) + pre_grads + post_grads
+    pre_chain = draw(st.integers(0, 2))
+    post_backward = draw(st.none() | st.integers(0, 6))
     return Problem(
         tuple(stages),
         params_bytes=draw(st.integers(0, 3)),
@@ -218,7 +220,11 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
         post_chain_grads_bytes=post_grads,
         optimizer_step_bytes=draw(st.integers(0, 12)),
         optimizer_bytes=draw(st.integers(0, 2)),
-        pre_chain_bytes=draw(st.integers(0, 2)),
+        pre_chain_bytes=pre_chain,
+        # the post-chain's backward apart from its forward, and what the model's code alone
+        # held of the pre-chain, gone at the forward's return (which needs the first)
+        post_chain_backward_bytes=post_backward,
+        pre_chain_at_return_bytes=0 if post_backward is None else draw(st.integers(0, pre_chain)),
         post_chain_bytes=draw(st.integers(0, 6)),
         input_bytes=draw(st.integers(0, 2)),
         region_overhead_s=float(draw(st.integers(0, 2))),

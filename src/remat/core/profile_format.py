@@ -337,6 +337,12 @@ class FixedBytes:
     # them to its backward (Note [Arguments a checkpoint frame holds] in simulator.py).
     # Written only when set.
     args_at_return_bytes: int = 0
+    # Of pre_chain_bytes, what the code before the chain made that no code saves and no
+    # stage is passed and the model's code lets go of when its forward returns (a
+    # decoder's token and position embeddings before their sum): gone through the whole
+    # backward (Note [What the model's forward lets go of at its return] in
+    # remat.profiling.assemble). Written only when set.
+    pre_chain_at_return_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, _ in (*_FIXED_FIELDS, *_OPTIONAL_FIXED_FIELDS):
@@ -383,6 +389,7 @@ _OPTIONAL_FIXED_FIELDS = (
     ("first_input_at_start_bytes", "first_input_at_start"),
     ("pre_chain_cast_bytes", "pre_chain_cast"),
     ("args_at_return_bytes", "args_at_return"),
+    ("pre_chain_at_return_bytes", "pre_chain_at_return"),
 )
 _NULLABLE_FIXED_FIELDS = frozenset({"post_chain_forward_bytes", "post_chain_backward_bytes"})
 

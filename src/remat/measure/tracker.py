@@ -463,6 +463,13 @@ class LiveMemoryTracker:
         record = self._lookup(t)
         return record is not None and record.serial < serial
 
+    def live_since(self, serial: int) -> list[tuple[weakref.ref[torch.UntypedStorage], int]]:
+        """The counted storages still alive that the tracker saw from ``serial`` on (made
+        after some point of the step), each as a weak reference and its bytes."""
+        with self._lock:
+            return [(r.ref, r.nbytes) for r in self._records.values()
+                    if r.serial >= serial and r.ref is not None and r.ref() is not None]
+
     @property
     def live_bytes(self) -> int:
         return self._live_total

@@ -51,9 +51,24 @@ add up to what that step really did), in the terms ``remat.core.solve.simulate``
   in the no-save pass); the residue is read with it added back (it went before the
   chain's backward began), the simulator lets it go at the return unless a checkpoint
   frame holds it (Note [Arguments a checkpoint frame holds] in the simulator).
+  Of it too, ``pre_chain_at_return``: Note [What the model's forward lets go of at its
+  return] below.
   Post-chain: its larger rise in forward and in backward above the
   live total at the chain's end (the backward's with the parameter gradients it has
   created by its peak; the simulator adds all of them after it).
+
+Note [What the model's forward lets go of at its return]
+--------------------------------------------------------
+The pre-chain's figure is the live total's rise before stage 0 is called, beyond its
+input: what the code before the chain saves for backward, and what the model's code
+merely holds (a decoder's token and position embeddings, kept in its locals after their
+sum became the first layer's input) until its forward returns. The second is gone through
+the whole backward. The no-save pass lists the storages the step made before stage 0 was
+called that are still alive then; of those, the ones no code offered to save, no stage's
+call was passed (``args_at_return`` counts those), and that are gone once the model's
+forward has returned make ``pre_chain_at_return`` (at most the pre-chain less its casts
+and arguments). hf:opt: 524,288 bytes, every backward event of the chain over by them
+before (docs/cost-model.md, "What the forward lets go of at its return").
 """
 
 from __future__ import annotations
@@ -284,8 +299,12 @@ def fixed_bytes(
     # what the stages were passed from before the chain and the model's code let go of at
     # its return (a padded batch's 4-D mask): gone by then, but not what the caller holds
     args_at_return = min(m.nosave.args_at_return_bytes, max(0, pre_chain))
+    # and what the code before the chain made and only the model's code held (Note [What
+    # the model's forward lets go of at its return])
+    at_return = min(m.nosave.pre_chain_at_return_bytes,
+                    max(0, pre_chain - args_at_return - m.pre_chain_casts))
     residue = (spans.stage_backward[-1].entry_bytes - chain_end - held_output - post_grads
-               + args_at_return)
+               + args_at_return + at_return)
     return FixedBytes(
         **m.counts,
         pre_chain_bytes=max(0, pre_chain),
@@ -305,4 +324,5 @@ def fixed_bytes(
         post_chain_forward_bytes=max(0, spans.post_forward.peak_bytes - chain_end),
         post_chain_backward_bytes=max(0, spans.post_backward.peak_bytes - chain_end),
         args_at_return_bytes=args_at_return,
+        pre_chain_at_return_bytes=at_return,
     )

@@ -101,6 +101,11 @@ class ForwardPass:
     # stage which of those its call got (StageRecord.call_args)
     args_at_return_bytes: int = 0
     call_args: tuple[tuple[CallArg, ...], ...] = ()
+    # No-save pass: what the code before the chain made and still held when the first
+    # stage was called, that no code offered to save, no stage was passed, and is gone
+    # once the model's forward has returned (FixedBytes.pre_chain_at_return_bytes; Note
+    # [What the model's forward lets go of at its return] in remat.profiling.assemble)
+    pre_chain_at_return_bytes: int = 0
 
 
 def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
@@ -188,6 +193,14 @@ def forward_pass(
     args_at_return = 0
     args_by_stage: tuple[tuple[CallArg, ...], ...] = ()
     chain_start = [0]  # the tracker's serial when stage 0 was called
+    step_start = [0]  # the tracker's serial when loss_fn was called
+    # storage id -> (the storage, bytes): what the step had made and still held when
+    # stage 0 was called (no-save pass); ``passed_or_offered`` the ids of those some
+    # stage's call got or some code offered to save
+    before_chain: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+    passed_or_offered: set[int] = set()
+    offered_before_chain: list[weakref.ref[torch.UntypedStorage]] = []
+    pre_chain_at_return = [0]
 
     # per stage: the stage inputs the model's code just before it offered to save
     link_saves: list[set[int]] = [set() for _ in range(n)]
@@ -200,6 +213,10 @@ def forward_pass(
         # a tensor without one storage is neither an input nor an output
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
             storage = t.untyped_storage()
+            if id(storage) in before_chain:
+                passed_or_offered.add(id(storage))
+            elif not order:
+                offered_before_chain.append(weakref.ref(storage))
             if current:
                 offered.append(weakref.ref(storage))
             elif len(order) < n:  # the code before the next stage, order[-1] + 1
@@ -228,6 +245,9 @@ def forward_pass(
         for j in range(n - 1):
             kept[j] = kept[j] or alive(j)
         seen(n - 1, at=n)
+        pre_chain_at_return[0] = sum(
+            nbytes for key, (ref, nbytes) in before_chain.items()
+            if key not in passed_or_offered and ref() is None)
 
     def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = main_input(args, kwargs)
@@ -243,7 +263,15 @@ def forward_pass(
         entries[i] = (tracker.live_bytes, x)
         if i == 0:
             chain_start[0] = tracker.serial
+            if not save:
+                before_chain.update((id(ref()), (ref, nbytes))
+                                    for ref, nbytes in tracker.live_since(step_start[0]))
+                passed_or_offered.update(id(o) for ref in offered_before_chain
+                                         if (o := ref()) is not None)
         if not save:
+            for t in iter_tensors((args, kwargs)):
+                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                    passed_or_offered.add(id(t.untyped_storage()))
             for t in iter_tensors((args, kwargs)):
                 with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                     storage = t.untyped_storage()
@@ -303,6 +331,7 @@ def forward_pass(
                     with torch.autograd.graph.saved_tensors_hooks(note, _same):
                         loss = loss_fn(model, batch)
                 else:
+                    step_start[0] = tracker.serial
                     with torch.autograd.graph.saved_tensors_hooks(drop, _never):
                         loss = loss_fn(model, batch)
                     # the forward has returned; nothing is saved in this pass
@@ -359,4 +388,5 @@ def forward_pass(
         loss_storage_bytes=loss_storage,
         args_at_return_bytes=args_at_return,
         call_args=args_by_stage,
+        pre_chain_at_return_bytes=pre_chain_at_return[0],
     )

@@ -101,6 +101,10 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         )
     fixed = profile.fixed
     backward = fixed.post_chain_backward_bytes
+    at_return = 0 if backward is None else min(
+        fixed.pre_chain_at_return_bytes,
+        max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes
+            - fixed.pre_chain_cast_bytes - fixed.args_at_return_bytes))
     if backward is not None:
         backward += let_go_at_return(profile, held_through, output_held)
         # the casts autocast's cache let go of at the forward's end, which the simulator
@@ -109,6 +113,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         # the stages' arguments from before the chain the model let go of at its return,
         # which the simulator lets go of itself (Note [Arguments a checkpoint frame holds])
         backward += fixed.args_at_return_bytes
+        # what the code before the chain made and only the model's code held, which the
+        # simulator lets go of itself (Note [What the forward lets go of at its return])
+        backward += at_return
     parts = (
         sum(s.grad_bytes for s in stages)
         + fixed.pre_chain_grads_bytes
@@ -132,6 +139,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         args_at_return_bytes=0 if backward is None else min(fixed.args_at_return_bytes,
                                  max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes
                                      - fixed.pre_chain_cast_bytes)),
+        pre_chain_at_return_bytes=at_return,
         post_chain_bytes=(fixed.post_chain_bytes if backward is None
                           else fixed.post_chain_forward_bytes or 0),
         post_chain_backward_bytes=backward,

@@ -258,7 +258,8 @@ _PROBLEM_KEYS_V1 = (
 )
 _PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
                  "post_chain_backward_bytes", "root_unit_bytes", "collective_copies",
-                 "backward_residue_bytes", "pre_chain_cast_bytes", "args_at_return_bytes")
+                 "backward_residue_bytes", "pre_chain_cast_bytes", "args_at_return_bytes",
+                 "pre_chain_at_return_bytes")
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,10 @@ class Problem(JsonArtifact):
     # model lets go of at its forward's return unless a checkpoint frame holds it (Note
     # [Arguments a checkpoint frame holds] in simulator.py).
     args_at_return_bytes: int = 0
+    # Of pre_chain_bytes, what the model's code alone held and lets go of at its forward's
+    # return, whatever the plan: gone from the post-chain's backward on (Note [What the
+    # forward lets go of at its return] in simulator.py).
+    pre_chain_at_return_bytes: int = 0
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -389,10 +394,19 @@ class Problem(JsonArtifact):
                            _bytes(self.pre_chain_cast_bytes, "pre_chain_cast_bytes"))
         object.__setattr__(self, "args_at_return_bytes",
                            _bytes(self.args_at_return_bytes, "args_at_return_bytes"))
-        if self.pre_chain_cast_bytes + self.args_at_return_bytes > max(0, self.pre_chain_bytes):
-            raise UsageError(f"pre_chain_cast_bytes={self.pre_chain_cast_bytes} and "
-                             f"args_at_return_bytes={self.args_at_return_bytes} are more than "
-                             f"pre_chain_bytes={self.pre_chain_bytes}; they are parts of them")
+        object.__setattr__(self, "pre_chain_at_return_bytes",
+                           _bytes(self.pre_chain_at_return_bytes, "pre_chain_at_return_bytes"))
+        if self.pre_chain_at_return_bytes and self.post_chain_backward_bytes is None:
+            raise UsageError(f"pre_chain_at_return_bytes={self.pre_chain_at_return_bytes} needs "
+                             "post_chain_backward_bytes, measured after the forward returned; "
+                             "give both or neither")
+        if (self.pre_chain_cast_bytes + self.args_at_return_bytes + self.pre_chain_at_return_bytes
+                > max(0, self.pre_chain_bytes)):
+            raise UsageError(f"pre_chain_cast_bytes={self.pre_chain_cast_bytes}, "
+                             f"args_at_return_bytes={self.args_at_return_bytes} and "
+                             f"pre_chain_at_return_bytes={self.pre_chain_at_return_bytes} are "
+                             f"more than pre_chain_bytes={self.pre_chain_bytes}; they are "
+                             "parts of them")
         if not isinstance(self.collective_copies, bool):
             raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
@@ -423,8 +437,14 @@ class Problem(JsonArtifact):
     def post_chain_peak_bytes(self) -> int:
         """The larger of the post-chain's two figures (an upper bound of both its events
         for the solvers, which hold what the model's code held at the chain's end)."""
-        return max(self.post_chain_bytes + self.last_input_held_bytes,
-                   self.post_chain_backward_bytes or 0)
+        forward = self.post_chain_bytes + self.last_input_held_bytes
+        if self.post_chain_backward_bytes is None:
+            return forward  # one figure for both events
+        # the forward's event over the backward base: what the forward lets go of at its
+        # return is still alive and no unattributed gradient is yet (Note [What the forward
+        # lets go of at its return] in simulator.py)
+        return max(forward + self.pre_chain_at_return_bytes - self.unattributed_grads_bytes,
+                   self.post_chain_backward_bytes)
 
     @property
     def last_input_held_bytes(self) -> int:
@@ -506,11 +526,13 @@ class Problem(JsonArtifact):
     def backward_base_bytes(self) -> int:
         """Bytes alive from the first backward event to the optimizer step whatever the plan.
 
-        The forward's base plus the unattributed gradients; the post-chain's, the stages'
-        and the pre-chain's gradients come later (Note [Gradients by position] in
+        The forward's base plus the unattributed gradients, less what the model's forward
+        let go of at its return (``pre_chain_at_return_bytes``); the post-chain's, the
+        stages' and the pre-chain's gradients come later (Note [Gradients by position] in
         :mod:`remat.core.solve.dp`).
         """
-        return self.forward_base_bytes + self.unattributed_grads_bytes
+        return (self.forward_base_bytes + self.unattributed_grads_bytes
+                - self.pre_chain_at_return_bytes)
 
     def options(self, i: int) -> tuple[Option, ...]:
         """The options stage ``i`` may take: keep, its measured selective ones, offload."""
@@ -555,6 +577,8 @@ class Problem(JsonArtifact):
             data["pre_chain_cast_bytes"] = self.pre_chain_cast_bytes
         if self.args_at_return_bytes:
             data["args_at_return_bytes"] = self.args_at_return_bytes
+        if self.pre_chain_at_return_bytes:
+            data["pre_chain_at_return_bytes"] = self.pre_chain_at_return_bytes
         if self.root_unit_bytes:
             data["root_unit_bytes"] = self.root_unit_bytes
         if self.collective_copies:

@@ -230,6 +230,24 @@ the byte. The least the figure may be is minus keep's saved bytes and both gradi
 profile stays above minus the input's gradient. A selective option's own figure
 (``bwd_transient_by_option``) is still clamped at 0: an upper bound there.
 
+Note [What the forward lets go of at its return]
+------------------------------------------------
+The pre-chain's bytes (``pre_chain_bytes``: alive when the first stage starts, beyond its
+input) are not all kept for backward. A decoder's code makes the token embeddings and the
+position embeddings, adds them into the first stage's input and keeps both in its locals
+until its forward returns; the embeddings' backward needs neither (it saves the indices).
+Charged to the pre-chain's backward, they put every later event of hf:opt over by their
+524,288 bytes (1.5-2.2% at 75% and at the minimum it names; gpt2 655,360, whisper
+750,080). The profile measures them (``pre_chain_at_return_bytes``: what the code before
+the chain made and still held when the first stage was called, that no code offered to
+save and no stage's call was passed, and that is gone once the model's forward has
+returned; Note [What the model's forward lets go of at its return] in
+``remat.profiling.assemble``), and the simulator lets them go after the post-chain's
+forward event, where the cast cache goes: the post-chain's backward figure, measured from
+the chain's end, gets them back (``problem_from_profile``), and the tables lower their
+backward base by them (``Problem.backward_base_bytes``), with the forward's events that
+much above it (``dp.Model.gs``, ``Problem.post_chain_peak_bytes``).
+
 Note [FSDP2 units]
 ------------------
 A per-rank problem under FSDP2 (:func:`remat.core.transforms.per_rank_problem`) gives each
@@ -1035,9 +1053,11 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
     w.casts_cleared()  # the loss_fn's autocast region exits (Note [Autocast's cast cache])
-    if p.pre_chain_cast_bytes:
-        w.blocks["pre-chain"] -= p.pre_chain_cast_bytes
-        w.live -= p.pre_chain_cast_bytes
+    # the model's forward has returned: what only its code held of the pre-chain's goes
+    # (Note [What the forward lets go of at its return])
+    for nbytes in (p.pre_chain_cast_bytes, p.pre_chain_at_return_bytes):
+        w.blocks["pre-chain"] -= nbytes
+        w.live -= nbytes
     w.end_forward()
     if w.fsdp:
         w.prefetch(n - 1)  # the root's pre-backward
