@@ -10,7 +10,7 @@ import pytest
 
 import remat
 from remat.benchmarking import AutoReport
-from remat.benchmarking.main_job import _problems
+from remat.benchmarking.auto_report import problems as _problems
 from remat.cli import main
 from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
@@ -372,7 +372,8 @@ def test_a_prediction_apart_from_the_measurement_is_made_again_from_a_second_pro
 def test_auto_profiles_again_exactly_when_its_first_prediction_is_off_the_measurement(
     report: AutoReport,
 ) -> None:
-    from remat.benchmarking.main_job import AGAIN_GAP, _apart
+    from remat.benchmarking.auto_report import apart as _apart
+    from remat.benchmarking.main_job import AGAIN_GAP
 
     data = report.to_dict()
     assert (data["first_attempt"] is None) == ("again_s" not in data["timings_s"])

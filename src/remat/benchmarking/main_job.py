@@ -6,6 +6,12 @@ from the simulator. Measurement runs the plain model and the planned one side by
 measured peak over the budget, a prediction off by more than 5%, gradients that differ)
 is listed in ``problems``, never hidden; ``ok`` is True only when there are none.
 
+The job is one function per step (:func:`_load`, :func:`_profile`, :func:`_plan`,
+:func:`_apply`, :func:`_verify`, :func:`_measure`), run in order by :func:`run_auto`.
+What differs between one process and a rank of a ``torchrun`` job is a call on the
+strategy passed in (:mod:`.auto_strategy`), never a test in the steps; the report and the
+statistics it is judged by are :mod:`.auto_report`'s.
+
 A run that cannot go on raises :class:`Stopped`, which names the step (loading the model,
 the first training step, profiling, planning, applying, verifying, measuring) and says
 why in one sentence: the user's own code failing (factory, forward, loss) is a
@@ -37,34 +43,34 @@ from typing import Any
 
 import torch
 
-from remat.core.coverage import coverage, coverage_lines
-from remat.core.errors import (
-    CheckFailed,
-    UsageError,
-)
+from remat.core.coverage import coverage_lines
+from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan
-from remat.core.planner import plan as make_plan
-from remat.core.planner import to_problem, with_made_for
+from remat.core.planner import with_made_for
 from remat.core.profile_format import Profile
-from remat.core.solve import minimum_budget, simulate
-from remat.core.solve.paired import paired_overhead
-from remat.core.solve.uncertainty import (
-    PlanUncertainty,
-    plan_uncertainty,
-    steadiest_and_uncertainty,
-)
-from remat.core.units import format_bytes
+from remat.core.solve import Problem, minimum_budget, simulate
+from remat.core.solve.budget import Budget
+from remat.core.solve.uncertainty import PlanUncertainty, plan_uncertainty
 from remat.measure.malloc import set_malloc
 from remat.profiling.noise import median_se
-from remat.profiling.profiler import most_over_ranks, profile
+from remat.profiling.profiler import profile
 
+from .auto_report import (
+    MEDIANS,
+    PAIRED,
+    AutoReport,
+    FirstAttempt,
+    apart,
+    interquartile,
+    problems,
+)
+from .auto_strategy import DISTRIBUTED, AutoStrategy, strategy_for
 from .environment import Environment, describe_environment
 from .factory import compiling, describe, make_factory, torch_threads, whole
-from .findings import PEAK_TOLERANCE
-from .grads import check_plan
-from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
-from .runners import EagerRunner, Runner
-from .step_measures import by_tracker, interleaved, paired, time_stats
+from .grads import GradCheck, check_plan
+from .rank_runners import profile_rounds
+from .runners import Factory, Runner
+from .step_measures import MemoryMeasure, interleaved, paired, time_stats
 from .stopping import (
     STAGES,
     Stopped,
@@ -75,14 +81,12 @@ from .stopping import (
     step,
 )
 
-__all__ = ["STAGES", "AutoReport", "Stopped", "auto", "exit_words", "first_step",
-           "hazard_reason", "rebuild_rejected", "step", "torch_threads_kept"]
+__all__ = ["MEDIANS", "PAIRED", "STAGES", "AutoReport", "FirstAttempt", "ModelSpec",
+           "Rounds", "Stopped", "auto", "exit_words", "first_step", "hazard_reason",
+           "rebuild_rejected", "run_auto", "step", "torch_threads_kept"]
 
-
-
-def _agreed(flag: bool, distributed: bool) -> bool:
-    """``flag`` on any rank, on every rank (a decision to run more collective steps)."""
-    return bool(most_over_ranks(int(flag))) if distributed else flag
+#: ``progress(what, done, total)``: where the job is
+Progress = Callable[[str, int, int], None]
 
 
 @contextmanager
@@ -102,10 +106,6 @@ def torch_threads_kept() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-#: What ``AutoReport.predicted_overhead`` is (Note [Paired overhead]).
-PAIRED = "median of the profile's per-round ratios"
-MEDIANS = "ratio of the profile's medians"
-
 #: Per-pair ratios whose interquartile range is wider than this (a share of the plain
 #: step) are timed again with twice as many pairs (Note [Re-timing wide pairs]).
 PAIRS_SPREAD = 0.05
@@ -124,24 +124,8 @@ def _spread(times: dict[str, list[float]]) -> float:
     ratios = _pair_ratios(times)
     if len(ratios) < 4:
         return 0.0
-    q1, q3 = _interquartile(ratios)
+    q1, q3 = interquartile(ratios)
     return q3 - q1
-
-
-def _interquartile(values: Sequence[float]) -> tuple[float, float]:
-    """The interquartile range of ``values`` (min and max below four)."""
-    ordered = sorted(values)
-    if len(ordered) < 4:
-        return ordered[0], ordered[-1]
-    q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
-    return q1, q3
-
-
-def _apart(measured: tuple[float, float], predicted: PlanUncertainty) -> bool:
-    """Whether the measured overheads' range and the prediction's range within the timing
-    noise do not overlap (Note [Machine state between phases])."""
-    low, high = measured
-    return high < predicted.overhead_low or low > predicted.overhead_high
 
 
 #: A measured overhead further than this from the prediction (points of the plain step)
@@ -172,7 +156,7 @@ def _try_again(overheads: Sequence[float], predicted: float, u: PlanUncertainty)
     measure +36% to +40% (noise_stability, 2026-12-03 14:50). What a second attempt changes
     is recorded: noise_stability marks each run that made one, with its first figures."""
     return (abs(statistics.median(overheads) - predicted) > AGAIN_GAP
-            or _apart(_interquartile(overheads), u))
+            or apart(interquartile(overheads), u))
 
 
 def _overheads(times: dict[str, list[float]]) -> list[float]:
@@ -186,21 +170,20 @@ def _covering(u: PlanUncertainty, overhead: float) -> PlanUncertainty:
                    overhead_high=max(u.overhead_high, overhead))
 
 
-def _timed_pairs(steps: dict[str, Callable[[], Any]], repeats: int, warmup: int,
-                 report: Callable[[str, int, int], None], distributed: bool
-                 ) -> dict[str, list[float]]:
+def _timed_pairs(steps: dict[str, Callable[[], Any]], job: _Job) -> dict[str, list[float]]:
     """Interleaved steps, and more pairs where they spread (Note [Re-timing wide pairs]):
     twice as many again when their quartiles lie over PAIRS_SPREAD apart, then more while
     their median is uncertain (bounded)."""
+    repeats = job.rounds.repeats
     times = interleaved(
-        steps, repeats=repeats, warmup=warmup,
-        progress=lambda done, total: report("timing (interleaved)", done, total),
+        steps, repeats=repeats, warmup=job.rounds.warmup,
+        progress=lambda done, total: job.progress("timing (interleaved)", done, total),
     )
     added = 0
-    while _agreed(_more_pairs(times, repeats, added), distributed):
+    while job.strategy.agreed(_more_pairs(times, repeats, added)):
         more = interleaved(
             steps, repeats=2 * repeats, warmup=0,
-            progress=lambda done, total: report("timing (more pairs)", done, total),
+            progress=lambda done, total: job.progress("timing (more pairs)", done, total),
         )
         for name in times:
             times[name] += more[name]
@@ -232,175 +215,77 @@ def _more_pairs(times: dict[str, list[float]], repeats: int, added: int) -> bool
 
 
 @dataclass(frozen=True)
-class FirstAttempt:
-    """The first prediction and measurement of a run that made both again (Note
-    [Profiling again]): the prediction with its range within the profile's timing noise,
-    and each interleaved pair's overhead."""
+class ModelSpec:
+    """What the job runs: the model (a spec or a factory) and its options, the stages
+    (None: discovered), the optimizer, and whether its stages are compiled."""
 
-    prediction: PlanUncertainty
-    overhead_pairs: tuple[float, ...]
-    # the first profile, which the plan was made from (its made_for names its digest)
-    profile: Profile = field(repr=False, compare=False)
-
-    @property
-    def overhead(self) -> float:
-        return float(statistics.median(self.overhead_pairs))
-
-    @property
-    def overhead_range(self) -> tuple[float, float]:
-        return _interquartile(self.overhead_pairs)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prediction": self.prediction.to_dict(), "overhead": self.overhead,
-                "overhead_pairs": list(self.overhead_pairs),
-                "overhead_range": list(self.overhead_range)}
+    model: str | Callable[..., Any] = "gpt"
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    stages: Sequence[str] | None = None
+    optimizer: str = "adamw"
+    compile: bool = False
 
 
 @dataclass(frozen=True)
-class AutoReport:
-    """What ``remat auto`` found; JSON keys are the field names plus ``ok``."""
+class Rounds:
+    """How many steps each phase runs: timed pairs (``repeats``, after ``warmup``), the
+    verify harness's steps, and the profile's timed rounds."""
 
-    model: str
-    budget: str
-    budget_bytes: int
+    repeats: int = 6
+    warmup: int = 1
+    verify_steps: int = 2
+    profile_repeats: int = 2
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One run's fixed parts, and the seconds each phase took (``timed``)."""
+
+    spec: ModelSpec
+    rounds: Rounds
+    strategy: AutoStrategy
+    progress: Progress
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        began = time.perf_counter()
+        yield
+        self.timings[phase] = time.perf_counter() - began
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The model's factory (this process's part of the batch) and its description."""
+
+    factory: Factory
+    description: str
+    stages: Sequence[str] | None
+
+    def diagnose(self, err: BaseException) -> str:
+        return hazard_reason(err, lambda: self.factory(None), self.stages)
+
+
+@dataclass(frozen=True)
+class _Planned:
     plan: Plan
-    baseline_peak_bytes: int
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
-    predicted_peak_event: str
-    peak_phase: str | None
-    peak_module: str | None
-    peak_by_category: Mapping[str, int] = field(hash=False)
-    baseline_peak_by_category: Mapping[str, int] = field(hash=False)
-    baseline_step_time_s: float = 0.0
-    step_time_s: float = 0.0
-    overhead: float = 0.0  # the median of the per-pair ratios, less 1
-    # the median of the profile's per-round ratios (Note [Paired overhead]), less 1
-    predicted_overhead: float | None = None
-    verify_ok: bool = False
-    grads_match: bool = False
-    verify_detail: str = ""
-    problems: tuple[str, ...] = ()
-    environment: Environment | None = None
-    timings_s: Mapping[str, float] = field(default_factory=dict, hash=False)
-    elapsed_s: float = 0.0
-    profile: Profile | None = field(default=None, repr=False, compare=False)
-    # each interleaved pair's ratio, less 1 (``overhead`` is their median)
-    overhead_pairs: tuple[float, ...] = ()
-    # the chosen plan against the profile's timing noise (None: the profile has none)
-    uncertainty: PlanUncertainty | None = None
-    # what predicted_overhead is: PAIRED, or the ratio of the medians
-    predicted_overhead_statistic: str = MEDIANS
-    # Note [Profiling again]: the first prediction and measurement, when they lay apart and
-    # both were made again (``profile``, ``predicted_overhead``, ``uncertainty`` and the
-    # overheads are then the second's)
+    problem: Problem
+    uncertainty: PlanUncertainty | None
+    peak_event: str  # where the simulator puts the plan's peak
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """Both models' peaks and interleaved times, and the prediction they are held to."""
+
+    plain: MemoryMeasure
+    planned: MemoryMeasure
+    times: dict[str, list[float]]
+    pairs: tuple[float, ...]  # each pair's overhead
+    profile: Profile  # the profile the prediction is of
+    predicted_overhead: float | None  # Note [Paired overhead]; None: the problem's medians
+    uncertainty: PlanUncertainty | None
     first_attempt: FirstAttempt | None = None
-
-    @property
-    def overhead_of_medians(self) -> float:
-        """The median step with the plan over the median step without, less 1: another
-        statistic than ``overhead`` (the median of per-pair ratios); they part when the
-        machine's speed moved during the measurement."""
-        return self.step_time_s / self.baseline_step_time_s - 1 if self.baseline_step_time_s \
-            else 0.0
-
-    @property
-    def overhead_range(self) -> tuple[float, float]:
-        """The interquartile range of the per-pair ratios, less 1 (min and max below four)."""
-        return _interquartile(self.overhead_pairs or [self.overhead])
-
-    @property
-    def prediction_disagrees(self) -> bool | None:
-        """Whether the measured overhead's interquartile range and the prediction's range
-        within the profile's timing noise do not overlap (None without that range).
-
-        Note [Machine state between phases]: on the shared two-core machine, one ``remat
-        auto`` on the built-in gpt in ten (benchmarks/noise_stability.md, 2026-12-03)
-        profiled while every block's rebuild took 1.25x to 1.37x its forward, in each of
-        four rounds (34.5 ms against 27.5 ms, rounds agreeing within a point: predicted
-        +46.5%), and measured 11 s later at the usual 1.0x (+38.7%, five of its six pairs
-        within 3.5 points). The two instruments each agreed with themselves and not with each other:
-        the machine, not the sample, changed. More rounds cannot mend that; saying so
-        can."""
-        u = self.uncertainty
-        if u is None or self.predicted_overhead is None:
-            return None
-        return _apart(self.overhead_range, u)
-
-    @property
-    def peak_error(self) -> float:
-        return self.measured_peak_bytes / self.predicted_peak_bytes - 1
-
-    @property
-    def within_budget(self) -> bool:
-        return self.measured_peak_bytes <= self.budget_bytes
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "model": self.model,
-            "budget": self.budget,
-            "budget_bytes": self.budget_bytes,
-            "baseline_peak_bytes": self.baseline_peak_bytes,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "measured_peak_bytes": self.measured_peak_bytes,
-            "peak_error": self.peak_error,
-            "within_budget": self.within_budget,
-            "prediction_within_5pct": abs(self.peak_error) <= PEAK_TOLERANCE,
-            "predicted_peak_event": self.predicted_peak_event,
-            "peak_phase": self.peak_phase,
-            "peak_module": self.peak_module,
-            "peak_by_category": dict(self.peak_by_category),
-            "baseline_peak_by_category": dict(self.baseline_peak_by_category),
-            "baseline_step_time_s": self.baseline_step_time_s,
-            "step_time_s": self.step_time_s,
-            "overhead": self.overhead,
-            "overhead_statistic": "median of per-pair ratios",
-            "overhead_pairs": list(self.overhead_pairs),
-            "overhead_range": list(self.overhead_range),
-            "overhead_of_medians": self.overhead_of_medians,
-            "predicted_overhead": self.predicted_overhead,
-            "predicted_overhead_statistic": self.predicted_overhead_statistic,
-            "plan_uncertainty": None if self.uncertainty is None else self.uncertainty.to_dict(),
-            "prediction_disagrees": self.prediction_disagrees,
-            "first_attempt": (None if self.first_attempt is None
-                              else self.first_attempt.to_dict()),
-            "timing_noise": (None if self.profile is None or self.profile.timing_noise is None
-                             else self.profile.timing_noise.to_dict()),
-            "verify_ok": self.verify_ok,
-            "grads_match": self.grads_match,
-            "verify_detail": self.verify_detail,
-            "problems": list(self.problems),
-            "plan": self.plan.to_dict(),
-            "coverage": None if self.profile is None else coverage(self.profile).to_dict(),
-            "environment": None if self.environment is None else self.environment.to_dict(),
-            "timings_s": dict(self.timings_s),
-            "elapsed_s": self.elapsed_s,
-            "error": None,
-        }
-
-
-def _problems(budget: int, predicted: int, measured: int, verify_ok: bool,
-              detail: str) -> tuple[str, ...]:
-    found = []
-    if measured > budget:
-        found.append(
-            f"the measured peak {format_bytes(measured)} is over the budget "
-            f"{format_bytes(budget)} by {format_bytes(measured - budget)}"
-        )
-    error = measured / predicted - 1
-    if abs(error) > PEAK_TOLERANCE:
-        found.append(
-            f"the measured peak is {error:+.1%} off the predicted {format_bytes(predicted)}, "
-            "more than 5%"
-        )
-    if not verify_ok:
-        found.append(f"verify failed: {detail}")
-    return tuple(found)
 
 
 def auto(
@@ -408,13 +293,13 @@ def auto(
     *,
     options: Mapping[str, Any] | None = None,
     stages: Sequence[str] | None = None,
-    budget: str | int | float = "50%",
+    budget: Budget | str | int | float = "50%",
     optimizer: str = "adamw",
     repeats: int = 6,
     warmup: int = 1,
     verify_steps: int = 2,
     profile_repeats: int | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
     malloc: str = "keep",
     threads: int | None = None,
     distributed: str | None = None,
@@ -435,200 +320,207 @@ def auto(
     the profile, the plan, the check and the measurements are of the compiled program,
     and the overhead is against the compiled model without checkpointing.
     ``profile_repeats``: timed rounds of each profile; by default 2, and 8 with
-    ``distributed`` (Note [Profile rounds per rank] in :mod:`.ranks`).
+    ``distributed`` (Note [Profile rounds per rank] in :mod:`.rank_runners`).
     """
 
     whole(repeats, "repeats", 1)
-    profile_repeats = profile_rounds(profile_repeats, distributed, 2)
-    whole(warmup, "warmup", 0)
-    whole(verify_steps, "verify_steps", 1)
+    rounds = Rounds(repeats, whole(warmup, "warmup", 0), whole(verify_steps, "verify_steps", 1),
+                    profile_rounds(profile_repeats, distributed, 2))
     if threads is not None:
         whole(threads, "threads", 1)
-    if distributed is not None and distributed not in ("ddp", "fsdp"):
+    if distributed is not None and distributed not in DISTRIBUTED:
         raise UsageError(f"distributed={distributed!r} is unknown; use ddp or fsdp")
     if not isinstance(compile, bool):
         raise UsageError(f"compile={compile!r} is not a bool; pass True or False")
     if compile and distributed is not None:
         raise UsageError("compile=True does not run with distributed yet; drop one of them")
+    spec = ModelSpec(model, options or {}, stages, optimizer, compile)
     with torch_threads(threads):
-        return _auto(model, options, stages, budget, optimizer, repeats, warmup, verify_steps,
-                     profile_repeats, progress, malloc, distributed, compile)
+        return run_auto(spec, Budget.parse(budget), rounds, strategy_for(distributed),
+                        progress=progress, malloc=malloc)
 
 
-def _auto(
-    model: str | Callable[..., Any],
-    options: Mapping[str, Any] | None,
-    stages: Sequence[str] | None,
-    budget: str | int | float,
-    optimizer: str,
-    repeats: int,
-    warmup: int,
-    verify_steps: int,
-    profile_repeats: int,
-    progress: Callable[[str, int, int], None] | None,
-    malloc: str,
-    distributed: str | None = None,
-    compile: bool = False,
-) -> AutoReport:
+def run_auto(spec: ModelSpec, budget: Budget, rounds: Rounds, strategy: AutoStrategy, *,
+             progress: Progress | None = None, malloc: str = "keep") -> AutoReport:
+    """The main job's steps in order: load, profile, plan, apply, verify, measure.
+
+    ``strategy`` (:mod:`.auto_strategy`) runs them in one process or on this rank of a
+    ``torchrun`` job; the steps are the same.
+    """
     began = time.perf_counter()
     allocator = set_malloc(malloc)
-    report = progress or (lambda _what, _done, _total: None)
-    timings: dict[str, float] = {}
-    with step("loading the model"):  # importing a factory file runs the user's code
-        factory, _ = make_factory(model, options)
-    description = describe(model, options or {})
-    if compile:
-        factory = compiling(factory, stages)
-        description += " (stages compiled)"
-    ranks = None
-    if distributed is not None:
-        from remat.distributed import init_from_env
-
-        ranks = Ranks(distributed, init_from_env())
-        factory = ranks.shard(factory)
-
-    def diagnose(err: BaseException) -> str:
-        return hazard_reason(err, lambda: factory(None), stages)
-
-    t = time.perf_counter()
-    with step("loading the model"):
-        net, batch, loss_fn = factory(None)
-    first_step(net, batch, loss_fn)
-
-    def profiled(net: Any, batch: Any, loss_fn: Callable[[Any, Any], Any],
-                 label: str) -> Profile:
-        return profile(net, batch, loss_fn, stages, optimizer, repeats=profile_repeats,
-                       description=description,
-                       progress=lambda what, done, total: report(f"{label}: {what}", done,
-                                                                 total))
-
-    with step("profiling", diagnose=diagnose):
-        prof = profiled(net, batch, loss_fn, "profiling")
-    if ranks is not None:
-        prof = rank_zeros(prof)
-    environment = describe_environment(
-        net, batch, loss_fn, dtype=prof.dtype, device=prof.device, malloc=allocator,
-        rank=None if ranks is None else ranks.info.rank,
-        world_size=None if ranks is None else ranks.info.world_size, distributed=distributed)
-    del net
-    timings["profile_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    report("planning", 0, 1)
-    with step("planning"), torch_threads_kept():
-        problem = to_problem(prof)
-        if ranks is not None:
-            ranks.stages = prof.stage_names
-            problem = rank_problem(problem, ranks, factory, optimizer, profile_repeats)
-        try:
-            if ranks is None:
-                # the simplest of the plans tied within the timing noise, and its uncertainty
-                chosen, uncertainty = steadiest_and_uncertainty(
-                    prof, make_plan(problem, budget, "optimal"), slots=problem.slots)
-            else:  # the draws re-solve the one-process problem: the per-rank plan as solved
-                chosen, uncertainty = make_plan(problem, budget, "optimal"), None
-            plan = with_made_for(chosen, prof)
-        except CheckFailed as err:  # no plan fits: say the least budget that does
-            # and, when the stages cover little of the memory, that more stages would help
-            lines = coverage_lines(prof, given=stages is not None)
-            raise Stopped("planning", "; ".join([str(err), *lines]), err.exit_code,
-                          minimum_budget(problem)) from err
-        predicted_event = simulate(plan, problem).peak_event
-    timings["plan_s"] = time.perf_counter() - t
-
-    report("applying", 0, 1)
-    with step("applying"):
-        plain: Runner
-        planned: Runner
-        if ranks is None:
-            plain = Runner(*factory(None), optimizer)
-            planned = EagerRunner(*factory(None), optimizer, plan)
-        else:
-            plain = ranks.runner(*factory(None), optimizer, None)
-            planned = ranks.runner(*factory(None), optimizer, plan)
-    first_attempt = None
+    job = _Job(spec, rounds, strategy, progress or (lambda _what, _done, _total: None))
+    loaded = _load(job)
+    prof, environment = _profile(job, loaded, allocator)
+    chosen = _plan(job, loaded, prof, budget)
+    plain, planned = _apply(job, loaded, chosen.plan)
     try:
-        t = time.perf_counter()
-        report("verifying", 0, 1)
-        with step("verifying", diagnose=diagnose):
-            check = check_plan(factory, plan, optimizer=optimizer, steps=verify_steps)
-        timings["verify_s"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        report("measuring", 0, 1)
-        # Note [Paired overhead]: the median of per-round ratios where the profile kept its
-        # rounds, the statistic the measured overhead is; per rank, the profile's rounds
-        # are one process's: the per-rank problem's medians
-        predicted_overhead = paired_overhead(plan, prof) if ranks is None else None
-        if predicted_overhead is not None and uncertainty is not None:
-            # the range within the noise covers both statistics
-            uncertainty = _covering(uncertainty, predicted_overhead)
-        with step("measuring", diagnose=diagnose):
-            if ranks is None:
-                base_memory, memory = by_tracker(plain), by_tracker(planned)
-            else:
-                base_memory, memory = ranks.measure(plain), ranks.measure(planned)
-            steps = {"plain": plain.step, "planned": planned.step}
-            times = _timed_pairs(steps, repeats, warmup, report, ranks is not None)
-        timings["measure_s"] = time.perf_counter() - t
-        pairs = _overheads(times)
-        if (ranks is None and predicted_overhead is not None and uncertainty is not None
-                and _try_again(pairs, predicted_overhead, uncertainty)):
-            # Note [Profiling again]: each instrument once more, the second of each reported
-            t = time.perf_counter()
-            with step("profiling again", diagnose=diagnose):
-                again = profiled(*factory(None), "profiling again")
-            second = paired_overhead(plan, again)
-            second_range = plan_uncertainty(again, plan, slots=problem.slots)
-            if second is not None and second_range is not None:
-                first_attempt = FirstAttempt(replace(uncertainty, overhead=predicted_overhead),
-                                             tuple(pairs), prof)
-                prof, predicted_overhead = again, second
-                uncertainty = _covering(second_range, second)
-                with step("measuring again", diagnose=diagnose):
-                    times = _timed_pairs(steps, repeats, warmup, report, False)
-                pairs = _overheads(times)
-            timings["again_s"] = time.perf_counter() - t
+        check = _verify(job, loaded, chosen.plan)
+        measured = _measure(job, loaded, prof, chosen, plain, planned)
     finally:
         planned.close()
         plain.close()
-        if ranks is not None:
-            import torch.distributed as dist
+        strategy.done()
+    return _report(job, loaded, budget, chosen, measured, check, environment,
+                   time.perf_counter() - began)
 
-            dist.barrier()  # every rank done before any tears its group down
+
+def _load(job: _Job) -> _Loaded:
+    """The model's factory, compiled and sharded as the job asks (no model built yet)."""
+    spec = job.spec
+    with step("loading the model"):  # importing a factory file runs the user's code
+        factory, _ = make_factory(spec.model, spec.options)
+    description = describe(spec.model, spec.options)
+    if spec.compile:
+        factory = compiling(factory, spec.stages)
+        description += " (stages compiled)"
+    return _Loaded(job.strategy.shard(factory), description, spec.stages)
+
+
+def _profile(job: _Job, loaded: _Loaded, allocator: str) -> tuple[Profile, Environment]:
+    """The plain model built, one plain training step, its profile (every rank takes
+    rank 0's) and the machine it ran on."""
+    with job.timed("profile_s"):
+        with step("loading the model"):
+            net, batch, loss_fn = loaded.factory(None)
+        first_step(net, batch, loss_fn)
+        with step("profiling", diagnose=loaded.diagnose):
+            prof = _profiled(job, loaded, net, batch, loss_fn, "profiling")
+        prof = job.strategy.shared(prof)
+        rank, world_size = job.strategy.rank()
+        environment = describe_environment(
+            net, batch, loss_fn, dtype=prof.dtype, device=prof.device, malloc=allocator,
+            rank=rank, world_size=world_size, distributed=job.strategy.distributed)
+    return prof, environment
+
+
+def _profiled(job: _Job, loaded: _Loaded, net: Any, batch: Any,
+              loss_fn: Callable[[Any, Any], Any], label: str) -> Profile:
+    return profile(net, batch, loss_fn, loaded.stages, job.spec.optimizer,
+                   repeats=job.rounds.profile_repeats, description=loaded.description,
+                   progress=lambda what, done, total: job.progress(f"{label}: {what}", done,
+                                                                   total))
+
+
+def _plan(job: _Job, loaded: _Loaded, prof: Profile, budget: Budget) -> _Planned:
+    """remat's optimal plan under ``budget`` for the strategy's problem; a budget no plan
+    fits stops the job naming the least one that does."""
+    job.progress("planning", 0, 1)
+    with job.timed("plan_s"), step("planning"), torch_threads_kept():
+        problem = job.strategy.problem(prof, loaded.factory, job.spec.optimizer,
+                                       job.rounds.profile_repeats)
+        try:
+            chosen, uncertainty = job.strategy.choose(prof, problem, budget)
+        except CheckFailed as err:  # no plan fits: say the least budget that does
+            # and, when the stages cover little of the memory, that more stages would help
+            lines = coverage_lines(prof, given=loaded.stages is not None)
+            raise Stopped("planning", "; ".join([str(err), *lines]), err.exit_code,
+                          minimum_budget(problem)) from err
+        plan = with_made_for(chosen, prof)
+        return _Planned(plan, problem, uncertainty, simulate(plan, problem).peak_event)
+
+
+def _apply(job: _Job, loaded: _Loaded, plan: Plan) -> tuple[Runner, Runner]:
+    """Two fresh models: the plain one, and one with ``plan`` applied."""
+    job.progress("applying", 0, 1)
+    optimizer = job.spec.optimizer
+    with step("applying"):
+        plain = job.strategy.runner(*loaded.factory(None), optimizer, None)
+        planned = job.strategy.runner(*loaded.factory(None), optimizer, plan)
+    return plain, planned
+
+
+def _verify(job: _Job, loaded: _Loaded, plan: Plan) -> GradCheck:
+    """``remat.verify`` of ``plan`` on a fresh plain model (no collective: gradients are a
+    property of the plan)."""
+    job.progress("verifying", 0, 1)
+    with job.timed("verify_s"), step("verifying", diagnose=loaded.diagnose):
+        return check_plan(loaded.factory, plan, optimizer=job.spec.optimizer,
+                          steps=job.rounds.verify_steps)
+
+
+def _measure(job: _Job, loaded: _Loaded, prof: Profile, chosen: _Planned, plain: Runner,
+             planned: Runner) -> _Measured:
+    """Both models' peaks and interleaved step times, against the prediction; made again
+    once where they disagree (Note [Profiling again])."""
+    job.progress("measuring", 0, 1)
+    steps = {"plain": plain.step, "planned": planned.step}
+    with job.timed("measure_s"):
+        # Note [Paired overhead]: the median of per-round ratios where the profile kept its
+        # rounds, the statistic the measured overhead is
+        predicted = job.strategy.predicted_overhead(chosen.plan, prof)
+        uncertainty = chosen.uncertainty
+        if predicted is not None and uncertainty is not None:
+            # the range within the noise covers both statistics
+            uncertainty = _covering(uncertainty, predicted)
+        with step("measuring", diagnose=loaded.diagnose):
+            memory = job.strategy.measure(plain), job.strategy.measure(planned)
+            times = _timed_pairs(steps, job)
+    first = _Measured(*memory, times, tuple(_overheads(times)), prof, predicted, uncertainty)
+    return _again(job, loaded, chosen, first, steps)
+
+
+def _again(job: _Job, loaded: _Loaded, chosen: _Planned, first: _Measured,
+           steps: dict[str, Callable[[], Any]]) -> _Measured:
+    """``first``, or, where it lies off its prediction, a second profile's prediction and
+    a second measurement, with ``first`` kept beside them (Note [Profiling again])."""
+    predicted, u = first.predicted_overhead, first.uncertainty
+    if (not job.strategy.profiles_again or predicted is None or u is None
+            or not _try_again(first.pairs, predicted, u)):
+        return first
+    with job.timed("again_s"):
+        with step("profiling again", diagnose=loaded.diagnose):
+            again = _profiled(job, loaded, *loaded.factory(None), "profiling again")
+        second = job.strategy.predicted_overhead(chosen.plan, again)
+        second_range = plan_uncertainty(again, chosen.plan, slots=chosen.problem.slots)
+        if second is None or second_range is None:
+            return first
+        earlier = FirstAttempt(replace(u, overhead=predicted), first.pairs, first.profile)
+        with step("measuring again", diagnose=loaded.diagnose):
+            times = _timed_pairs(steps, job)
+        return replace(first, times=times, pairs=tuple(_overheads(times)), profile=again,
+                       predicted_overhead=second, uncertainty=_covering(second_range, second),
+                       first_attempt=earlier)
+
+
+def _report(job: _Job, loaded: _Loaded, budget: Budget, chosen: _Planned, m: _Measured,
+            check: GradCheck, environment: Environment, elapsed_s: float) -> AutoReport:
+    plan, times = chosen.plan, m.times
     ratio, _ = paired(times["planned"], times["plain"])
     assert plan.budget_bytes is not None and plan.predicted_peak_bytes is not None
-    statistic = MEDIANS if predicted_overhead is None else PAIRED
-    if predicted_overhead is None and plan.predicted_step_time_s and plan.baseline_step_time_s:
-        predicted_overhead = plan.predicted_step_time_s / plan.baseline_step_time_s - 1
+    predicted, statistic = m.predicted_overhead, PAIRED
+    if predicted is None:  # per rank: the per-rank problem's ratio of medians
+        statistic = MEDIANS
+        if plan.predicted_step_time_s and plan.baseline_step_time_s:
+            predicted = plan.predicted_step_time_s / plan.baseline_step_time_s - 1
     return AutoReport(
-        model=description,
+        model=loaded.description,
         budget=str(budget),
         budget_bytes=plan.budget_bytes,
         plan=plan,
-        baseline_peak_bytes=base_memory.peak_bytes,
+        baseline_peak_bytes=m.plain.peak_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes,
-        measured_peak_bytes=memory.peak_bytes,
-        predicted_peak_event=predicted_event,
-        peak_phase=memory.peak_phase,
-        peak_module=memory.peak_module,
-        peak_by_category=dict(memory.by_category or {}),
-        baseline_peak_by_category=dict(base_memory.by_category or {}),
+        measured_peak_bytes=m.planned.peak_bytes,
+        predicted_peak_event=chosen.peak_event,
+        peak_phase=m.planned.peak_phase,
+        peak_module=m.planned.peak_module,
+        peak_by_category=dict(m.planned.by_category or {}),
+        baseline_peak_by_category=dict(m.plain.by_category or {}),
         baseline_step_time_s=time_stats(times["plain"]).median_s,
         step_time_s=time_stats(times["planned"]).median_s,
         overhead=ratio - 1,
-        overhead_pairs=tuple(pairs),
-        uncertainty=uncertainty,
-        predicted_overhead=predicted_overhead,
+        overhead_pairs=m.pairs,
+        uncertainty=m.uncertainty,
+        predicted_overhead=predicted,
         predicted_overhead_statistic=statistic,
-        first_attempt=first_attempt,
+        first_attempt=m.first_attempt,
         verify_ok=bool(check.verify_ok),
         grads_match=check.grads_match,
         verify_detail=check.detail,
-        problems=_problems(plan.budget_bytes, plan.predicted_peak_bytes, memory.peak_bytes,
-                           bool(check.verify_ok), check.detail),
+        problems=problems(plan.budget_bytes, plan.predicted_peak_bytes,
+                          m.planned.peak_bytes, bool(check.verify_ok), check.detail),
         environment=environment,
-        timings_s=timings,
-        elapsed_s=time.perf_counter() - began,
-        profile=prof,
+        timings_s=job.timings,
+        elapsed_s=elapsed_s,
+        profile=m.profile,
     )

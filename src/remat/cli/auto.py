@@ -20,7 +20,8 @@ from remat.cli.common import (
     stage_list,
     torchrun_rank,
 )
-from remat.cli.output import add_json_option, console_for, progress_bar, write_error, write_json
+from remat.cli.output import add_json_option, console_for, write_error, write_json
+from remat.cli.progress import progress_bar
 from remat.cli.shape_ranges import add_shapes_option, auto_range_command
 from remat.core.artifact import write_text
 from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
@@ -28,7 +29,7 @@ from remat.core.errors import UNEXPECTED_EXIT_CODE, RematError, UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from remat.benchmarking import AutoReport
+    from remat.benchmarking.auto_report import AutoReport
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -226,20 +227,21 @@ def _write_folder(report: AutoReport, folder: str, text: str) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.benchmarking import auto, parse_budgets
+    from remat.benchmarking import auto
     from remat.benchmarking.factory import failure
     from remat.benchmarking.stopping import Stopped
+    from remat.core.solve.budget import Budget
 
     if args.shapes is not None:
         return auto_range_command(args)
     try:
         with progress_bar("auto") as progress:
             check_threads(args.threads)
-            parse_budgets([args.budget])
+            budget = Budget.parse(args.budget)
             torchrun_rank(args.distributed, "auto")
             report = auto(
                 args.model, options=model_options(args), stages=stage_list(args.stages),
-                budget=args.budget, optimizer=args.optimizer, repeats=args.repeats,
+                budget=budget, optimizer=args.optimizer, repeats=args.repeats,
                 profile_repeats=args.profile_repeats, verify_steps=args.verify_steps,
                 progress=progress, malloc=args.malloc,
                 threads=args.threads, distributed=args.distributed, compile=args.compile,
