@@ -54,6 +54,114 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+class _StageClock:
+    """The per-stage times of the step running, written by the stage hooks and the
+    gradient hooks they register; :meth:`reset` before each step."""
+
+    def __init__(self, n: int, device: torch.device | None) -> None:
+        self.n = n
+        self.device = device
+        self.sync = device is not None and device.type == "cuda"
+        self.fwd = [0.0] * n
+        self.rebuild = [0.0] * n
+        self.gap = [0.0] * n
+        self.rebuild_gap = [0.0] * n
+        self.bwd_start = [0.0] * n
+        self.bwd_end = [0.0] * n
+        # the last stage to return, and when: in forward, and in backward (its rebuild)
+        self.returned = {False: (-1, 0.0), True: (-1, 0.0)}
+        self.started: dict[int, float] = {}
+
+    def now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def reset(self) -> None:
+        for slot in (self.fwd, self.rebuild, self.bwd_start, self.bwd_end, self.gap,
+                     self.rebuild_gap):
+            slot[:] = [0.0] * self.n
+        self.returned[False] = self.returned[True] = (-1, 0.0)
+
+    def grad_ready(self, slot: list[float], i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            slot[i] = max(slot[i], self.now())
+
+        return hook
+
+    def backward_ended(self, i: int) -> None:
+        self.bwd_end[i] = max(self.bwd_end[i], self.now())
+
+    def pre(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        backward = _in_backward()
+        if not backward:
+            x = main_input(args, kwargs)
+            if x is not None and x.requires_grad:
+                x.register_hook(self.grad_ready(self.bwd_end, i))
+        self.started[i] = now = self.now()
+        last, when = self.returned[backward]
+        if last == i - 1 and i > 0:
+            (self.rebuild_gap if backward else self.gap)[i] += now - when
+
+    def post(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        now = self.now()
+        elapsed = now - self.started.pop(i)
+        backward = _in_backward()
+        self.returned[backward] = (i, now)
+        if backward:
+            self.rebuild[i] += elapsed
+            return
+        self.fwd[i] += elapsed
+        y = main_output(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(self.grad_ready(self.bwd_start, i))
+
+    def times(self, step_s: float) -> StepTimes:
+        return StepTimes(
+            step_s=step_s,
+            fwd_s=tuple(self.fwd),
+            bwd_s=tuple(
+                max(0.0, e - s) if s else 0.0
+                for s, e in zip(self.bwd_start, self.bwd_end, strict=True)
+            ),
+            rebuild_s=tuple(self.rebuild),
+            gap_s=tuple(self.gap),
+            rebuild_gap_s=tuple(self.rebuild_gap),
+        )
+
+
+def _parameter_hooks(modules: Sequence[nn.Module], clock: _StageClock) -> list[Any]:
+    """Hooks that end a stage's backward when its parameters' gradients accumulate."""
+    handles = []
+    for i, module in enumerate(modules):
+        if any(m is module for m in modules[:i]):
+            continue  # Note [Backward of a call-stage ends at its input's gradient]
+        for p in module.parameters():
+            if p.requires_grad:
+                handles.append(
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, i=i: clock.backward_ended(i)
+                    )
+                )
+    return handles
+
+
+def _timed_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+                optimizer: torch.optim.Optimizer, clock: _StageClock,
+                on_step: Callable[[], None] | None) -> StepTimes:
+    clock.reset()
+    t0 = clock.now()
+    loss = loss_fn(model, batch)
+    loss.backward()
+    del loss
+    optimizer.step()
+    step_s = clock.now() - t0
+    if on_step is not None:
+        on_step()  # gradients and optimizer state exist right now
+    optimizer.zero_grad(set_to_none=True)
+    return clock.times(step_s)
+
+
 def timed_steps(
     model: nn.Module,
     batch: Any,
@@ -72,101 +180,18 @@ def timed_steps(
     """
     from remat.runtime import apply
 
-    sync = device is not None and device.type == "cuda"
-
-    def clock() -> float:
-        if sync:
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    n = len(modules)
-    fwd = [0.0] * n
-    rebuild = [0.0] * n
-    gap = [0.0] * n
-    rebuild_gap = [0.0] * n
-    # the last stage to return, and when: in forward, and in backward (its rebuild)
-    returned = {False: (-1, 0.0), True: (-1, 0.0)}
-    started: dict[int, float] = {}
-    bwd_start = [0.0] * n
-    bwd_end = [0.0] * n
-
-    def grad_ready(slot: list[float], i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
-            slot[i] = max(slot[i], clock())
-
-        return hook
-
-    def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        backward = _in_backward()
-        if not backward:
-            x = main_input(args, kwargs)
-            if x is not None and x.requires_grad:
-                x.register_hook(grad_ready(bwd_end, i))
-        started[i] = now = clock()
-        last, when = returned[backward]
-        if last == i - 1 and i > 0:
-            (rebuild_gap if backward else gap)[i] += now - when
-
-    def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        now = clock()
-        elapsed = now - started.pop(i)
-        backward = _in_backward()
-        returned[backward] = (i, now)
-        if backward:
-            rebuild[i] += elapsed
-            return
-        fwd[i] += elapsed
-        y = main_output(out)
-        if y is not None and y.requires_grad:
-            y.register_hook(grad_ready(bwd_start, i))
-
-    handles = []
-    for i, module in enumerate(modules):
-        if any(m is module for m in modules[:i]):
-            continue  # Note [Backward of a call-stage ends at its input's gradient]
-        for p in module.parameters():
-            if p.requires_grad:
-                handles.append(
-                    p.register_post_accumulate_grad_hook(
-                        lambda _p, i=i: bwd_end.__setitem__(i, max(bwd_end[i], clock()))
-                    )
-                )
+    clock = _StageClock(len(modules), device)
+    handles = _parameter_hooks(modules, clock)
     applied = apply(model, plan) if plan is not None else None
-    results = []
     try:
-        with stage_hooks(modules, pre, post):
-            for _ in range(steps):
-                for slot in (fwd, rebuild, bwd_start, bwd_end, gap, rebuild_gap):
-                    slot[:] = [0.0] * n
-                returned[False] = returned[True] = (-1, 0.0)
-                t0 = clock()
-                loss = loss_fn(model, batch)
-                loss.backward()
-                del loss
-                optimizer.step()
-                step_s = clock() - t0
-                if on_step is not None:
-                    on_step()  # gradients and optimizer state exist right now
-                optimizer.zero_grad(set_to_none=True)
-                results.append(
-                    StepTimes(
-                        step_s=step_s,
-                        fwd_s=tuple(fwd),
-                        bwd_s=tuple(
-                            max(0.0, e - s) if s else 0.0
-                            for s, e in zip(bwd_start, bwd_end, strict=True)
-                        ),
-                        rebuild_s=tuple(rebuild),
-                        gap_s=tuple(gap),
-                        rebuild_gap_s=tuple(rebuild_gap),
-                    )
-                )
+        with stage_hooks(modules, clock.pre, clock.post):
+            return [_timed_step(model, batch, loss_fn, optimizer, clock, on_step)
+                    for _ in range(steps)]
     finally:
         if applied is not None:
             applied.remove()
         for handle in handles:
             handle.remove()
-    return results
 
 
 def bare_step_s(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
