@@ -649,103 +649,187 @@ def hf_model(
         )
     defaults = _defaults(config_class)
     subs = _sub_configs(transformers, config_class, defaults)
-    seq_len_given = seq_len is not None
-    if seq_len is None:
-        seq_len = _default_seq_len(model_type, defaults)
-        # a text tower shorter than that (CLIP: 77 positions) sets the default
-        for sub in subs.values():
-            positions = sub.defaults.get("max_position_embeddings")
-            if _int(positions) and "max_position_embeddings" not in config:
-                seq_len = min(seq_len, positions)
-    check_int("seq_len", seq_len)
+    asked = _Asked(
+        model_type=model_type,
+        config_class=config_class,
+        defaults=defaults,
+        subs=subs,
+        head=chosen_head,
+        seq_len=check_int("seq_len", _seq_len(model_type, defaults, subs, config)
+                          if seq_len is None else seq_len),
+        seq_len_given=seq_len is not None,
+        dropout=dropout,
+    )
     family = FAMILIES.get(model_type)
     overrides = dict(config)
-    image_side = None
-    uses = _uses(chosen_head)
+    image_side = _image_side(asked, overrides)
+    groups: dict[str, list[str]] = {}
+    if family is not None:
+        fields = _family_fields(asked, family, overrides)
+        attn_implementation = attn_implementation or "sdpa"
+    else:
+        fields, groups = _generic_fields(asked, overrides)
+    fields.update(overrides)
+    _fixed_fields(asked, family, fields)
+    cfg = _config(asked, fields, groups.get("num_hidden_layers", []), config)
+    if attn_implementation is not None:
+        cfg._attn_implementation = attn_implementation
+    vocab = _vocab(asked, cfg)
+    with seeded(seed):
+        model = _model(transformers, asked, cfg, attn_implementation)
+        batch = _batch(chosen_head, model, cfg, vocab, batch_size, asked.seq_len, image_side)
+    if chosen_head == "causal":
+        model.loss_type = "ForCausalLM"  # what from_pretrained would set; saves a warning
+    model.train()
+    return model, batch, hf_contrastive_loss if chosen_head == "contrastive" else hf_loss
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What ``hf_model`` settled before sizing the config, passed to each of its steps: the
+    family's config class, defaults and nested configs, the head, the sequence length."""
+
+    model_type: str
+    config_class: Any
+    defaults: dict[str, Any]
+    subs: dict[str, _Sub]
+    head: str
+    seq_len: int
+    seq_len_given: bool
+    dropout: float | None
+
+
+def _seq_len(model_type: str, defaults: Mapping[str, Any], subs: Mapping[str, _Sub],
+             config: Mapping[str, Any]) -> int:
+    """The default sequence length: the family's, or a shorter text tower's (CLIP: 77
+    positions)."""
+    seq_len = _default_seq_len(model_type, defaults)
+    for sub in subs.values():
+        positions: Any = sub.defaults.get("max_position_embeddings")
+        if _int(positions) and "max_position_embeddings" not in config:
+            seq_len = min(seq_len, positions)
+    return seq_len
+
+
+def _image_side(asked: _Asked, overrides: dict[str, Any]) -> int | None:
+    """The batch's image side where the config has no image_size (taken out of
+    ``overrides``); a hiera-style (height, width) image_size made of one side."""
+    uses = _uses(asked.head)
+    defaults = asked.defaults
     if uses in ("pixels", "video") and "image_size" in overrides and "image_size" not in defaults:
-        image_side = check_int("image_size", overrides.pop("image_size"))  # the batch's only
-    elif isinstance(defaults.get("image_size"), (list, tuple)) and _int(
+        return check_int("image_size", overrides.pop("image_size"))  # the batch's only
+    if isinstance(defaults.get("image_size"), (list, tuple)) and _int(
         overrides.get("image_size")
     ):
         overrides["image_size"] = [overrides["image_size"]] * 2  # hiera: (height, width)
-    groups: dict[str, list[str]] = {}
-    if family is not None:
-        valid = _config_fields(config_class, defaults) | set(family.names) | set(_OWN)
-        unknown = [k for k in overrides if k not in valid]
-        if unknown:
-            raise _unknown(model_type, unknown, valid)
-        fields = _sizes(family, overrides, seq_len)
-        drop = 0.1 if dropout is None else check_prob("dropout", dropout)
-        fields.update(dict.fromkeys(family.dropouts, drop))
-        attn_implementation = attn_implementation or "sdpa"
-    else:
-        groups = _groups(config_class, defaults)
-        sub_groups = {g for sub in subs.values() for g in sub.groups}
-        top = _config_fields(config_class, defaults) | set(groups) | set(_OWN)
-        nested_fields = {
-            n: _config_fields(sub.config_class, sub.defaults) for n, sub in subs.items()
-        }
-        valid = top | sub_groups | set().union(*nested_fields.values())
-        unknown = [k for k in overrides if k not in valid]
-        if unknown:
-            raise _unknown(model_type, unknown, valid)
-        generic = {g: overrides[g] for g in GROUPS if g in overrides}
-        for g in sub_groups - set(groups):
-            overrides.pop(g, None)  # sizes of the nested configs only
-        # a field of the nested configs only, by its own name: set in each that has it
-        nested = {k: overrides.pop(k) for k in list(overrides) if k not in top}
-        depths = defaults.get("depths")
-        per_stage = isinstance(depths, list) and all(map(_int, depths))
-        if per_stage:  # Note [Signal sizes]: depth is the depths list, widths the family's
-            groups.pop("num_hidden_layers", None)
-            if "hidden_size" not in overrides:
-                groups.pop("hidden_size", None)
-        fields = _generic_sizes(model_type, defaults, groups, overrides, seq_len)
-        fields.update(_stage_heads(defaults, groups, fields, overrides))
-        if per_stage and "depths" not in overrides:
-            fields["depths"] = [min(d, _SMALL["depth_per_stage"]) for d in depths]
-        fields.update(_signal_sizes(chosen_head, defaults, overrides, seq_len))
-        for name, sub in subs.items():
-            if name in overrides:
-                continue  # the user's own nested config
-            own = {k: v for k, v in nested.items() if k in nested_fields[name]}
-            sub_fields = _generic_sizes(
-                f"{model_type}.{name}",
-                sub.defaults,
-                sub.groups,
-                {**own, **generic},
-                seq_len
-                if seq_len_given or "max_position_embeddings" not in sub.defaults
-                else min(seq_len, sub.defaults["max_position_embeddings"]),
+    return None
+
+
+def _family_fields(asked: _Asked, family: Family, overrides: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The config fields of a family with its own size names (:data:`FAMILIES`); the sizes
+    are taken out of ``overrides``."""
+    valid = _config_fields(asked.config_class, asked.defaults) | set(family.names) | set(_OWN)
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise _unknown(asked.model_type, unknown, valid)
+    fields = _sizes(family, overrides, asked.seq_len)
+    drop = 0.1 if asked.dropout is None else check_prob("dropout", asked.dropout)
+    fields.update(dict.fromkeys(family.dropouts, drop))
+    return fields
+
+
+def _generic_fields(asked: _Asked, overrides: dict[str, Any]
+                    ) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The config fields of any other family, sized by the generic names (GROUPS), its
+    nested configs too; and the groups of its own fields. The sizes of nested configs and
+    their own fields are taken out of ``overrides``."""
+    defaults, subs = asked.defaults, asked.subs
+    groups = _groups(asked.config_class, defaults)
+    sub_groups = {g for sub in subs.values() for g in sub.groups}
+    top = _config_fields(asked.config_class, defaults) | set(groups) | set(_OWN)
+    nested_fields = {n: _config_fields(sub.config_class, sub.defaults) for n, sub in subs.items()}
+    valid = top | sub_groups | set().union(*nested_fields.values())
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise _unknown(asked.model_type, unknown, valid)
+    generic = {g: overrides[g] for g in GROUPS if g in overrides}
+    for g in sub_groups - set(groups):
+        overrides.pop(g, None)  # sizes of the nested configs only
+    # a field of the nested configs only, by its own name: set in each that has it
+    nested = {k: overrides.pop(k) for k in list(overrides) if k not in top}
+    depths = defaults.get("depths")
+    per_stage = isinstance(depths, list) and all(map(_int, depths))
+    if per_stage:  # Note [Signal sizes]: depth is the depths list, widths the family's
+        groups.pop("num_hidden_layers", None)
+        if "hidden_size" not in overrides:
+            groups.pop("hidden_size", None)
+    fields = _generic_sizes(asked.model_type, defaults, groups, overrides, asked.seq_len)
+    fields.update(_stage_heads(defaults, groups, fields, overrides))
+    if per_stage and "depths" not in overrides:
+        fields["depths"] = [min(d, _SMALL["depth_per_stage"]) for d in depths]
+    fields.update(_signal_sizes(asked.head, defaults, overrides, asked.seq_len))
+    for name, sub in subs.items():
+        if name in overrides:
+            continue  # the user's own nested config
+        own = {k: v for k, v in nested.items() if k in nested_fields[name]}
+        fields[name] = _nested_fields(asked, name, sub, own, generic)
+    if asked.dropout is not None:
+        names = _dropouts(defaults)
+        if not names and not any(_dropouts(sub.defaults) for sub in subs.values()):
+            raise UsageError(
+                f"{PREFIX}{asked.model_type} has no dropout field in its config; leave "
+                "dropout unset"
             )
-            sub_fields.update(_signal_sizes(chosen_head, sub.defaults, own, seq_len))
-            sub_fields.update({k: v for k, v in own.items() if k not in GROUPS})
-            if _int(sub_fields.get("vocab_size")):
-                _token_ids(sub.defaults, sub_fields, sub_fields["vocab_size"])
-            if dropout is not None:
-                sub_fields.update(dict.fromkeys(_dropouts(sub.defaults), dropout))
-            fields[name] = sub_fields
-        if dropout is not None:
-            names = _dropouts(defaults)
-            if not names and not any(_dropouts(sub.defaults) for sub in subs.values()):
-                raise UsageError(
-                    f"{PREFIX}{model_type} has no dropout field in its config; leave dropout unset"
-                )
-            fields.update(dict.fromkeys(names, check_prob("dropout", dropout)))
-    fields.update(overrides)
+        fields.update(dict.fromkeys(names, check_prob("dropout", asked.dropout)))
+    return fields, groups
+
+
+def _nested_fields(asked: _Asked, name: str, sub: _Sub, own: Mapping[str, Any],
+                   generic: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of the nested config ``name``: the generic sizes given, and ``own``, the
+    fields given by their own names."""
+    seq_len = asked.seq_len
+    sub_fields = _generic_sizes(
+        f"{asked.model_type}.{name}",
+        sub.defaults,
+        sub.groups,
+        {**own, **generic},
+        seq_len
+        if asked.seq_len_given or "max_position_embeddings" not in sub.defaults
+        else min(seq_len, sub.defaults["max_position_embeddings"]),
+    )
+    sub_fields.update(_signal_sizes(asked.head, sub.defaults, own, seq_len))
+    sub_fields.update({k: v for k, v in own.items() if k not in GROUPS})
+    if _int(sub_fields.get("vocab_size")):
+        _token_ids(sub.defaults, sub_fields, sub_fields["vocab_size"])
+    if asked.dropout is not None:
+        sub_fields.update(dict.fromkeys(_dropouts(sub.defaults), asked.dropout))
+    return sub_fields
+
+
+def _fixed_fields(asked: _Asked, family: Family | None, fields: dict[str, Any]) -> None:
+    """Token ids inside the vocabulary, return_dict on and use_cache off, in ``fields``."""
     if family is not None and family.config_class == "GPT2Config":
         # GPT-2's token ids (50256) would lie outside a small vocabulary
         for name in ("bos_token_id", "eos_token_id"):
             fields.setdefault(name, check_int("vocab_size", fields["vocab_size"], minimum=2) - 1)
     elif family is None and _int(fields.get("vocab_size")):
-        _token_ids(defaults, fields, fields["vocab_size"])
+        _token_ids(asked.defaults, fields, fields["vocab_size"])
     fields["return_dict"] = True
-    if family is not None or "use_cache" in defaults:
+    if family is not None or "use_cache" in asked.defaults:
         fields["use_cache"] = False
+
+
+def _config(asked: _Asked, fields: dict[str, Any], layers: list[str],
+            config: Mapping[str, Any]) -> Any:
+    """The config of ``fields``; at the family's default depth where the config rejects
+    another (``layers``: the depth's fields, for a family without its own size names) the
+    user did not ask for."""
+    config_class = asked.config_class
     try:
-        cfg = config_class(**fields)
+        return config_class(**fields)
     except Exception as err:  # transformers' validators raise several kinds
-        layers = groups.get("num_hidden_layers", []) if family is None else []
         if not layers or any(k in config for k in (*layers, "num_hidden_layers")):
             raise UsageError(
                 f"{config_class.__name__} rejected these options ({_reason(err)}); fix them"
@@ -753,39 +837,42 @@ def hf_model(
         # Some configs list a per-layer setting sized for their default depth (gpt_neo's
         # attention_types): keep that depth rather than guess the list.
         for field in layers:
-            fields[field] = defaults[field]
+            fields[field] = asked.defaults[field]
         try:
-            cfg = config_class(**fields)
+            return config_class(**fields)
         except Exception:
             raise UsageError(
                 f"{config_class.__name__} rejected these options ({_reason(err)}); fix them"
             ) from err
-    if attn_implementation is not None:
-        cfg._attn_implementation = attn_implementation
-    vocab = None
-    if uses in ("text", "text+pixels") or chosen_head in ("ctc", "speech-seq2seq"):
+
+
+def _vocab(asked: _Asked, cfg: Any) -> int | None:
+    """The text vocabulary the batch's token ids are drawn from, for a head that has one."""
+    uses = _uses(asked.head)
+    if uses in ("text", "text+pixels") or asked.head in ("ctc", "speech-seq2seq"):
         text_cfg = cfg.get_text_config(decoder=True) if uses != "text" else cfg
-        vocab = check_int("vocab_size", getattr(text_cfg, "vocab_size", None), minimum=2)
+        return check_int("vocab_size", getattr(text_cfg, "vocab_size", None), minimum=2)
+    return None
+
+
+def _model(transformers: Any, asked: _Asked, cfg: Any, attn_implementation: str | None
+           ) -> Any:
+    """The head's model of ``cfg``, by its auto class, its weights drawn from torch's RNG."""
     from transformers.models.auto import modeling_auto
 
-    classes = getattr(modeling_auto, HEADS[chosen_head].mapping)[model_type]
+    head = HEADS[asked.head]
+    classes = getattr(modeling_auto, head.mapping)[asked.model_type]
     if isinstance(classes, (tuple, list)):  # deit, levit: the auto class asks which one
         cfg.architectures = [classes[0]]
-    auto = getattr(transformers, HEADS[chosen_head].auto_class)
+    auto = getattr(transformers, head.auto_class)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    with seeded(seed):
-        try:
-            model = auto.from_config(cfg, **kwargs)
-        except (TypeError, ValueError, ImportError, KeyError, AttributeError) as err:
-            raise UsageError(
-                f"transformers cannot build {PREFIX}{model_type} with a {chosen_head} head from "
-                f"these options ({_reason(err)}); change them or build the model yourself"
-            ) from err
-        batch = _batch(chosen_head, model, cfg, vocab, batch_size, seq_len, image_side)
-    if chosen_head == "causal":
-        model.loss_type = "ForCausalLM"  # what from_pretrained would set; saves a warning
-    model.train()
-    return model, batch, hf_contrastive_loss if chosen_head == "contrastive" else hf_loss
+    try:
+        return auto.from_config(cfg, **kwargs)
+    except (TypeError, ValueError, ImportError, KeyError, AttributeError) as err:
+        raise UsageError(
+            f"transformers cannot build {PREFIX}{asked.model_type} with a {asked.head} head "
+            f"from these options ({_reason(err)}); change them or build the model yourself"
+        ) from err
 
 
 def _text(
