@@ -324,8 +324,9 @@ def auto(
     """
 
     whole(repeats, "repeats", 1)
+    profile_repeats = profile_rounds(profile_repeats, distributed, 2)
     rounds = Rounds(repeats, whole(warmup, "warmup", 0), whole(verify_steps, "verify_steps", 1),
-                    profile_rounds(profile_repeats, distributed, 2))
+                    profile_repeats)
     if threads is not None:
         whole(threads, "threads", 1)
     if distributed is not None and distributed not in DISTRIBUTED:
