@@ -429,29 +429,7 @@ def _generic_sizes(
         # kept as the family has it unless given (some offset positions by the pad id)
         fields[field] = chosen.get("max_position_embeddings", defaults[field])
     if "num_attention_heads" in groups:
-        head_dims = _first(defaults, _HEAD_DIM)
-        if "hidden_size" in groups and not any(f in config for f in head_dims) and hidden % heads:
-            raise UsageError(
-                f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-                "pick sizes where it is"
-            )
-        base_heads = defaults[groups["num_attention_heads"][0]]
-        head_dim = hidden / heads  # what one head gets now, and what it got by default
-        base_head_dim = base_hidden / base_heads if base_hidden else head_dim
-        for field in head_dims:
-            if not base_hidden or base_heads * defaults[field] == base_hidden:
-                fields[field] = max(1, hidden // heads)
-            else:  # heads x head size is not the hidden size (mamba2: 2x, gemma: 4/3)
-                fields[field] = _even(defaults[field] * base_heads / heads * hidden / base_hidden)
-                head_dim, base_head_dim = fields[field], defaults[field]
-        if _int(defaults.get("rotary_dim")):  # the rotated share of a head (gptj, codegen)
-            fields["rotary_dim"] = min(
-                _even(defaults["rotary_dim"] * head_dim / base_head_dim), max(2, int(head_dim))
-            )
-        for field in _first(defaults, _KV_HEADS):
-            ratio = base_heads // defaults[field] if defaults[field] else 1
-            keep = ratio >= 1 and base_heads % defaults[field] == 0 and heads % ratio == 0
-            fields[field] = heads // ratio if keep else heads
+        fields.update(_head_sizes(defaults, groups, config, hidden, heads, base_hidden))
     experts = None
     for field in _first(defaults, _EXPERTS):
         experts = fields[field] = min(defaults[field], _SMALL["experts"])
@@ -466,6 +444,43 @@ def _generic_sizes(
                 f"seq_len={seq_len} exceeds {field}={fields[field]} of {PREFIX}{model_type}; "
                 f"lower seq_len or raise {field}"
             )
+    return fields
+
+
+def _head_sizes(
+    defaults: Mapping[str, Any],
+    groups: Mapping[str, list[str]],
+    config: Mapping[str, Any],
+    hidden: int,
+    heads: int,
+    base_hidden: Any,
+) -> dict[str, Any]:
+    """The head size, rotated share and key/value heads of ``heads`` heads in ``hidden``,
+    in the family's proportions (``base_hidden``: its default hidden size, if it has one)."""
+    fields: dict[str, Any] = {}
+    head_dims = _first(defaults, _HEAD_DIM)
+    if "hidden_size" in groups and not any(f in config for f in head_dims) and hidden % heads:
+        raise UsageError(
+            f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+            "pick sizes where it is"
+        )
+    base_heads = defaults[groups["num_attention_heads"][0]]
+    head_dim = hidden / heads  # what one head gets now, and what it got by default
+    base_head_dim = base_hidden / base_heads if base_hidden else head_dim
+    for field in head_dims:
+        if not base_hidden or base_heads * defaults[field] == base_hidden:
+            fields[field] = max(1, hidden // heads)
+        else:  # heads x head size is not the hidden size (mamba2: 2x, gemma: 4/3)
+            fields[field] = _even(defaults[field] * base_heads / heads * hidden / base_hidden)
+            head_dim, base_head_dim = fields[field], defaults[field]
+    if _int(defaults.get("rotary_dim")):  # the rotated share of a head (gptj, codegen)
+        fields["rotary_dim"] = min(
+            _even(defaults["rotary_dim"] * head_dim / base_head_dim), max(2, int(head_dim))
+        )
+    for field in _first(defaults, _KV_HEADS):
+        ratio = base_heads // defaults[field] if defaults[field] else 1
+        keep = ratio >= 1 and base_heads % defaults[field] == 0 and heads % ratio == 0
+        fields[field] = heads // ratio if keep else heads
     return fields
 
 
