@@ -305,7 +305,7 @@ def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
     """This rank's profile of the wrapped model (rd.profile_as_run), with noisy rounds."""
     import torch.distributed as dist
 
-    from remat.profiling import run
+    from remat.profiling import measurements
 
     torch.set_num_threads(1)
     # a rank left waiting in a collective fails after a minute instead of hanging the suite
@@ -314,7 +314,7 @@ def _timed_rank(rank: int, path: str, out: str, wrap: str) -> None:
     try:
         # rank 1 asks for rounds, rank 0 for none: the rounds run must agree or the ranks'
         # collectives hang (the test's timeout ends it)
-        run.PAIRED_SE = -1.0 if rank == 1 else 1e9
+        measurements.PAIRED_SE = -1.0 if rank == 1 else 1e9
         model, batch, loss_fn = load_model("gpt", **GPT)
         batch = shard_batch(batch, rank, WORLD)
         prof = rd.profile_as_run(model, batch, loss_fn, wrap=wrap, stages=STAGES, repeats=1)

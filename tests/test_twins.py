@@ -1,5 +1,5 @@
 """Selective options that are one computation on a stage get one set of figures
-(remat.profiling.twins): the planner cannot choose between them on noise."""
+(remat.profiling.option_twins): the planner cannot choose between them on noise."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.uncertainty import steadiest
 from remat.models.mlp_hetero import mlp_hetero
 from remat.profiling.optimes import policy_op_names
-from remat.profiling.twins import twin_groups
+from remat.profiling.option_twins import twin_groups
 
 OPTIONS = ("selective:save-matmuls", "selective:save-attention", "selective:save-nothing")
 

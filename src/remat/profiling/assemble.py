@@ -81,9 +81,9 @@ from torch import nn
 from remat.core.plan_format import KEEP, Option
 from remat.core.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
+from remat.profiling.measurements import NOTHING, Measurements
 from remat.profiling.noise import option_extras, stage_times
 from remat.profiling.pooling import Pooled
-from remat.profiling.run import NOTHING, Measurements
 from remat.runtime.stage_calls import stage_submodule
 
 __all__ = ["fixed_bytes", "gradient_owners", "stage_profiles"]

@@ -25,7 +25,7 @@ the code between the encoder and the decoder, reading the shared token embedding
 position embedding and a norm's weights (1,038,336 bytes of parameters): charged as
 gradients pending at every encoder layer's backward, each was predicted 707,584 bytes over
 (-1.7% at 75%). What is really pending there is read off the step without checkpointing
-(``remat.profiling.calibrate``).
+(``remat.profiling.backward_surplus``).
 """
 
 from __future__ import annotations

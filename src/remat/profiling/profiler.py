@@ -1,7 +1,7 @@
 """``remat.profile``: measure what each stage of a model's chain costs, into a Profile.
 
 The measuring is in :mod:`remat.profiling` (what runs, in which order, and what it costs
-is described in :mod:`remat.profiling.run`); this module checks the arguments, builds the
+is described in :mod:`remat.profiling.measurements`); this module checks the arguments, builds the
 :class:`~remat.core.profile_format.Profile` and asks the simulator for its prediction of the
 step without checkpointing. The profiling steps train the model (the optimizer's state is
 part of what is measured); everything they change, parameters, buffers, gradients,
@@ -48,10 +48,11 @@ from remat.measure.step import (
 from remat.measure.tracker import counting_fake_storages, iter_tensors
 from remat.profiling._tensors import buffers_restored
 from remat.profiling.assemble import fixed_bytes, gradient_owners, stage_profiles
-from remat.profiling.calibrate import calibrated
+from remat.profiling.backward_surplus import calibrated
 from remat.profiling.device_kernels import DeviceKernels
 from remat.profiling.estimated_times import with_estimated_times
 from remat.profiling.fake import fake_mode_of
+from remat.profiling.measurements import Measurements, measure_all, part_names
 from remat.profiling.noise import timing_noise
 from remat.profiling.op_costs import count_work
 from remat.profiling.optimes import (
@@ -60,10 +61,9 @@ from remat.profiling.optimes import (
     region_overhead_rounds,
     region_overhead_s,
 )
+from remat.profiling.option_twins import merge_twin_options
 from remat.profiling.rounds import measured_link_rounds, timed_rounds
-from remat.profiling.run import Measurements, measure_all, part_names
 from remat.profiling.timeline import StageNotRun
-from remat.profiling.twins import merge_twin_options
 from remat.runtime.compiled_stages import compile_stages, compiled_flags
 from remat.runtime.existing import refuse_checkpoint_calls, without_own_checkpointing
 from remat.runtime.identity import model_stages, stage_identity

@@ -5,7 +5,7 @@ one plain step and one step per selective option, run back to back; what a plan 
 the plain step of that round is predicted from that round's figures alone, so a slow
 spell that fell on the round slows both. Within a round each stage's figure is the
 median over it and the stages identical to it (:mod:`.pooling`), and an option's extra is
-the median over its twins (:mod:`.twins`), as the profile's medians are; the plain step
+the median over its twins (:mod:`.option_twins`), as the profile's medians are; the plain step
 is the one timed without hooks, and the time outside the chain what it took beyond the
 stages (:func:`.timing.bare_step_s`).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from remat.core.profile_format import TimedRound
+from remat.profiling.measurements import Measurements
 from remat.profiling.noise import option_diffs, samples
 from remat.profiling.optimes import (
     link_rounds,
@@ -23,9 +24,8 @@ from remat.profiling.optimes import (
     region_link_rounds,
     region_overhead_rounds,
 )
+from remat.profiling.option_twins import twin_groups
 from remat.profiling.pooling import pool
-from remat.profiling.run import Measurements
-from remat.profiling.twins import twin_groups
 
 __all__ = ["measured_link_rounds", "timed_rounds"]
 

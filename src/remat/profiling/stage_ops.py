@@ -2,7 +2,7 @@
 
 The tracker reads a stage's ops off its timeline, and a compiled stage's ops run inside
 its graph, out of sight. Selective options are chosen and told apart by those ops
-(:mod:`.twins`: options saving the same ops in a stage are one computation), so for
+(:mod:`.option_twins`: options saving the same ops in a stage are one computation), so for
 compiled stages one forward runs under a recording dispatch mode, under which a compiled
 stage runs eagerly (:class:`remat.measure.modes.EagerDispatchMode`): the ops its eager
 forward runs, which are the ops its selective options name.

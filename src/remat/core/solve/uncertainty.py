@@ -105,7 +105,7 @@ def with_times(profile: Profile, draw: Draw) -> Profile:
     """``profile`` with every time that has a measured range replaced by ``draw(what, low,
     median, high)``; identical stages (``same_as``) take their group's first stage's
     draw, the region's fixed cost is drawn as ``region_overhead_s``. A stage's twin
-    options (remat.profiling.twins: one computation under two names, given the same
+    options (remat.profiling.option_twins: one computation under two names, given the same
     median and range) take one draw: drawn apart, one of them won a draw that the other,
     identical on every figure, lost, and the steadiest-plan rule then named save-attention
     x3 over save-nothing x3 on mlp-hetero in 2 of 5 runs (noise_stability, 14:50 UTC)."""
@@ -174,7 +174,7 @@ def _same(a: Plan, b: Plan) -> bool:
 
 def _simplest(plan: Plan, problem: Problem) -> tuple[Any, ...]:
     """The order among tied plans: fewer regions, fewer stages off keep, then options
-    earlier in each stage's list (a stage's twin options: remat.profiling.twins), then
+    earlier in each stage's list (a stage's twin options: remat.profiling.option_twins), then
     by name."""
     first = tuple(problem.options(i).index(o) for i, o in enumerate(plan.options))
     return (len(plan.regions), sum(not o.is_keep for o in plan.parsed_options), first,
@@ -268,7 +268,7 @@ def _regions_as_options(plan: Plan, problem: Problem) -> Plan:
 def _one_computation(plan: Plan, problem: Problem) -> tuple[object, ...]:
     """What ``plan`` computes, whatever it is named: :func:`_regions_as_options`, then
     every option as the first of its twins on the stage (the same figures:
-    remat.profiling.twins)."""
+    remat.profiling.option_twins)."""
     traded = _regions_as_options(plan, problem)
     options = []
     for i, option in enumerate(traded.options):

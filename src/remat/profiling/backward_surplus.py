@@ -34,7 +34,7 @@ from remat.core.plan_format import Plan
 from remat.core.profile_format import Profile
 from remat.core.solve.from_profile import no_checkpoint_plan, problem_from_profile
 from remat.core.solve.simulator import simulate
-from remat.profiling.run import NOTHING, Measurements
+from remat.profiling.measurements import NOTHING, Measurements
 from remat.profiling.timeline import Span
 
 __all__ = ["calibrated"]

@@ -22,9 +22,9 @@ from dataclasses import replace
 
 from remat.core.plan_format import KEEP, Option
 from remat.core.profile_format import Profile, StageProfile
+from remat.profiling.measurements import Measurements
 from remat.profiling.noise import option_diffs, pooled_extras
 from remat.profiling.optimes import policy_op_names
-from remat.profiling.run import Measurements
 
 __all__ = ["merge_twin_options", "twin_groups"]
 
