@@ -24,7 +24,7 @@ from remat.core.solve import Problem, parse_budget
 from remat.measure.malloc import set_malloc
 from remat.profiling.profiler import profile, profile_scaling
 
-from .environment import describe_environment
+from .environment import Environment, describe_environment
 from .factory import (
     batch_size_of,
     compiling,
@@ -358,6 +358,28 @@ def _compiled_random(strategies: Sequence[str]) -> AbstractContextManager[Any]:
     return cast(AbstractContextManager[Any], inductor_config.patch(fallback_random=True))
 
 
+@dataclass(frozen=True)
+class _Profiled:
+    """The bench's model, loaded and profiled (eager, and with the stages compiled where a
+    ``remat+compile`` row asks for it): what every later step of the run reads."""
+
+    settings: Settings  # the rows the model and the ranks allow
+    factory: Factory
+    takes_batch: bool
+    ranks: Ranks | None
+    batch_size: int | None
+    description: str
+    environment: Environment
+    prof: Profile
+    problem: Problem  # per rank under ``distributed``
+    compiled_factory: Factory | None
+    compiled_prof: Profile | None
+    compiled_problem: Problem | None
+    # the first batch the factory built, alive to the end of the run as it always was
+    # (the rows' absolute device peaks would count its release)
+    first_batch: Any
+
+
 def _run(
     model: str | Callable[..., Any],
     options: Mapping[str, Any],
@@ -367,6 +389,60 @@ def _run(
     command: str | None,
 ) -> BenchReport:
     began = time.perf_counter()
+    p = _profiled(model, options, stages, s, progress)
+    s = p.settings
+    specs = plan_rows(p.problem, s.strategies, s.budgets, p.compiled_problem)
+    run = _Bench(p.factory, s.optimizer, s.verify_steps, progress, p.ranks,
+                 compiled_factory=p.compiled_factory)
+    try:
+        matched, compile_status = _measure_rows(run, specs, p)
+    finally:
+        run.close()
+        if p.ranks is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank done before any tears its group down
+    if p.ranks is None:  # per rank, the profile's rounds are one process's
+        _paired_predictions(run.rows, [*specs, *matched], p.prof, p.compiled_prof)
+    micro = None
+    if s.microbatch_budget is not None:
+        micro = compare_microbatches(
+            p.factory, p.prof, parse_budget(s.microbatch_budget, p.problem),
+            str(s.microbatch_budget), strategies=[n for n in s.strategies if n != "compile"],
+            optimizer=s.optimizer, repeats=max(3, s.repeats // 2),
+            usable=p.takes_batch and p.batch_size is not None, global_batch=p.batch_size,
+            progress=progress,
+        )
+    rows = tuple(run.rows.values())
+    return BenchReport(
+        model=p.description,
+        environment=p.environment,
+        optimizer=s.optimizer,
+        batch_size=p.batch_size,
+        budgets=tuple(str(b) for b in s.budgets),
+        strategies=s.strategies,
+        repeats=s.repeats,
+        warmup=s.warmup,
+        no_checkpoint_peak_bytes=p.prof.measured_peak_bytes,
+        rows=rows,
+        findings=findings(rows, micro),
+        microbatch=micro,
+        compile_status=compile_status,
+        elapsed_s=time.perf_counter() - began,
+        command=command,
+        timelines=dict(run.timelines),
+    )
+
+
+def _profiled(
+    model: str | Callable[..., Any],
+    options: Mapping[str, Any],
+    stages: Sequence[str] | None,
+    s: Settings,
+    progress: Progress,
+) -> _Profiled:
+    """Load the model (one rank's shard under ``distributed``), take its first step and
+    profile it; again with its stages compiled for ``remat+compile`` rows."""
     with step("loading the model"):  # importing a factory file runs the user's code
         factory, takes_batch = make_factory(model, options)
     ranks = None
@@ -413,70 +489,43 @@ def _run(
                                      s.profile_repeats, f"{description} (stages compiled)",
                                      progress)
         compiled_problem = to_problem(compiled_prof)
-    specs = plan_rows(problem, s.strategies, s.budgets, compiled_problem)
-    run = _Bench(factory, s.optimizer, s.verify_steps, progress, ranks,
-                 compiled_factory=compiled_factory)
-    try:
-        run.eager([r for r in specs if r.strategy != "compile"])
-        matched: list[RowSpec] = []
-        if s.matched and "remat" in s.strategies:
-            # The larger of the baseline's measured and predicted peak: its own plan then
-            # fits the budget in the simulator, so remat's choice includes it.
-            peaks = {
-                r.strategy: max(r.measured_peak_bytes, r.predicted_peak_bytes or 0)
-                for r in run.rows.values()
-                if r.budget is None and r.measured_peak_bytes is not None
-            }
-            matched = matched_rows(problem, peaks)
-            run.eager(matched)
-        compile_status = run.compiled([r for r in specs if r.strategy == "compile"],
-                                      s.compile_limit_s)
-        if compiled_problem is not None and "compile" in s.strategies:
-            # remat's compiled plan at each compile row's measured peak
-            at_compile = {
-                r.key: r.measured_peak_bytes for r in run.rows.values()
-                if r.strategy == "compile" and r.measured_peak_bytes is not None
-            }
-            compile_matched = matched_rows(compiled_problem, at_compile, REMAT_COMPILE,
-                                           reference=problem)
-            run.eager(compile_matched)
-            matched += compile_matched
-        run.time_all(s.repeats, s.warmup)
-    finally:
-        run.close()
-        if ranks is not None:
-            import torch.distributed as dist
+    return _Profiled(s, factory, takes_batch, ranks, batch_size, description, environment,
+                     prof, problem, compiled_factory, compiled_prof, compiled_problem,
+                     first_batch=batch0)
 
-            dist.barrier()  # every rank done before any tears its group down
-    if ranks is None:  # per rank, the profile's rounds are one process's
-        _paired_predictions(run.rows, [*specs, *matched], prof, compiled_prof)
-    micro = None
-    if s.microbatch_budget is not None:
-        micro = compare_microbatches(
-            factory, prof, parse_budget(s.microbatch_budget, problem), str(s.microbatch_budget),
-            strategies=[n for n in s.strategies if n != "compile"], optimizer=s.optimizer,
-            repeats=max(3, s.repeats // 2), usable=takes_batch and batch_size is not None,
-            global_batch=batch_size, progress=progress,
-        )
-    rows = tuple(run.rows.values())
-    return BenchReport(
-        model=description,
-        environment=environment,
-        optimizer=s.optimizer,
-        batch_size=batch_size,
-        budgets=tuple(str(b) for b in s.budgets),
-        strategies=s.strategies,
-        repeats=s.repeats,
-        warmup=s.warmup,
-        no_checkpoint_peak_bytes=prof.measured_peak_bytes,
-        rows=rows,
-        findings=findings(rows, micro),
-        microbatch=micro,
-        compile_status=compile_status,
-        elapsed_s=time.perf_counter() - began,
-        command=command,
-        timelines=dict(run.timelines),
-    )
+
+def _measure_rows(run: _Bench, specs: Sequence[RowSpec], p: _Profiled
+                  ) -> tuple[list[RowSpec], str]:
+    """Measure every row: the planned eager rows, remat at each baseline's peak (the
+    matched rows, returned), the compile rows (their status returned) and remat's
+    compiled plan at theirs; then time them all."""
+    s = p.settings
+    run.eager([r for r in specs if r.strategy != "compile"])
+    matched: list[RowSpec] = []
+    if s.matched and "remat" in s.strategies:
+        # The larger of the baseline's measured and predicted peak: its own plan then
+        # fits the budget in the simulator, so remat's choice includes it.
+        peaks = {
+            r.strategy: max(r.measured_peak_bytes, r.predicted_peak_bytes or 0)
+            for r in run.rows.values()
+            if r.budget is None and r.measured_peak_bytes is not None
+        }
+        matched = matched_rows(p.problem, peaks)
+        run.eager(matched)
+    compile_status = run.compiled([r for r in specs if r.strategy == "compile"],
+                                  s.compile_limit_s)
+    if p.compiled_problem is not None and "compile" in s.strategies:
+        # remat's compiled plan at each compile row's measured peak
+        at_compile = {
+            r.key: r.measured_peak_bytes for r in run.rows.values()
+            if r.strategy == "compile" and r.measured_peak_bytes is not None
+        }
+        compile_matched = matched_rows(p.compiled_problem, at_compile, REMAT_COMPILE,
+                                       reference=p.problem)
+        run.eager(compile_matched)
+        matched += compile_matched
+    run.time_all(s.repeats, s.warmup)
+    return matched, compile_status
 
 
 def _paired_predictions(rows: dict[str, Row], specs: Sequence[RowSpec], prof: Profile,
