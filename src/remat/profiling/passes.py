@@ -194,12 +194,16 @@ def forward_pass(
     args_by_stage: tuple[tuple[CallArg, ...], ...] = ()
     chain_start = [0]  # the tracker's serial when stage 0 was called
     step_start = [0]  # the tracker's serial when loss_fn was called
-    # storage id -> (the storage, bytes): what the step had made and still held when
-    # stage 0 was called (no-save pass); ``passed_or_offered`` the ids of those some
-    # stage's call got or some code offered to save
-    before_chain: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
-    passed_or_offered: set[int] = set()
+    # storage id -> [the storage, bytes, marked]: what the step had made and still held
+    # when stage 0 was called (no-save pass), marked where some stage's call got it or
+    # some code offered to save it; told by identity, as a freed storage's id is reused
+    before_chain: dict[int, list[Any]] = {}
     offered_before_chain: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def mark(storage: torch.UntypedStorage) -> None:
+        entry = before_chain.get(id(storage))
+        if entry is not None and entry[0]() is storage:
+            entry[2] = True
     pre_chain_at_return = [0]
 
     # per stage: the stage inputs the model's code just before it offered to save
@@ -213,9 +217,8 @@ def forward_pass(
         # a tensor without one storage is neither an input nor an output
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
             storage = t.untyped_storage()
-            if id(storage) in before_chain:
-                passed_or_offered.add(id(storage))
-            elif not order:
+            mark(storage)
+            if not order:
                 offered_before_chain.append(weakref.ref(storage))
             if current:
                 offered.append(weakref.ref(storage))
@@ -246,8 +249,8 @@ def forward_pass(
             kept[j] = kept[j] or alive(j)
         seen(n - 1, at=n)
         pre_chain_at_return[0] = sum(
-            nbytes for key, (ref, nbytes) in before_chain.items()
-            if key not in passed_or_offered and ref() is None)
+            nbytes for ref, nbytes, marked in before_chain.values()
+            if not marked and ref() is None)
 
     def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = main_input(args, kwargs)
@@ -264,14 +267,16 @@ def forward_pass(
         if i == 0:
             chain_start[0] = tracker.serial
             if not save:
-                before_chain.update((id(ref()), (ref, nbytes))
-                                    for ref, nbytes in tracker.live_since(step_start[0]))
-                passed_or_offered.update(id(o) for ref in offered_before_chain
-                                         if (o := ref()) is not None)
+                before_chain.update((id(o), [ref, nbytes, False])
+                                    for ref, nbytes in tracker.live_since(step_start[0])
+                                    if (o := ref()) is not None)
+                for ref in offered_before_chain:
+                    if (o := ref()) is not None:
+                        mark(o)
         if not save:
             for t in iter_tensors((args, kwargs)):
                 with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-                    passed_or_offered.add(id(t.untyped_storage()))
+                    mark(t.untyped_storage())
             for t in iter_tensors((args, kwargs)):
                 with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                     storage = t.untyped_storage()
