@@ -225,6 +225,10 @@ HF_SIZES: dict[str, dict[str, Any]] = {
     # process grew past 17.9 GB during hf:focalnet (run R3) and was killed on this shared
     # 24 GB machine; at width 48 and 160 x 160 images a plain step peaks at 168 MiB
     "focalnet": {"hidden_size": 48, "image_size": 160},
+    # at the defaults (width 96, 18.4M parameters, a plain step's peak 588 MiB) the
+    # process passed 7 GB without a row in 17 min (run R5, stopped by hand); at width 48
+    # a plain step peaks at 235 MiB
+    "hiera": {"hidden_size": 48},
 }
 
 
@@ -265,6 +269,14 @@ def _row(name: str, budget: str, report: AutoReport) -> str:
     )
 
 
+def _where(name: str, budget: str, report: AutoReport) -> str:
+    """Where the predicted and the measured peaks fell, in bytes (printed, not in the md:
+    what the notes quote for a prediction off by more than 1%)."""
+    return (f"  {name} {budget}: budget {report.budget_bytes}, predicted "
+            f"{report.predicted_peak_bytes} ({report.predicted_peak_event}), measured "
+            f"{report.measured_peak_bytes} ({report.peak_phase} of {report.peak_module})")
+
+
 def _stopped(name: str, budget: str, err: Stopped, run: str) -> str:
     reason = str(err).replace("|", "/").replace("\n", " ")
     return f"| `{name}` | {budget} | stopped: {reason} | | | | | | {err.exit_code} | {run} |"
@@ -293,6 +305,7 @@ def run_model(name: str, repeats: int, run: str) -> tuple[list[str], str]:
     try:
         first = auto(target, budget="75%", **kwargs)
         rows.append(_row(name, "75%", first) + f" {run} |")
+        print(_where(name, "75%", first), flush=True)
         assert first.profile is not None
         least = solvers.minimum_budget(problem_from_profile(first.profile))
     except Stopped as err:
@@ -303,6 +316,7 @@ def run_model(name: str, repeats: int, run: str) -> tuple[list[str], str]:
     try:
         last = _at_minimum(target, least, kwargs)
         rows.append(_row(name, "minimum", last) + f" {run} |")
+        print(_where(name, "minimum", last), flush=True)
     except Stopped as err:
         rows.append(_stopped(name, f"minimum ({_mib(least)})", err, run))
         last = None
