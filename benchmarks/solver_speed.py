@@ -60,7 +60,7 @@ def random_chain(n: int, seed: int = 0, slots: int = 500) -> Problem:
         ))
     grads = sum(s.grad_bytes for s in stages) + 64 * MiB
     return Problem(tuple(stages), params_bytes=grads, grads_bytes=grads,
-                   optimizer_bytes=2 * grads, post_chain_bytes=256 * MiB,
+                   optimizer_state_bytes=2 * grads, post_chain_bytes=256 * MiB,
                    region_overhead_s=1e-4, offload_bandwidth_bytes_per_s=2e10, slots=slots)
 
 

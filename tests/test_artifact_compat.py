@@ -30,11 +30,17 @@ def _kind(path: Path) -> type[Plan] | type[Profile] | type[Problem]:
     return KINDS[path.name.split("_")[0]]
 
 
+#: Top-level keys renamed since: the problem's took the profile's names (issue 50, item 5).
+RENAMED = {"problem": {"optimizer_bytes": "optimizer_state_bytes", "input_bytes": "inputs_bytes"}}
+
+
 @pytest.mark.parametrize("path", sorted(WRITTEN.glob("*.json")), ids=lambda p: p.name)
 def test_files_written_by_an_earlier_main_read_back_to_the_same_json(path: Path) -> None:
     written = json.loads(path.read_text())
-    artifact = _kind(path).load(path)
-    assert artifact.to_dict() == written
+    kind = _kind(path)
+    artifact = kind.load(path)
+    renamed = RENAMED.get(kind.artifact, {})
+    assert artifact.to_dict() == {renamed.get(k, k): v for k, v in written.items()}
 
 
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.json")), ids=lambda p: p.name)

@@ -578,8 +578,8 @@ def _chain() -> Any:
         stages=stages,
         params_bytes=4200,
         grads_bytes=4200,
-        optimizer_bytes=8400,
-        input_bytes=10,
+        optimizer_state_bytes=8400,
+        inputs_bytes=10,
         pre_chain_grads_bytes=100,
         post_chain_grads_bytes=100,
     )
@@ -590,7 +590,7 @@ def test_per_rank_problem_arithmetic() -> None:
 
     base = _chain()
     fsdp = per_rank_problem(base, world_size=2, strategy="fsdp", replicated_bytes=0)
-    assert fsdp.params_bytes == 2100 and fsdp.optimizer_bytes == 4200
+    assert fsdp.params_bytes == 2100 and fsdp.optimizer_state_bytes == 4200
     assert [s.grad_bytes for s in fsdp.stages] == [500] * 4
     # each stage a unit of its 1000 bytes, reduce-scattering 1000 bytes of gradients
     assert [(s.unit_bytes, s.reduce_bytes) for s in fsdp.stages] == [(1000, 1000)] * 4
@@ -605,7 +605,7 @@ def test_per_rank_problem_arithmetic() -> None:
     # the transients are the stages' own: the simulator keeps the units
     assert [s.fwd_transient_bytes for s in fsdp.stages] == [0] * 4
     ddp = per_rank_problem(base, world_size=2, strategy="ddp")
-    assert ddp.params_bytes == 4200 + 4200 and ddp.optimizer_bytes == 8400
+    assert ddp.params_bytes == 4200 + 4200 and ddp.optimizer_state_bytes == 8400
     # a rebuild that gathers again costs its gather in every rebuild run
     plan = Plan(stages=base.stage_names, regions=(Region(0, 4),))
     slow = per_rank_problem(base, world_size=2, strategy="fsdp", gather_s=0.5, rebuild_gathers=1)

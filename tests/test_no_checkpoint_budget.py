@@ -61,7 +61,7 @@ def test_the_loss_is_counted_once_at_the_post_chain_events() -> None:
     assert problem.pre_chain_bytes == tiny.fixed.pre_chain_bytes
     sim = simulate(no_checkpoint_plan(tiny), problem)
     lives = dict(zip(sim.labels, sim.live, strict=False))
-    base = problem.params_bytes + problem.optimizer_bytes + problem.input_bytes
+    base = problem.params_bytes + problem.optimizer_state_bytes + problem.inputs_bytes
     assert lives["forward pre-chain"] == base + problem.pre_chain_bytes + \
         problem.stages[0].boundary_bytes
     backward = sim.labels.index("backward post-chain")

@@ -109,7 +109,7 @@ def _three_stages() -> Problem:
 
     stages = tuple(StageCost(f"s{i}", 4, 4, {"keep": 9 + 3 * i}, fwd_s=1.0, bwd_s=2.0,
                              rebuild_s=1.0 + i, grad_bytes=2) for i in range(3))
-    return Problem(stages, params_bytes=2, grads_bytes=8, optimizer_bytes=2, input_bytes=1,
+    return Problem(stages, params_bytes=2, grads_bytes=8, optimizer_state_bytes=2, inputs_bytes=1,
                    post_chain_bytes=3, region_overhead_s=0.5)
 
 

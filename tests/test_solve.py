@@ -219,14 +219,14 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
         pre_chain_grads_bytes=pre_grads,
         post_chain_grads_bytes=post_grads,
         optimizer_step_bytes=draw(st.integers(0, 12)),
-        optimizer_bytes=draw(st.integers(0, 2)),
+        optimizer_state_bytes=draw(st.integers(0, 2)),
         pre_chain_bytes=pre_chain,
         # the post-chain's backward apart from its forward, and what the model's code alone
         # held of the pre-chain, gone at the forward's return (which needs the first)
         post_chain_backward_bytes=post_backward,
         pre_chain_at_return_bytes=0 if post_backward is None else draw(st.integers(0, pre_chain)),
         post_chain_bytes=draw(st.integers(0, 6)),
-        input_bytes=draw(st.integers(0, 2)),
+        inputs_bytes=draw(st.integers(0, 2)),
         region_overhead_s=float(draw(st.integers(0, 2))),
         region_overhead_bytes=draw(st.integers(0, 2)),
         # Powers of two keep every time an exact float, so sums compare exactly.
@@ -444,11 +444,11 @@ def _six(selective: tuple[int, ...], early_stop: bool, grads: bool = False) -> P
                                 grad_bytes=(i * 3) % 5 if grads else 0,
                                 saves_input=not grads or i % 3 != 1))
     if grads:  # gradients by position, and stages 1 and 4 that let their input go
-        return Problem(tuple(stages), params_bytes=4, grads_bytes=16, optimizer_bytes=8,
+        return Problem(tuple(stages), params_bytes=4, grads_bytes=16, optimizer_state_bytes=8,
                        pre_chain_grads_bytes=3, post_chain_grads_bytes=2, optimizer_step_bytes=6,
                        post_chain_bytes=5, region_overhead_s=0.5, region_overhead_bytes=1,
                        early_stop=early_stop)
-    return Problem(tuple(stages), params_bytes=4, grads_bytes=4, optimizer_bytes=8,
+    return Problem(tuple(stages), params_bytes=4, grads_bytes=4, optimizer_state_bytes=8,
                    post_chain_bytes=5, region_overhead_s=0.5, region_overhead_bytes=1,
                    early_stop=early_stop)
 
@@ -752,9 +752,9 @@ def test_numpy_dp_on_64_stages_is_fast() -> None:
          "selective:save-attention": 14 * a},
         0.01, 0.02, 0.01, {"selective:save-matmuls": 0.002, "selective:save-attention": 0.001},
         4 * a, 6 * a) for i in range(64))
-    p = Problem(stages, params_bytes=500 * MiB, grads_bytes=500 * MiB, optimizer_bytes=1000 * MiB,
-                post_chain_bytes=800 * MiB, region_overhead_s=1e-4,
-                offload_bandwidth_bytes_per_s=2e10)
+    p = Problem(stages, params_bytes=500 * MiB, grads_bytes=500 * MiB,
+                optimizer_state_bytes=1000 * MiB, post_chain_bytes=800 * MiB,
+                region_overhead_s=1e-4, offload_bandwidth_bytes_per_s=2e10)
     budget = (solvers.minimum_budget(p) + simulate(Plan(p.stage_names), p).peak_bytes) // 2
     started = time.perf_counter()
     plan = solvers.optimal(p, budget)
@@ -807,7 +807,7 @@ def test_numba_tables_filled_in_waves_of_tiles_equal_numpy_tables(threads: int) 
             grad_bytes=rng.randint(0, 4) * MiB,
         ) for i in range(n))
         p = Problem(stages, params_bytes=64 * MiB, grads_bytes=256 * MiB,
-                    optimizer_bytes=128 * MiB, post_chain_bytes=32 * MiB,
+                    optimizer_state_bytes=128 * MiB, post_chain_bytes=32 * MiB,
                     region_overhead_s=1e-4, offload_bandwidth_bytes_per_s=2e10)
         model = dp.Model(p, 4 * MiB)
         top = 60
@@ -872,7 +872,7 @@ def _jumpy_chain(seed: int, n: int = 8) -> Problem:
                   saves_input=bool(rng.random() < 0.5))
         for i in range(n))
     return Problem(stages, params_bytes=2, grads_bytes=sum(s.grad_bytes for s in stages),
-                   optimizer_bytes=2, region_overhead_s=1.0)
+                   optimizer_state_bytes=2, region_overhead_s=1.0)
 
 
 def test_flat_tables_agree_on_chains_whose_needs_are_not_monotone() -> None:

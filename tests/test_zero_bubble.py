@@ -61,7 +61,7 @@ def test_a_micro_batch_between_its_input_and_weight_passes_holds_the_stages_own_
                   ("W", 0, 1)],
               1: [("F", 1, 0), ("F", 1, 1), ("I", 1, 0), ("I", 1, 1), ("W", 1, 0),
                   ("W", 1, 1)]}
-    idle = problem.params_bytes + problem.optimizer_bytes + problem.input_bytes
+    idle = problem.params_bytes + problem.optimizer_state_bytes + problem.inputs_bytes
     for plan in (Plan(problem.stage_names), _per_stage(problem)):
         peaks, _ = split_pipeline_step([plan, plan], [problem] * 2, [NONE, split], orders)
         assert peaks[1] == idle + (held + 7) + held

@@ -303,7 +303,7 @@ def _chunk(sim: Simulation, plan: Plan, problem: Problem, buffers: ScheduleBuffe
         tail=max(sim.live[last:], default=0),
         kept=sim.kept_bytes + buffers.held_bytes,
         grads=problem.grads_bytes,
-        idle=problem.params_bytes + problem.optimizer_bytes + problem.input_bytes,
+        idle=problem.params_bytes + problem.optimizer_state_bytes + problem.inputs_bytes,
         buffers=buffers,
     )
 

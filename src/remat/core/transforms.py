@@ -232,7 +232,7 @@ def _fsdp_rank(problem: Problem, w: int, params: tuple[int, ...], replicated_byt
         stages=tuple(sharded_stages),
         params_bytes=replicated_bytes + share(sharded),
         grads_bytes=max(share(problem.grads_bytes), parts),
-        optimizer_bytes=share(problem.optimizer_bytes),
+        optimizer_state_bytes=share(problem.optimizer_state_bytes),
         optimizer_step_bytes=share(problem.optimizer_step_bytes),
         pre_chain_bytes=problem.pre_chain_bytes + root,
         root_unit_bytes=root,

@@ -21,7 +21,7 @@ map one to one. The rest:
   8 bytes above the measured one wherever that peak is the post-chain's.
 * Note [The first input at the start]: where the first stage's input was alive when the
   step began (a Sequential model fed the batch itself, a learned query parameter), the
-  simulator would count it twice, in ``input_bytes`` (or ``params_bytes``) and as the
+  simulator would count it twice, in ``inputs_bytes`` (or ``params_bytes``) and as the
   chain's first boundary ``x_0``: every event over by its size, and the peak without
   checkpointing of such a model with it (64 KiB on a 6-block MLP fed a 256 x 64 batch).
   ``pre_chain_bytes`` then goes below zero by those bytes
@@ -128,7 +128,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         pre_chain_grads_bytes=fixed.pre_chain_grads_bytes,
         post_chain_grads_bytes=fixed.post_chain_grads_bytes,
         optimizer_step_bytes=fixed.optimizer_step_bytes,
-        optimizer_bytes=fixed.optimizer_state_bytes,
+        optimizer_state_bytes=fixed.optimizer_state_bytes,
         # Note [The first input at the start]
         pre_chain_bytes=fixed.pre_chain_bytes - fixed.first_input_at_start_bytes,
         # The loss (and what autograd keeps with it), alive through the chain's backward to
@@ -143,7 +143,7 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         post_chain_bytes=(fixed.post_chain_bytes if backward is None
                           else fixed.post_chain_forward_bytes or 0),
         post_chain_backward_bytes=backward,
-        input_bytes=fixed.inputs_bytes,
+        inputs_bytes=fixed.inputs_bytes,
         region_overhead_bytes=profile.region_overhead_bytes,
         region_overhead_s=profile.region_overhead_s,
         outside_chain_s=profile.outside_chain_s,

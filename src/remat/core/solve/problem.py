@@ -232,10 +232,10 @@ _STAGE_KEYS = (
 _FIXED_BYTES_V1 = (
     "params_bytes",
     "grads_bytes",
-    "optimizer_bytes",
+    "optimizer_state_bytes",
     "pre_chain_bytes",
     "post_chain_bytes",
-    "input_bytes",
+    "inputs_bytes",
     "region_overhead_bytes",
 )
 _FIXED_BYTES = (
@@ -256,6 +256,10 @@ _PROBLEM_KEYS_V1 = (
     "early_stop",
     "slots",
 )
+#: Old keys of problem files (remat up to 7be8d88) and the profile's names that replaced
+#: them: read as the new ones, never written. ``Problem(...)`` takes the new names only.
+_OLD_KEYS = MappingProxyType({"optimizer_bytes": "optimizer_state_bytes",
+                              "input_bytes": "inputs_bytes"})
 _PROBLEM_KEYS = (*_PROBLEM_KEYS_V1, *_FIXED_BYTES[len(_FIXED_BYTES_V1):],
                  "post_chain_backward_bytes", "root_unit_bytes", "collective_copies",
                  "backward_residue_bytes", "pre_chain_cast_bytes", "args_at_return_bytes",
@@ -276,10 +280,10 @@ class Problem(JsonArtifact):
     stages: tuple[StageCost, ...]
     params_bytes: int = 0
     grads_bytes: int = 0
-    optimizer_bytes: int = 0
+    optimizer_state_bytes: int = 0
     pre_chain_bytes: int = 0
     post_chain_bytes: int = 0
-    input_bytes: int = 0
+    inputs_bytes: int = 0
     region_overhead_bytes: int = 0
     region_overhead_s: float = 0.0
     outside_chain_s: float = 0.0
@@ -434,6 +438,16 @@ class Problem(JsonArtifact):
         return len(self.stages)
 
     @property
+    def optimizer_bytes(self) -> int:
+        """The old name of :attr:`optimizer_state_bytes` (read-only)."""
+        return self.optimizer_state_bytes
+
+    @property
+    def input_bytes(self) -> int:
+        """The old name of :attr:`inputs_bytes` (read-only)."""
+        return self.inputs_bytes
+
+    @property
     def post_chain_peak_bytes(self) -> int:
         """The larger of the post-chain's two figures (an upper bound of both its events
         for the solvers, which hold what the model's code held at the chain's end)."""
@@ -513,7 +527,8 @@ class Problem(JsonArtifact):
     @property
     def forward_base_bytes(self) -> int:
         """Bytes alive through the whole forward whatever the plan (no gradients yet)."""
-        return self.params_bytes + self.optimizer_bytes + self.input_bytes + self.pre_chain_bytes
+        return (self.params_bytes + self.optimizer_state_bytes + self.inputs_bytes
+                + self.pre_chain_bytes)
 
     @property
     def unattributed_grads_bytes(self) -> int:
@@ -593,6 +608,7 @@ class Problem(JsonArtifact):
         version = fields.schema_version(data, READABLE_VERSIONS, "problem",
                                         "regenerate the problem with this version of remat",
                                         default=SCHEMA_VERSION)
+        data = _renamed(data)
         known = _PROBLEM_KEYS if version >= 2 else _PROBLEM_KEYS_V1
         fields.check_keys(data, ("stages",), known, f"the problem (schema version {version})")
         if not isinstance(data["stages"], list):
@@ -600,3 +616,17 @@ class Problem(JsonArtifact):
         stages = tuple(StageCost.from_dict(s, i, version) for i, s in enumerate(data["stages"]))
         rest = {k: v for k, v in data.items() if k not in ("schema_version", "stages")}
         return cls(stages=stages, **rest)
+
+
+def _renamed(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` with the old keys (:data:`_OLD_KEYS`) under their new names."""
+    if not any(old in data for old in _OLD_KEYS):
+        return data
+    out = dict(data)
+    for old, new in _OLD_KEYS.items():
+        if old in out:
+            if new in out:
+                raise UsageError(f"the problem has both {old!r} and {new!r}, the old and the "
+                                 f"new name of one field; keep only {new!r}")
+            out[new] = out.pop(old)
+    return out

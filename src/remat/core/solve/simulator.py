@@ -1035,8 +1035,8 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     p = problem
     w = _Walker(problem, plan.options, plan.reshard_after_rebuild)
     w.add("params", p.params_bytes)
-    w.add("optimizer", p.optimizer_bytes)
-    w.add("input", p.input_bytes)
+    w.add("optimizer", p.optimizer_state_bytes)
+    w.add("input", p.inputs_bytes)
     w.add("pre-chain", p.pre_chain_bytes - p.args_at_return_bytes)
     for key, nbytes in w.model_args:  # the model's code holds them (Note [Arguments a ...])
         w.hold_shared(key, nbytes)
@@ -1048,7 +1048,7 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.forward_level(top)
     # the loss the caller holds from the post-chain's forward to backward is kept too (the
     # residue, its gradient included: an upper bound)
-    kept = (w.live - p.params_bytes - p.optimizer_bytes - p.input_bytes
+    kept = (w.live - p.params_bytes - p.optimizer_state_bytes - p.inputs_bytes
             + p.backward_residue_bytes)
     n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
