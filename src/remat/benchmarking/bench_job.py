@@ -22,6 +22,8 @@ from remat.core.planner import to_problem
 from remat.core.profile_format import Profile
 from remat.core.solve import Problem, parse_budget
 from remat.measure.malloc import set_malloc
+from remat.parallel.data_parallel import rank_problem
+from remat.parallel.ranks import rank_zeros
 from remat.profiling.profiler import profile, profile_scaling
 
 from .environment import Environment, describe_environment
@@ -37,7 +39,7 @@ from .factory import (
 from .findings import findings
 from .grads import GradCheck, check_compiled, check_plan
 from .microbatch import compare_microbatches
-from .ranks import Ranks, profile_rounds, rank_problem, rank_zeros
+from .rank_runners import Ranks, profile_rounds
 from .results import BenchReport, Row
 from .runners import CompiledRunner, EagerRunner, Factory, Runner
 from .step_measures import MemoryMeasure, by_profiler, by_tracker, interleaved, paired, time_stats
@@ -314,9 +316,9 @@ def bench(
     ``keep`` makes glibc keep freed memory for the rest of the process, which steadies CPU
     step times (:mod:`remat.measure.malloc`); ``system`` leaves the allocator alone.
     ``profile_repeats``: timed rounds of each profile; by default 5, and 8 with
-    ``distributed`` (Note [Profile rounds per rank] in :mod:`.ranks`).
+    ``distributed`` (Note [Profile rounds per rank] in :mod:`.rank_runners`).
     """
-    from remat.distributed import STRATEGIES as WRAPS
+    from remat.parallel.data_parallel import STRATEGIES as WRAPS
 
     if distributed is not None and distributed not in WRAPS:
         raise UsageError(f"distributed={distributed!r} is unknown; use one of "
@@ -447,7 +449,7 @@ def _profiled(
         factory, takes_batch = make_factory(model, options)
     ranks = None
     if s.distributed is not None:
-        from remat.distributed import init_from_env
+        from remat.parallel.ranks import init_from_env
 
         ranks = Ranks(s.distributed, init_from_env())
         factory = ranks.shard(factory)

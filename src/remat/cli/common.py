@@ -111,7 +111,7 @@ def torchrun_rank(distributed: str | None, command: str) -> int | None:
     torchrun did not start it."""
     if distributed is None:
         return None
-    from remat.distributed import env_rank
+    from remat.parallel.ranks import env_rank
 
     info = env_rank()
     if info is None:

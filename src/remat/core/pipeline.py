@@ -62,7 +62,7 @@ def check_schedule(schedule: str, ranks: int = 1, microbatches: int = 1,
             f"schedule {schedule!r} splits each backward into an input pass and weight passes "
             "in an order torch builds, so it is planned from that order: use "
             "remat.core.zero_bubble.split_pipeline_step / plan_split_pipeline with "
-            "remat.pipelining.schedule_orders(schedule), and apply the plans with "
+            "remat.parallel.pipeline.schedule_orders(schedule), and apply the plans with "
             "split_backward=True")
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule {schedule!r} is not known; choose one of "
@@ -219,7 +219,7 @@ class PipelineStep:
 @dataclass(frozen=True)
 class ScheduleBuffers:
     """What torch's pipeline stage keeps beyond the rank's one-micro-batch step
-    (``torch.distributed.pipelining``, torch 2.13, measured; ``remat.pipelining``'s
+    (``torch.distributed.pipelining``, torch 2.13, measured; ``remat.parallel.pipeline``'s
     Note [What a pipeline stage keeps] says where each comes from)."""
 
     output_bytes: int = 0  # per micro-batch, from its backward to the step's end

@@ -144,7 +144,7 @@ class StageProfile(StageRecord):
     time_spread: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
     # Under tensor parallelism: the collectives the stage's forward issues and those its
     # rebuild as a one-stage region repeats (remat.core.collectives, measured by
-    # remat.tensor_parallel.stage_comms). Written only when set.
+    # remat.parallel.tensor.stage_comms). Written only when set.
     comms: StageComms | None = None
     # What the link from this stage into the next costs when one region holds both,
     # measured link by link (Note [Each link its own cost] in remat/profiling/optimes.py;

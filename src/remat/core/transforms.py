@@ -39,7 +39,7 @@ call these rather than keeping their own copies.
   its ``bwd_s`` one gradient reduction (``reduce_s``: FSDP's reduce-scatter, DDP's
   all-reduce; serial with compute, an upper bound). A rebuild that gathers again adds
   ``rebuild_gathers * gather_s`` to the stage's ``rebuild_s``, which the simulator
-  charges once per rebuild run. ``remat.distributed.count_all_gathers`` measures it:
+  charges once per rebuild run. ``remat.parallel.gathers.count_all_gathers`` measures it:
   with torch 2.13 neither wrap order gathers again (``docs/distributed.md``), so the
   default is 0. Each stage keeps its ``gather_s`` (``StageCost.gather_s``): a plan that
   reshards units after rebuilds pays it per reshard (Note [Resharding after a rebuild]).

@@ -8,7 +8,7 @@ torch's zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZ
 (the parameters' gradients), to fill the bubble; some ops stay a full backward ``B``.
 The first stage, whose input needs no gradient, does nothing in ``I`` and its whole
 backward in ``W``. Their orders are built by torch and differ by schedule, rank and
-micro-batch count, so this module takes them as given (``remat.pipelining.schedule_orders``
+micro-batch count, so this module takes them as given (``remat.parallel.pipeline.schedule_orders``
 reads them off a built schedule): per rank, its ops in order as ``(kind, stage, i)``.
 
 With the regions run by ``split_backward=True`` (Note [One rebuild for a backward in
@@ -20,7 +20,7 @@ after the input pass with no plan, a region per block and one region over both b
 the input pass's peak 4,082 KB for all three). So a stage's plan sets its forward's peak
 and what a micro-batch keeps until ``I``; the input pass's peak, what it leaves and the
 weight pass's peak are the stage's own, measured once without a plan
-(:class:`SplitFigures`, ``remat.pipelining.split_figures``). Time: ``I`` is the input
+(:class:`SplitFigures`, ``remat.parallel.pipeline.split_figures``). Time: ``I`` is the input
 pass's measured time plus the plan's rebuilds (they run at the first pass that needs
 them); ``W`` the weight pass's.
 

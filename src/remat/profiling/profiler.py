@@ -131,7 +131,7 @@ def _device_name(device: torch.device | None) -> str:
 
 def _stage_comms(model: nn.Module, batch: Any, loss_fn: Any, names: Sequence[str]
                  ) -> list[Any]:
-    from remat.tensor_parallel import stage_comms
+    from remat.parallel.tensor import stage_comms
 
     comms = stage_comms(model, batch, loss_fn, names)
     model.zero_grad(set_to_none=True)
