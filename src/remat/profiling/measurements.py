@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ from remat.profiling.optimes import policy_op_names, spanning_regions
 from remat.profiling.overhead import RegionOverhead, region_overhead
 from remat.profiling.passes import ForwardPass, forward_pass
 from remat.profiling.pooling import identical_groups
-from remat.profiling.stage_ops import eager_stage_ops
+from remat.profiling.stage_ops import StageOps, eager_stage_ops
 from remat.profiling.timeline import Span, StepSpans, rebuild_starts, split_step
 from remat.profiling.timing import StepTimes, bare_step_s, timed_steps
 from remat.runtime import apply
@@ -67,6 +68,7 @@ from remat.runtime.stage_calls import call_names, stage_submodule
 __all__ = ["Measurements", "measure_all", "part_names"]
 
 Progress = Callable[[str, int, int], None]
+LossFn = Callable[[nn.Module, Any], Any]
 
 
 def _with_saved(reads: tuple[tuple[HeldRead, ...], ...],
@@ -173,7 +175,7 @@ NOTHING = Option.selective("save-nothing")
 def _replayed(
     model: nn.Module,
     batch: Any,
-    loss_fn: Callable[[nn.Module, Any], Any],
+    loss_fn: LossFn,
     names: tuple[str, ...],
     optimizer: torch.optim.Optimizer,
     option: str | Plan,
@@ -192,7 +194,7 @@ def _replayed(
     return split_step(step, names).stage_backward
 
 
-def _planned_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
+def _planned_step(model: nn.Module, batch: Any, loss_fn: LossFn,
                   optimizer: torch.optim.Optimizer, plan: Plan) -> StepMemory:
     """One step with ``plan`` applied, its timeline kept, the buffers put back."""
     handle = apply(model, plan)
@@ -209,7 +211,7 @@ def _planned_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, An
 def _rebuild_grads(
     model: nn.Module,
     batch: Any,
-    loss_fn: Callable[[nn.Module, Any], Any],
+    loss_fn: LossFn,
     names: tuple[str, ...],
     optimizer: torch.optim.Optimizer,
     plan: Plan,
@@ -223,7 +225,7 @@ def _rebuild_grads(
 def measure_all(
     model: nn.Module,
     batch: Any,
-    loss_fn: Callable[[nn.Module, Any], Any],
+    loss_fn: LossFn,
     names: Sequence[str],
     optimizer: torch.optim.Optimizer,
     *,
@@ -243,150 +245,295 @@ def measure_all(
     regions', the bare one, each option's: taken as the plain step of the round), no
     round after the warm-up (whose steps are kept) and none added for noise.
     """
-    agree = agree or (lambda n: n)
     names = tuple(names)
-    modules = [stage_submodule(model, name) for name in names]
-    # Compiled stages run their ops inside graphs, out of the tracker's sight: their ops
-    # come from one eager forward, and with them which stages draw random numbers, where
-    # a partitioned option is not offered (Note [Partitioned options on compiled stages])
-    compiled = compiled_flags(model, names)
-    eager = eager_stage_ops(model, batch, loss_fn, names) if any(compiled) else None
-
-    def offered(option: str, i: int) -> bool:
-        if not Option(option).is_partitioned:
-            return True
-        return compiled[i] and eager is not None and not eager.random[i]
-
+    run = _Run(model, batch, loss_fn, optimizer, names,
+               tuple(stage_submodule(model, name) for name in names), device)
+    compiled = _compiled(run)
     # a partitioned option no stage is offered is not measured (nor recorded)
-    options = tuple(o for o in options if any(offered(o, i) for i in range(len(names))))
-    parts = part_names(options)
-    tell = iter(range(len(parts)))
+    options = tuple(o for o in options if any(compiled.offered(o, i) for i in range(len(names))))
+    part = _Parts(part_names(options), progress)
 
-    def part(what: str) -> None:
-        progress(what, next(tell), len(parts))
-
-    part(parts[0])
+    part()
     nosave = forward_pass(model, batch, loss_fn, names, device=device, save=False)
     links = find_breaks(model, batch, loss_fn, names)
 
-    part(parts[1])
-    counts: dict[str, int] = {}
+    part()
+    steps = _round_plans(run, options, compiled, links.breaks, timed)
+    rounds = _timed_rounds(run, steps, part, repeats=repeats, timed=timed,
+                           agree=agree or _same)
 
-    def count_fixed() -> None:
-        if not counts:
-            counts.update(_fixed_counts(model, optimizer, batch, device))
+    part()
+    step, spans = _measured_step(run, compiled)
+    options_measured = _options_measured(run, options, steps, compiled, spans, part)
+    rebuild_grads = _rebuild_grads(model, batch, loss_fn, names, optimizer, steps.per_stage)
+    cached, unsaved, pre_casts = _casts(run, compiled)
 
-    # Plain, per-stage and selective steps alternate, so all see the same machine (a
-    # loaded one slows them alike), and the first round is a warm-up whose times are
-    # dropped: it creates the optimizer state and grows the allocator to the step's size,
-    # which made the step without checkpointing look up to 40% slower than it is.
-    per_stage = plans.per_stage(model, stages=names)
-    option_plans = {
-        option: Plan(stages=names, solver="profile", options=tuple(
-            option if offered(option, i) else KEEP for i in range(len(names))))
-        for option in options
-        if Option(option).is_selective
-    }
-    spanning = spanning_regions(links.breaks) if timed else ()
-    spanning_plan = (Plan(names, tuple(Region(a, b) for a, b in spanning), solver="profile")
-                     if spanning else None)
-    rebuilt: list[StepTimes] = []
-    spanned: list[StepTimes] = []
-    bare: list[float] = []
-    plain: list[StepTimes] = []
-    with_option: dict[str, list[StepTimes]] = {option: [] for option in option_plans}
+    part()
+    overhead = region_overhead(dtype=dtype, device=device)
+    return Measurements(
+        names=names,
+        options=options,
+        nosave=nosave,
+        breaks=links.breaks,
+        reads=_with_saved(links.reads, nosave.link_saved_inputs),
+        before_chain_grads=links.before_chain_grad_bytes,
+        plain_steps=tuple(rounds.plain),
+        per_stage_steps=tuple(rounds.rebuilt),
+        rebuild_grads=rebuild_grads,
+        cast_cache=cached,
+        cast_unsaved=unsaved,
+        pre_chain_casts=pre_casts,
+        spanning=steps.spanning,
+        spanning_steps=tuple(rounds.spanned),
+        bare_steps=tuple(rounds.bare),
+        option_steps={option: tuple(s) for option, s in rounds.with_option.items()},
+        step=step,
+        spans=spans,
+        selective=options_measured.selective,
+        plain_pass=options_measured.plain_pass,
+        selective_backward=options_measured.selective_backward,
+        measured_in=options_measured.measured_in,
+        counts=rounds.counts,
+        overhead=overhead,
+        same_as=rounds.same_as,
+        extra_rounds=rounds.extra,
+        compiled=compiled.flags,
+    )
 
-    def one_round(signatures: list[str | None] | None = None) -> None:
-        nonlocal rebuilt, plain, spanned
-        rebuilt += timed_steps(
-            model,
-            batch,
-            loss_fn,
-            optimizer,
-            modules,
-            steps=1,
-            plan=per_stage,
-            device=device,
-            on_step=count_fixed,
-        )
-        if spanning_plan is not None and timed:
-            spanned += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
-                                   plan=spanning_plan, device=device)
-        if signatures is None:
-            plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
-                                 device=device)
-        else:  # the warm-up's plain step also records which stages are identical
-            with recording_signatures(modules) as found:
-                plain += timed_steps(model, batch, loss_fn, optimizer, modules, steps=1,
-                                     device=device)
-            signatures[:] = found
-        if not timed:
-            for option in option_plans:
-                with_option[option] += plain[-1:]
-            return
-        bare.append(bare_step_s(model, batch, loss_fn, optimizer, device=device))
-        for option, plan in option_plans.items():
-            with_option[option] += timed_steps(
-                model, batch, loss_fn, optimizer, modules, steps=1, plan=plan, device=device
-            )
 
+def _same(n: int) -> int:
+    return n
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every measured step takes: the model, its batch, loss and optimizer, the
+    stages (by name and as modules) and the device."""
+
+    model: nn.Module
+    batch: Any
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    names: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+    device: torch.device | None
+
+
+class _Parts:
+    """Tells ``progress`` each part of the run as it begins, in :func:`part_names`' order."""
+
+    def __init__(self, parts: list[str], progress: Progress) -> None:
+        self.parts = parts
+        self.progress = progress
+        self.done = 0
+
+    def __call__(self) -> None:
+        self.progress(self.parts[self.done], self.done, len(self.parts))
+        self.done += 1
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """Per stage, whether its forward is compiled, and with any compiled, each stage's
+    ops from one eager forward.
+
+    Compiled stages run their ops inside graphs, out of the tracker's sight: their ops
+    come from one eager forward, and with them which stages draw random numbers, where a
+    partitioned option is not offered (Note [Partitioned options on compiled stages]).
+    """
+
+    flags: tuple[bool, ...]
+    eager: StageOps | None
+
+    def offered(self, option: str, i: int) -> bool:
+        """Whether stage ``i`` is offered ``option``."""
+        if not Option(option).is_partitioned:
+            return True
+        return self.flags[i] and self.eager is not None and not self.eager.random[i]
+
+
+def _compiled(run: _Run) -> _Compiled:
+    flags = compiled_flags(run.model, run.names)
+    eager = (eager_stage_ops(run.model, run.batch, run.loss_fn, run.names) if any(flags)
+             else None)
+    return _Compiled(flags, eager)
+
+
+@dataclass(frozen=True)
+class _RoundPlans:
+    """The plans a round of timed steps applies (each step's own, :func:`_one_round`)."""
+
+    per_stage: Plan  # one region per stage
+    options: dict[str, Plan]  # selective option -> it on every stage offered it
+    # regions over the longest runs no break divides (Note [Links inside a region])
+    spanning: tuple[tuple[int, int], ...]
+    spanning_plan: Plan | None  # those regions, where there are any
+
+
+def _round_plans(run: _Run, options: tuple[str, ...], compiled: _Compiled,
+                 breaks: tuple[str | None, ...], timed: bool) -> _RoundPlans:
+    names = run.names
+    spanning = spanning_regions(breaks) if timed else ()
+    return _RoundPlans(
+        per_stage=plans.per_stage(run.model, stages=names),
+        options={
+            option: Plan(stages=names, solver="profile", options=tuple(
+                option if compiled.offered(option, i) else KEEP for i in range(len(names))))
+            for option in options
+            if Option(option).is_selective
+        },
+        spanning=spanning,
+        spanning_plan=(Plan(names, tuple(Region(a, b) for a, b in spanning),
+                            solver="profile") if spanning else None),
+    )
+
+
+@dataclass
+class _Rounds:
+    """The timed steps, round by round as they run (each round appends to every list),
+    and what the warm-up round found."""
+
+    rebuilt: list[StepTimes] = field(default_factory=list)  # one region per stage
+    spanned: list[StepTimes] = field(default_factory=list)
+    bare: list[float] = field(default_factory=list)
+    plain: list[StepTimes] = field(default_factory=list)
+    with_option: dict[str, list[StepTimes]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # by the tracker, at the warm-up
+    same_as: tuple[int, ...] = ()  # per stage: the first stage identical to it
+    extra: int = 0  # rounds added because the first ones were noisy
+
+    def count_fixed(self, run: _Run) -> None:
+        """The fixed bytes by the tracker, after the first step that has them all."""
+        if not self.counts:
+            self.counts.update(_fixed_counts(run.model, run.optimizer, run.batch, run.device))
+
+    def without_warm_up(self) -> _Rounds:
+        return replace(self, rebuilt=self.rebuilt[1:], spanned=self.spanned[1:],
+                       bare=self.bare[1:], plain=self.plain[1:],
+                       with_option={o: s[1:] for o, s in self.with_option.items()})
+
+
+def _timed_rounds(run: _Run, steps: _RoundPlans, part: _Parts, *, repeats: int,
+                  timed: bool, agree: Callable[[int], int]) -> _Rounds:
+    """The warm-up round, ``repeats`` rounds, and those a noisy set adds; the warm-up's
+    times dropped where later rounds ran.
+
+    Plain, per-stage and selective steps alternate, so all see the same machine (a loaded
+    one slows them alike), and the first round is a warm-up whose times are dropped: it
+    creates the optimizer state and grows the allocator to the step's size, which made
+    the step without checkpointing look up to 40% slower than it is.
+    """
+    rounds = _Rounds(with_option={option: [] for option in steps.options})
     signatures: list[str | None] = []
-    one_round(signatures)
-    part(parts[2])
+    _one_round(run, steps, rounds, timed, signatures)
+    part()
     # untimed (a fake profile: its times are the fake run's dispatch, replaced by a
     # device's roofline or meaningless), the warm-up round is the one round: it counted
     # the fixed bytes and recorded which stages are identical, all later rounds would
-    for _ in range(repeats if timed else 0):
-        one_round()
-    same_as = tuple(identical_groups(signatures))
+    if not timed:
+        return replace(rounds, same_as=tuple(identical_groups(signatures)))
+    for _ in range(repeats):
+        _one_round(run, steps, rounds, timed)
+    rounds.same_as = tuple(identical_groups(signatures))
     # A noisy first set gets one more (bounded): more samples move the medians less.
-    extra = agree(extra_rounds(plain[1:], same_as, repeats,
-                               others=[rebuilt[1:], *([spanned[1:]] if spanned else []),
-                                       *(steps[1:] for steps in with_option.values())],
-                               per_stage=rebuilt[1:])) if timed else 0
-    for _ in range(extra):
-        one_round()
+    rounds.extra = agree(extra_rounds(
+        rounds.plain[1:], rounds.same_as, repeats,
+        others=[rounds.rebuilt[1:], *([rounds.spanned[1:]] if rounds.spanned else []),
+                *(s[1:] for s in rounds.with_option.values())],
+        per_stage=rounds.rebuilt[1:]))
+    for _ in range(rounds.extra):
+        _one_round(run, steps, rounds, timed)
     # Note [Rounds for the paired overhead]: then one at a time while the per-round
     # overhead's median is uncertain, up to MAX_ADDED_ROUNDS in all and at most as many
     # as there are already (a profile's timed steps at most double: a large model's
     # rounds take minutes)
-    so_far, added = repeats + extra, 0
-    while (timed and extra < MAX_ADDED_ROUNDS and added < so_far
-           and agree(int(paired_se(plain[1:], rebuilt[1:]) > PAIRED_SE))):
-        one_round()
-        extra += 1
+    so_far, added = repeats + rounds.extra, 0
+    while (rounds.extra < MAX_ADDED_ROUNDS and added < so_far
+           and agree(int(paired_se(rounds.plain[1:], rounds.rebuilt[1:]) > PAIRED_SE))):
+        _one_round(run, steps, rounds, timed)
+        rounds.extra += 1
         added += 1
-    warm = 1 if timed else 0
-    rebuilt, plain, spanned, bare = rebuilt[warm:], plain[warm:], spanned[warm:], bare[warm:]
-    with_option = {option: steps[warm:] for option, steps in with_option.items()}
+    return rounds.without_warm_up()
 
-    part(parts[3])
+
+def _one_round(run: _Run, steps: _RoundPlans, rounds: _Rounds, timed: bool,
+               signatures: list[str | None] | None = None) -> None:
+    """One round of timed steps, appended to ``rounds``: one region per stage, the
+    spanning regions, plain (the warm-up's filling ``signatures``: which stages are
+    identical), bare, and each selective option on every stage."""
+    args = (run.model, run.batch, run.loss_fn, run.optimizer, run.modules)
+    rounds.rebuilt += timed_steps(*args, steps=1, plan=steps.per_stage, device=run.device,
+                                  on_step=partial(rounds.count_fixed, run))
+    if steps.spanning_plan is not None and timed:
+        rounds.spanned += timed_steps(*args, steps=1, plan=steps.spanning_plan,
+                                      device=run.device)
+    if signatures is None:
+        rounds.plain += timed_steps(*args, steps=1, device=run.device)
+    else:
+        with recording_signatures(run.modules) as found:
+            rounds.plain += timed_steps(*args, steps=1, device=run.device)
+        signatures[:] = found
+    if not timed:
+        for option in steps.options:
+            rounds.with_option[option] += rounds.plain[-1:]
+        return
+    rounds.bare.append(bare_step_s(run.model, run.batch, run.loss_fn, run.optimizer,
+                                   device=run.device))
+    for option, plan in steps.options.items():
+        rounds.with_option[option] += timed_steps(*args, steps=1, plan=plan,
+                                                  device=run.device)
+
+
+def _measured_step(run: _Run, compiled: _Compiled) -> tuple[StepMemory, StepSpans]:
+    """One step measured by ``measure_step`` with a timeline, and its stages' spans."""
     # measure_step collects garbage first; freezing what exists now makes that collection
     # cheap (a full one costs about a step here) and nothing frozen is freed while it
     # measures, which is what the collection is for.
     gc.freeze()
     try:
-        step = measure_step(model, batch, loss_fn, optimizer, warmup_steps=0, timeline=True,
-                            call_names=call_names(model, names))
+        step = measure_step(run.model, run.batch, run.loss_fn, run.optimizer,
+                            warmup_steps=0, timeline=True,
+                            call_names=call_names(run.model, run.names))
     finally:
         gc.unfreeze()
-    spans = split_step(step, names)
+    spans = split_step(step, run.names)
+    eager = compiled.eager
+    if eager is not None:  # their ops ran inside their graphs, out of the tracker's sight
+        spans = replace(spans, stage_ops=tuple(
+            eager.ops[i] if compiled.flags[i] else ops
+            for i, ops in enumerate(spans.stage_ops)))
+    return step, spans
 
+
+@dataclass(frozen=True)
+class _OptionsMeasured:
+    """What the selective options' forwards and replaying steps measured (the fields of
+    :class:`Measurements` of the same names)."""
+
+    selective: dict[str, ForwardPass]
+    plain_pass: ForwardPass | None
+    selective_backward: dict[str, tuple[Span, ...]]
+    measured_in: dict[str, frozenset[int]]
+
+
+def _options_measured(run: _Run, options: tuple[str, ...], steps: _RoundPlans,
+                      compiled: _Compiled, spans: StepSpans, part: _Parts
+                      ) -> _OptionsMeasured:
+    """For each selective option, a forward with it on the stages that run one of its ops
+    and a step with it on every stage; then a plain forward and a save-nothing step."""
+    names = run.names
     selective: dict[str, ForwardPass] = {}
     selective_backward: dict[str, tuple[Span, ...]] = {}
     measured_in: dict[str, frozenset[int]] = {}
-    if eager is not None:  # their ops ran inside their graphs, out of the tracker's sight
-        spans = replace(spans, stage_ops=tuple(
-            eager.ops[i] if compiled[i] else ops for i, ops in enumerate(spans.stage_ops)))
-    for option in (o for o in options if o in option_plans):
-        part(f"saved bytes, {option}")
+    for option in (o for o in options if o in steps.options):
+        part()
         # A compiled stage runs the option compiled in, whatever its ops: that program
         # saves what inductor chooses (weights in its own layout, for one), not what the
         # no-save pass kept, so it is measured even where the policy names none of its ops.
         wanted = frozenset(
             i for i, name in enumerate(names)
-            if offered(option, i) and (
-                compiled[i] or spans.stage_ops[i] & policy_op_names(option, name))
+            if compiled.offered(option, i) and (
+                compiled.flags[i] or spans.stage_ops[i] & policy_op_names(option, name))
         )
         if not wanted:
             continue
@@ -395,56 +542,33 @@ def measure_all(
             options=tuple(option if i in wanted else KEEP for i in range(len(names))),
             solver="profile",
         )
-        selective[option] = forward_pass(model, batch, loss_fn, names, device=device, plan=plan)
+        selective[option] = forward_pass(run.model, run.batch, run.loss_fn, names,
+                                         device=run.device, plan=plan)
         measured_in[option] = wanted
-        selective_backward[option] = _replayed(
-            model, batch, loss_fn, names, optimizer, option_plans[option])
+        selective_backward[option] = _replayed(run.model, run.batch, run.loss_fn, names,
+                                               run.optimizer, steps.options[option])
     plain_pass = None
     if selective:
         # what stays alive with nothing checkpointed, against which each option's pass
         # shows the stage outputs its cache holds (Note [Outputs a selective cache holds])
-        plain_pass = forward_pass(model, batch, loss_fn, names, device=device)
+        plain_pass = forward_pass(run.model, run.batch, run.loss_fn, names, device=run.device)
     if any(Option(o).is_selective for o in options):
         # A stage that runs none of an option's ops replays like save-nothing.
-        selective_backward[NOTHING] = _replayed(model, batch, loss_fn, names, optimizer, NOTHING)
+        selective_backward[NOTHING] = _replayed(run.model, run.batch, run.loss_fn, names,
+                                                run.optimizer, NOTHING)
+    return _OptionsMeasured(selective, plain_pass, selective_backward, measured_in)
 
-    rebuild_grads = _rebuild_grads(model, batch, loss_fn, names, optimizer, per_stage)
-    # a compiled stage's casts happen inside its graph, out of sight: none counted there;
-    # a fake profile's tensors have no storage to tell casts apart by (an untimed real
-    # profile, a range's bytes-only shape, counts them as a timed one does)
-    first = next(model.parameters(), None)
+
+def _casts(run: _Run, compiled: _Compiled) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Per stage, what autocast's cache keeps of its parameters' casts and what of that
+    autograd does not save, and the pre-chain's casts (:func:`.casts.cast_cache`).
+
+    A compiled stage's casts happen inside its graph, out of sight: none counted there; a
+    fake profile's tensors have no storage to tell casts apart by (an untimed real
+    profile, a range's bytes-only shape, counts them as a timed one does).
+    """
+    first = next(run.model.parameters(), None)
     fake = first is not None and maybe_get_fake_mode(first) is not None
-    cached, unsaved, pre_casts = (((), (), 0) if any(compiled) or fake
-                                  else cast_cache(model, batch, loss_fn, names))
-
-    part(parts[-1])
-    overhead = region_overhead(dtype=dtype, device=device)
-    return Measurements(
-        names=names,
-        options=tuple(options),
-        nosave=nosave,
-        breaks=links.breaks,
-        reads=_with_saved(links.reads, nosave.link_saved_inputs),
-        before_chain_grads=links.before_chain_grad_bytes,
-        plain_steps=tuple(plain),
-        per_stage_steps=tuple(rebuilt),
-        rebuild_grads=rebuild_grads,
-        cast_cache=cached,
-        cast_unsaved=unsaved,
-        pre_chain_casts=pre_casts,
-        spanning=spanning,
-        spanning_steps=tuple(spanned),
-        bare_steps=tuple(bare),
-        option_steps={option: tuple(steps) for option, steps in with_option.items()},
-        step=step,
-        spans=spans,
-        selective=selective,
-        plain_pass=plain_pass,
-        selective_backward=selective_backward,
-        measured_in=measured_in,
-        counts=counts,
-        overhead=overhead,
-        same_as=same_as,
-        extra_rounds=extra,
-        compiled=compiled,
-    )
+    if any(compiled.flags) or fake:
+        return (), (), 0
+    return cast_cache(run.model, run.batch, run.loss_fn, run.names)
