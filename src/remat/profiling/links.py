@@ -33,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import torch
 from torch import nn
 
 from remat.core.errors import UsageError
@@ -51,10 +50,6 @@ class Links(NamedTuple):
     # by it or a later stage gather (a time embedding passed to every block): alive from
     # the last reader's backward to the pre-chain's, so at this stage's backward
     before_chain_grad_bytes: tuple[int, ...] = ()
-
-
-def _not_a_parameter(t: torch.Tensor) -> bool:
-    return not isinstance(t, nn.Parameter)
 
 
 def find_breaks(
@@ -78,8 +73,6 @@ def find_breaks(
         engine.breaks = breaks
         engine.reads = [[] for _ in range(n)]
         engine.tape.sizes = []
-        # Note [Gradients pending before the chain]
-        engine.made_before_chain = _not_a_parameter
         try:
             loss = loss_fn(model, batch)
             del loss

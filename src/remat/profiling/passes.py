@@ -198,7 +198,6 @@ def forward_pass(
     # when stage 0 was called (no-save pass), marked where some stage's call got it or
     # some code offered to save it; told by identity, as a freed storage's id is reused
     before_chain: dict[int, list[Any]] = {}
-    offered_before_chain: list[weakref.ref[torch.UntypedStorage]] = []
 
     def mark(storage: torch.UntypedStorage) -> None:
         entry = before_chain.get(id(storage))
@@ -218,8 +217,6 @@ def forward_pass(
         with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
             storage = t.untyped_storage()
             mark(storage)
-            if not order:
-                offered_before_chain.append(weakref.ref(storage))
             if current:
                 offered.append(weakref.ref(storage))
             elif len(order) < n:  # the code before the next stage, order[-1] + 1
@@ -258,6 +255,13 @@ def forward_pass(
             with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                 if any(ref() is x.untyped_storage() for ref in link_offered):
                     input_saved_before[i] = True
+        if i == 0 and not save:  # what the pre-chain made and still holds, and offered to save
+            before_chain.update((id(o), [ref, nbytes, False])
+                                for ref, nbytes in tracker.live_since(step_start[0])
+                                if (o := ref()) is not None)
+            for ref in link_offered:
+                if (o := ref()) is not None:
+                    mark(o)
         link_offered.clear()
         order.append(i)
         for j in range(i - 1):  # the loop holds only the previous stage's output now
@@ -266,13 +270,6 @@ def forward_pass(
         entries[i] = (tracker.live_bytes, x)
         if i == 0:
             chain_start[0] = tracker.serial
-            if not save:
-                before_chain.update((id(o), [ref, nbytes, False])
-                                    for ref, nbytes in tracker.live_since(step_start[0])
-                                    if (o := ref()) is not None)
-                for ref in offered_before_chain:
-                    if (o := ref()) is not None:
-                        mark(o)
         if not save:
             for t in iter_tensors((args, kwargs)):
                 with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):

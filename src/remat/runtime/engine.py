@@ -465,9 +465,6 @@ class Engine:
         self.input_slots: list[int | None] = [None] * n
         # ... and those made before the chain that get a gradient: (id, storage bytes)
         self.reads_before: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        # which of the tensors not on the tape count there (the probe sets it: Note
-        # [Gradients pending before the chain] in remat.profiling.links; None: all)
-        self.made_before_chain: Callable[[torch.Tensor], bool] | None = None
         self.current: CallRecord | None = None  # the call a rebuild is replaying
         self.rebuilds = 0
         self.warned_passes = False  # Note [Backward in passes]
@@ -773,12 +770,13 @@ class Engine:
             self.reads[i] += [(leaf.k, tape.made_after[leaf.k], tape.nbytes(leaf.k), by_call)
                               for leaf in template.leaves
                               if isinstance(leaf, Slot) and leaf.k != main]
-            # tensors from before the chain that get a gradient (a time embedding)
-            before = self.made_before_chain
+            # tensors from before the chain that get a gradient (a time embedding); not a
+            # parameter, whose gradient is a parameter gradient (Note [Gradients pending
+            # before the chain] in remat.profiling.links)
             self.reads_before[i] += [
                 (id(leaf), leaf.untyped_storage().nbytes()) for leaf in template.leaves
                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-                and (before is None or before(leaf))
+                and not isinstance(leaf, nn.Parameter)
             ]
 
     def _glue_step(self, step: GlueStep) -> None:
