@@ -205,18 +205,16 @@ class Model:
         # for its rebuild, alive through that rebuild (Note [What a rebuild starts with]
         # in remat.core.solve.simulator)
         self.rg = [0] + [s.rebuild_grad_bytes for s in st]
-        # No gradient exists in the top-level forward: that much more room, in whole slots
-        # of the budget (rounded down, so a plan accepted here fits in bytes).
-        # (less what the forward lets go of at its return, below the backward base: Note
-        # [What the forward lets go of at its return] in remat.core.solve.simulator)
-        self.gs = (spare_bytes + problem.unattributed_grads_bytes
-                   - problem.pre_chain_at_return_bytes) // q
+        # The top-level forward's room over the backward base: no gradient exists yet, and
+        # what the forward lets go of at its return is still alive (Note [What the forward
+        # lets go of at its return] in remat.core.solve.simulator); in whole slots of the
+        # budget, rounded down, so a plan accepted here fits in bytes.
+        self.gs = (spare_bytes + problem.backward_base_bytes - problem.forward_base_bytes) // q
         # The events after the chain (pre-chain backward, optimizer step), plan-independent.
         after = self.sg[0] + problem.pre_chain_grads_bytes
         self.after = _ceil(max(0, a[0] + after,
-                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes
-                               + problem.pre_chain_at_return_bytes
-                               - problem.backward_residue_bytes), q)
+                               after + problem.optimizer_step_bytes
+                               - problem.gone_by_optimizer_step_bytes), q)
         # What the model's code holds during the top-level forward (an upper bound of the
         # simulator's exact holding: Problem.held_in_forward).
         self.held = problem.held_in_forward

@@ -120,8 +120,7 @@ class FlatInputs:
         t_run = np.fromiter((s.rebuild_s for s in st), dtype=float, count=n) + t_top
         bwd_tr = ints(s.bwd_transient_bytes for s in st)
         top_held = ints(iter(problem.held_in_forward))  # as dp.Model.held
-        gs = (spare_bytes + problem.unattributed_grads_bytes
-              - problem.pre_chain_at_return_bytes) // q
+        gs = (spare_bytes + problem.backward_base_bytes - problem.forward_base_bytes) // q
         after = int(sg[0]) + problem.pre_chain_grads_bytes
         inp = np.stack([a[:n], np.zeros(n, dtype=i64)])  # [h, p]: h = 1, the region holds it
         held = np.where(keeps, inp, 0)
@@ -134,9 +133,8 @@ class FlatInputs:
             ovh_s=problem.region_overhead_s,
             post=int(ceil(a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end)),
             after=int(ceil(max(0, int(a[0]) + after,
-                               after + problem.optimizer_step_bytes - problem.pre_chain_bytes
-                               + problem.pre_chain_at_return_bytes
-                               - problem.backward_residue_bytes))),
+                               after + problem.optimizer_step_bytes
+                               - problem.gone_by_optimizer_step_bytes))),
             a=a,
             # as dp.Model.grads_during: and what a rebuild starts with
             g=a + sg + np.append(i64(0), ints(s.rebuild_grad_bytes for s in st)),

@@ -549,6 +549,13 @@ class Problem(JsonArtifact):
         return (self.forward_base_bytes + self.unattributed_grads_bytes
                 - self.pre_chain_at_return_bytes)
 
+    @property
+    def gone_by_optimizer_step_bytes(self) -> int:
+        """Of the backward base and what rides with it, what is gone by the optimizer step:
+        the pre-chain's bytes left after the forward's return, and the loss's residue."""
+        return (self.pre_chain_bytes - self.pre_chain_at_return_bytes
+                + self.backward_residue_bytes)
+
     def options(self, i: int) -> tuple[Option, ...]:
         """The options stage ``i`` may take: keep, its measured selective ones, offload."""
         stage = self.stages[i]
