@@ -42,7 +42,6 @@ FSDP2 units), each plan is checked by the caller's exact peak before it is taken
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,9 +102,6 @@ def fastest_kept_capped(problem: Problem, budget: int, in_flight: InFlight,
     plan before it is taken."""
     if not in_flight.first_backward:
         raise ValueError("a schedule runs at least one backward")
-    # what the forward lets go of at its return held through backward too, as before it
-    # was measured: an upper bound of the rank's events here, which ``fits`` checks exactly
-    problem = dataclasses.replace(problem, pre_chain_at_return_bytes=0)
     fb, bb = problem.forward_base_bytes, problem.backward_base_bytes
     avail = budget - fb
     if avail < 0:
