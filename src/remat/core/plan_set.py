@@ -43,10 +43,11 @@ from remat.core.plan_format import Plan
 from remat.core.planner import made_for
 from remat.core.profile_format import Profile
 from remat.core.shape_profiles import at_shape
-from remat.core.shapes import Shape, ShapeRange
+from remat.core.shapes import Shape, ShapeFit, ShapeRange
 from remat.core.solve import minimum_budget, solve
 from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
+from remat.core.solve.problem import Problem
 from remat.core.solve.simulator import simulate
 from remat.core.units import format_bytes
 
@@ -235,6 +236,43 @@ def _too_small(dims: ShapeRange, problems: Mapping[Shape, Any], limit: int) -> C
     return err
 
 
+@dataclass(frozen=True)
+class _Lattice:
+    """The range's lattice and what plan_set prices at each of its shapes."""
+
+    dims: ShapeRange
+    shapes: list[Shape]
+    profiles: Mapping[Shape, Profile]
+    problems: Mapping[Shape, Problem]
+    limit: int  # the budget, bytes
+
+    def solve(self, x: Shape) -> Plan:
+        """The optimal plan at ``x``; where none fits, the whole range's :func:`_too_small`."""
+        try:
+            return solve("optimal", self.problems[x], self.limit)
+        except CheckFailed as err:
+            raise _too_small(self.dims, self.problems, self.limit) from err
+
+
+@dataclass
+class _Priced:
+    """The candidate plans, each priced at every lattice shape (its simulated peak and step
+    time), and the times of the shapes where it fits the budget."""
+
+    lattice: _Lattice
+    plans: list[Plan] = field(default_factory=list)
+    prices: list[dict[Shape, tuple[int, float]]] = field(default_factory=list)
+    fits: list[dict[Shape, float]] = field(default_factory=list)
+
+    def add(self, plan: Plan) -> None:
+        at = self.lattice
+        sims = {x: simulate(plan, at.problems[x]) for x in at.shapes}
+        price = {x: (sim.peak_bytes, sim.step_time_s) for x, sim in sims.items()}
+        self.plans.append(plan)
+        self.prices.append(price)
+        self.fits.append({x: t for x, (peak, t) in price.items() if peak <= at.limit})
+
+
 def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: float = 0.02,
              outside: str = "error") -> PlanSet:
     """The plan set for ``profile``'s range under ``budget`` (Note [Plan sets]).
@@ -244,6 +282,28 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
     :class:`CheckFailed` naming the shape and the least budget where no plan fits.
     """
     began = time.perf_counter()
+    fit = _checked_range(profile, within, outside)
+    at = _lattice(profile, fit.dims, budget)
+    dims, lattice = at.dims, at.shapes
+    solved_at = lattice if len(lattice) <= SOLVED_SHAPES else _sub_lattice(dims, SOLVED_SHAPES)
+    priced, best = _candidates(at, solved_at)
+    covers = [{x for x, t in f.items() if t <= (1 + within) * best[x] + 1e-12}
+              for f in priced.fits]
+    chosen = _greedy_cover(dims, lattice, covers)
+    runs, slowest = _runs(lattice, chosen, covers, priced.fits, best)
+    used = [k for k in chosen if runs[k]]
+    out_plans = [_bucket_plan(at, priced, k, runs[k]) for k in used]
+    conservative = min(range(len(used)), key=lambda j: priced.prices[used[j]][dims.hi][0])
+    return PlanSet(
+        dims=dims, plans=tuple(out_plans), buckets=tuple(_boxes(runs[k]) for k in used),
+        inputs=fit.inputs, budget_bytes=at.limit, conservative=conservative, outside=outside,
+        shapes=len(lattice), solved=len(solved_at), slowest_ratio=slowest,
+        solve_time_s=time.perf_counter() - began,
+    )
+
+
+def _checked_range(profile: Profile, within: float, outside: str) -> ShapeFit:
+    """The profile's range, after checking the arguments plan_set was given."""
     fit = profile.shapes
     if fit is None:
         raise UsageError("this profile covers one shape; profile a range (shapes=) to plan "
@@ -257,51 +317,61 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
         raise UsageError(f"the range {dims} holds {dims.size} shapes, more than the "
                          f"{LATTICE_LIMIT} a plan set prices; give the dimensions a coarser "
                          "step (e.g. seq=128..2048:8), as a padding collator rounds them")
+    return fit
+
+
+def _lattice(profile: Profile, dims: ShapeRange, budget: Budget | str | int | float) -> _Lattice:
+    """The profile and problem at every lattice shape, and the budget in bytes."""
     lattice = list(dims.lattice())
     profiles = {x: at_shape(profile, x) for x in lattice}
     problems = {x: problem_from_profile(p) for x, p in profiles.items()}
     limit = Budget.parse(budget).bytes(problem_from_profile(profile))
-    solved_at = lattice if len(lattice) <= SOLVED_SHAPES else _sub_lattice(dims, SOLVED_SHAPES)
+    return _Lattice(dims, lattice, profiles, problems, limit)
+
+
+def _candidates(at: _Lattice, solved_at: list[Shape]) -> tuple[_Priced, dict[Shape, float]]:
+    """The candidate plans priced, and each lattice shape's best time (steps 1 and 2).
+
+    A shape solved for its own optimal plan has that plan's time; another has the fastest
+    candidate that fits there, or, where none does, its own optimal plan joins them.
+    """
     candidates: dict[tuple[Any, ...], Plan] = {}
     best: dict[Shape, float] = {}
     for x in solved_at:
-        try:
-            found = solve("optimal", problems[x], limit)
-        except CheckFailed as err:
-            raise _too_small(dims, problems, limit) from err
+        found = at.solve(x)
         best[x] = found.predicted_step_time_s or 0.0
         candidates.setdefault(_key(found), found)
-    plans = list(candidates.values())
-
-    def priced(plan: Plan) -> dict[Shape, tuple[int, float]]:
-        """The plan's simulated peak and step time at every lattice shape."""
-        sims = {x: simulate(plan, problems[x]) for x in lattice}
-        return {x: (sim.peak_bytes, sim.step_time_s) for x, sim in sims.items()}
-
-    prices = [priced(plan) for plan in plans]
-    fits = [{x: t for x, (peak, t) in found.items() if peak <= limit} for found in prices]
-    for x in lattice:
+    priced = _Priced(at)
+    for plan in candidates.values():
+        priced.add(plan)
+    for x in at.shapes:
         if x not in best:
-            times = [f[x] for f in fits if x in f]
+            times = [f[x] for f in priced.fits if x in f]
             if not times:
-                try:
-                    found = solve("optimal", problems[x], limit)
-                except CheckFailed as err:
-                    raise _too_small(dims, problems, limit) from err
-                plans.append(found)
-                prices.append(priced(found))
-                fits.append({y: t for y, (peak, t) in prices[-1].items() if peak <= limit})
-                times = [fits[-1][x]]
+                priced.add(at.solve(x))
+                times = [priced.fits[-1][x]]
             best[x] = min(times)
-    covers = [{x for x, t in f.items() if t <= (1 + within) * best[x] + 1e-12} for f in fits]
+    return priced, best
+
+
+def _greedy_cover(dims: ShapeRange, lattice: list[Shape], covers: list[set[Shape]]) -> list[int]:
+    """The plans covering the most shapes not yet covered, until every shape is (step 3)."""
     chosen: list[int] = []
     left = set(lattice)
     while left:
-        k = max(range(len(plans)), key=lambda j: (len(covers[j] & left), -j))
+        k = max(range(len(covers)), key=lambda j: (len(covers[j] & left), -j))
         if not covers[k] & left:  # cannot happen: each shape's best plan covers it
             raise CheckFailed(f"no plan covers {dims.shape_text(next(iter(left)))}")
         chosen.append(k)
         left -= covers[k]
+    return chosen
+
+
+def _runs(lattice: list[Shape], chosen: list[int], covers: list[set[Shape]],
+          fits: list[dict[Shape, float]], best: Mapping[Shape, float],
+          ) -> tuple[dict[int, list[Shape]], float]:
+    """The shapes each chosen plan runs (the fastest chosen plan covering each), and the
+    most a shape's plan is over its best time."""
     runs: dict[int, list[Shape]] = {k: [] for k in chosen}
     slowest = 1.0
     for x in lattice:
@@ -309,18 +379,13 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
         runs[k].append(x)
         if best[x] > 0:
             slowest = max(slowest, fits[k][x] / best[x])
-    used = [k for k in chosen if runs[k]]
-    out_plans = []
-    for k in used:
-        peak = max(prices[k][x][0] for x in runs[k])
-        at = max(runs[k], key=_size)
-        out_plans.append(replace(plans[k], budget_bytes=limit, predicted_peak_bytes=peak,
-                                 made_for=made_for(profiles[at])))
-    conservative = min(range(len(used)), key=lambda j: prices[used[j]][dims.hi][0])
-    return PlanSet(
-        dims=dims, plans=tuple(out_plans), buckets=tuple(_boxes(runs[k]) for k in used),
-        inputs=fit.inputs, budget_bytes=limit, conservative=conservative, outside=outside,
-        shapes=len(lattice), solved=len(solved_at), slowest_ratio=slowest,
-        solve_time_s=time.perf_counter() - began,
-    )
+    return runs, slowest
 
+
+def _bucket_plan(at: _Lattice, priced: _Priced, k: int, run: list[Shape]) -> Plan:
+    """Candidate ``k`` as its bucket's plan: the budget, its peak over the bucket's shapes,
+    made for the bucket's largest shape."""
+    peak = max(priced.prices[k][x][0] for x in run)
+    largest = max(run, key=_size)
+    return replace(priced.plans[k], budget_bytes=at.limit, predicted_peak_bytes=peak,
+                   made_for=made_for(at.profiles[largest]))
