@@ -280,11 +280,42 @@ def _no_limit(plan: Any) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from remat.core.planner import plan as make_plan
-    from remat.core.planner import to_problem, with_made_for
+    # Every option is checked before profiling, which takes a while and trains the model.
+    params, target, world = _checked_options(args)
+    if args.shapes is not None:
+        return _plan_shapes(args)
+    source = _problem_source(args)
+    if isinstance(source, Profile) and source.shapes is not None:
+        return plan_range(args, source)
+    console = console_for(args.json)
+    note = device_note(target)
+    if note is not None:
+        console.print(note)
+    if args.largest_batch:
+        return _largest_batches(args, source, world, console)
+    problem = _problem(args, source, world, target, console)
+    result = _solved(problem, args, params)
+    found = None
+    fake = isinstance(source, Profile) and source.fake
+    measured = isinstance(source, Profile) and not fake and world is None
+    if measured:
+        # the simplest of the plans tied within the noise
+        result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
+    result = _with_notes(result, source, note, console)
+    _print_plan(console, result, problem, fake)
+    _print_times(console, result, source, fake)
+    _print_closing_notes(console, result, source, measured, found)
+    write_json(result.to_dict(), args.json)
+    return 0
+
+
+def _checked_options(
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], Any, tuple[str, int] | None]:
+    """The solver's parameters, the fake target device and ``--world``, every option checked
+    (and ``args.budget`` read into a :class:`Budget`) before anything is profiled."""
     from remat.core.solve import SOLVERS
 
-    # Every option is checked before profiling, which takes a while and trains the model.
     if args.solver not in SOLVERS:
         raise UsageError(
             f"--solver {args.solver!r} is not known; choose one of {', '.join(SOLVERS)}"
@@ -314,22 +345,25 @@ def run(args: argparse.Namespace) -> int:
             f"--slots {args.slots} is outside 1..{MAX_SLOTS} (default 500); the solver's "
             "tables grow with it (a million slots take 2.6 GB for 12 stages)"
         )
-    if args.shapes is not None:
-        if args.profile is not None:
-            raise UsageError("--profile already fixes the range its shapes cover; drop "
-                             "--shapes, or profile the model again with --shapes")
-        if args.model is None:
-            args.model = "gpt"
-        return plan_range(args, None)
-    source = _problem_source(args)
-    if isinstance(source, Profile) and source.shapes is not None:
-        return plan_range(args, source)
-    console = console_for(args.json)
-    note = device_note(target)
-    if note is not None:
-        console.print(note)
-    if args.largest_batch:
-        return _largest_batches(args, source, world, console)
+    return params, target, world
+
+
+def _plan_shapes(args: argparse.Namespace) -> int:
+    """``--shapes``: plans over a range of input shapes, the model profiled across it."""
+    if args.profile is not None:
+        raise UsageError("--profile already fixes the range its shapes cover; drop "
+                         "--shapes, or profile the model again with --shapes")
+    if args.model is None:
+        args.model = "gpt"
+    return plan_range(args, None)
+
+
+def _problem(args: argparse.Namespace, source: Any, world: tuple[str, int] | None,
+             target: Any, console: Any) -> Any:
+    """The problem to solve: the profile's coverage told first, then, with ``--world``, the
+    problem of one rank."""
+    from remat.core.planner import to_problem
+
     if isinstance(source, Profile):  # before solving, so it shows when no plan fits
         given = None if args.profile is not None else stage_list(args.stages) is not None
         for text in coverage_lines(source, given=given):
@@ -341,24 +375,37 @@ def run(args: argparse.Namespace) -> int:
                  if _link(target, world[0]) is not None else "no collective times")
         console.print(f"one rank of {world[0]} over {world[1]} ranks, on paper: parameters, "
                       f"gradients and optimizer state as that rank holds them; {timed}")
+    return problem
+
+
+def _solved(problem: Any, args: argparse.Namespace, params: dict[str, Any]) -> Any:
+    """The solver's plan for ``problem``; when none fits, the error names the least budget."""
+    from remat.core.planner import plan as make_plan
+
     try:
-        result = make_plan(problem, args.budget, args.solver, **params)
+        return make_plan(problem, args.budget, args.solver, **params)
     except CheckFailed as err:  # no plan fits: the JSON error names the least budget
         if args.solver == "optimal":
             from remat.core.solve import minimum_budget
 
             err.minimum_budget_bytes = minimum_budget(problem)  # type: ignore[attr-defined]
         raise
-    found = None
-    fake = isinstance(source, Profile) and source.fake
-    if isinstance(source, Profile) and not fake and world is None:
-        # the simplest of the plans tied within the noise
-        result, found = steadiest_and_uncertainty(source, result, slots=problem.slots)
+
+
+def _with_notes(result: Any, source: Any, note: str | None, console: Any) -> Any:
+    """``result`` made for ``source``, its notes printed and the device's note added."""
+    from remat.core.planner import with_made_for
+
     result = with_made_for(result, source)
     for text in result.notes:  # what the solver chose on its own (a chain too long)
         console.print(f"note: {text}")
     if note is not None:  # printed above; the plan file says it too
         result = replace(result, notes=(*result.notes, note))
+    return result
+
+
+def _print_plan(console: Any, result: Any, problem: Any, fake: bool) -> None:
+    """The plan's table, then its predicted peak against the budget and the baseline."""
     console.print(plan_table(result))
     if result.reshard_after_rebuild:
         console.print("FSDP2 units: each one a rebuild gathers is resharded after its call and "
@@ -378,6 +425,10 @@ def run(args: argparse.Namespace) -> int:
             "the budget holds the whole step without checkpointing, so nothing is "
             "checkpointed (no limit)"
         )
+
+
+def _print_times(console: Any, result: Any, source: Any, fake: bool) -> None:
+    """The predicted step time against no checkpointing, and what kind of figure it is."""
     t, t0 = result.predicted_step_time_s, result.baseline_step_time_s
     if fake and source.times_estimated and t and t0:
         console.print(
@@ -395,15 +446,18 @@ def run(args: argparse.Namespace) -> int:
     if fake:
         for text in kernel_lines(source):
             console.print(text)
+
+
+def _print_closing_notes(console: Any, result: Any, source: Any, measured: bool,
+                         found: Any) -> None:
+    """A profile without stage identities, and a measured profile's noise and ties."""
     if result.made_for is not None and result.made_for.stages is None:
         console.print(
             "note: the profile records no stage identities (an older remat wrote it), so "
             "remat.apply cannot check this plan against the model; profile again to add them"
         )
-    if isinstance(source, Profile) and not fake and world is None:  # JSON stays a plan
+    if measured:  # JSON stays a plan
         for text in noise_lines(source, one_thread=runs_one_thread()):
             console.print(text)
         if found is not None:
             console.print(found.sentence())
-    write_json(result.to_dict(), args.json)
-    return 0
