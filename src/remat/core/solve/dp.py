@@ -94,12 +94,13 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from remat.core.plan_format import KEEP as KEEP_OPTION
 from remat.core.plan_format import OFFLOAD, Option
-from remat.core.solve.problem import Problem
+from remat.core.solve.problem import Problem, StageCost
 
 __all__ = [
     "INF",
@@ -171,6 +172,50 @@ class Choice:
     rest: str  # "P" (rest hands over), "AO" (rest all offloaded), "any"
 
 
+class _OptionFigures(NamedTuple):
+    """One stage's figures under one option (:class:`Model`'s per-option tables)."""
+
+    forward: int  # forward with grad, beyond input and output
+    save: int  # kept on device from forward to backward
+    dev_bwd: int  # saved bytes on device during its backward
+    t_top: float  # extra time at the top level
+    t_run: float  # extra time inside a region, run in its rebuild
+    t_open: float  # ... not run in its rebuild (early stop)
+
+
+def _option_figures(s: StageCost, o: Option, kind: int, bw: float | None) -> _OptionFigures:
+    """Stage ``s``'s figures under option ``o`` of ``kind``."""
+    if kind == OFF:
+        assert bw is not None
+        t = 2 * s.offload_bytes / bw + s.extra_bwd_s.get(o, 0.0)
+        return _OptionFigures(s.nosave_peak_extra_bytes, 0, s.offload_bytes,
+                              t, s.rebuild_s + t, t)
+    t = s.extra_bwd_s.get(o, 0.0)
+    return _OptionFigures(
+        s.saved_bytes[o] + s.fwd_transient_bytes, s.saved_bytes[o],
+        # bwd() adds keep's transient; a selective option's own replaces it
+        s.saved_bytes[KEEP_OPTION] + s.bwd_transient(o) - s.bwd_transient_bytes,
+        t, s.rebuild_s + t,
+        s.rebuild_s)  # a selective stage not run: rebuilt in full
+
+
+def _grads_by_position(problem: Problem) -> list[int]:
+    """``sg[p]``: T(p), the parameter gradients beyond the base once backward has passed
+    stage p (Note [Gradients by position])."""
+    n, st = problem.n, problem.stages
+    sg = [0] * (n + 1)
+    # the backward residue (the loss and its gradient) joins with the post-chain's
+    # gradients and stays to the pre-chain's backward: it rides with T(p)
+    sg[n] = problem.post_chain_grads_bytes + problem.backward_residue_bytes
+    for k in range(n - 1, -1, -1):
+        sg[k] = sg[k + 1] + st[k].grad_bytes
+    # Pending gradients ride with T(p): those alive at stage p - 1's backward, and at
+    # the rebuild forwards of a level ending at p (none after the chain: T(0)).
+    for p in range(1, n + 1):
+        sg[p] += st[p - 1].pending_grad_bytes
+    return sg
+
+
 class Model:
     """The chain's numbers in slots of ``slot_bytes``, shared by both table paths.
 
@@ -189,18 +234,7 @@ class Model:
         st = problem.stages
         a = [s.boundary_bytes for s in st] + [problem.output_bytes]
         self.a = a
-        # sg[p]: T(p), the parameter gradients beyond the base once backward has passed
-        # stage p (Note [Gradients by position]).
-        self.sg = [0] * (n + 1)
-        # the backward residue (the loss and its gradient) joins with the post-chain's
-        # gradients and stays to the pre-chain's backward: it rides with T(p)
-        self.sg[n] = problem.post_chain_grads_bytes + problem.backward_residue_bytes
-        for k in range(n - 1, -1, -1):
-            self.sg[k] = self.sg[k + 1] + st[k].grad_bytes
-        # Pending gradients ride with T(p): those alive at stage p - 1's backward, and at
-        # the rebuild forwards of a level ending at p (none after the chain: T(0)).
-        for p in range(1, n + 1):
-            self.sg[p] += st[p - 1].pending_grad_bytes
+        self.sg = _grads_by_position(problem)  # sg[p]: T(p)
         # rg[e]: what the backward of stage e - 1 made before asking a region ending at e
         # for its rebuild, alive through that rebuild (Note [What a rebuild starts with]
         # in remat.core.solve.simulator)
@@ -218,51 +252,30 @@ class Model:
         # What the model's code holds during the top-level forward (an upper bound of the
         # simulator's exact holding: Problem.held_in_forward).
         self.held = problem.held_in_forward
-        self.opts = [problem.options(k) for k in range(n)]
+        self._options(problem)
+        self.ovh_s = problem.region_overhead_s
+        self.ob = _ceil(problem.region_overhead_bytes, q)
+        self.post = _ceil(a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end, q)
+
+    def _options(self, problem: Problem) -> None:
+        """Each stage's options, their kinds, and their figures (bytes exact)."""
+        st = problem.stages
+        self.opts = [problem.options(k) for k in range(problem.n)]
         self.kinds = [[KEEP if o.is_keep else OFF if o.is_offload else SEL for o in os]
                       for os in self.opts]
         # keeps[k][j]: stage k holds its input from forward to backward under option j.
         self.keeps = [[s.keeps_input(o) for o in os] for s, os in zip(st, self.opts, strict=True)]
         bw = problem.offload_bandwidth_bytes_per_s
         self.can_offload = bw is not None
-        # Bytes (exact) per stage and option.
-        self.tf: list[list[int]] = []  # forward with grad, beyond input and output
-        self.save: list[list[int]] = []  # kept on device from forward to backward
-        self.dev_bwd: list[list[int]] = []  # saved bytes on device during its backward
-        self.t_top: list[list[float]] = []  # extra time at the top level
-        self.t_run: list[list[float]] = []  # extra time inside a region, run in its rebuild
-        self.t_open: list[list[float]] = []  # ... not run in its rebuild (early stop)
-        for k, s in enumerate(st):
-            tf, save, dev, tt, tr, to = [], [], [], [], [], []
-            for o, kind in zip(self.opts[k], self.kinds[k], strict=True):
-                if kind == OFF:
-                    assert bw is not None
-                    tf.append(s.nosave_peak_extra_bytes)
-                    save.append(0)
-                    dev.append(s.offload_bytes)
-                    t = 2 * s.offload_bytes / bw + s.extra_bwd_s.get(o, 0.0)
-                    tt.append(t)
-                    tr.append(s.rebuild_s + t)
-                    to.append(t)
-                else:
-                    tf.append(s.saved_bytes[o] + s.fwd_transient_bytes)
-                    save.append(s.saved_bytes[o])
-                    # bwd() adds keep's transient; a selective option's own replaces it
-                    dev.append(s.saved_bytes[KEEP_OPTION] + s.bwd_transient(o)
-                               - s.bwd_transient_bytes)
-                    t = s.extra_bwd_s.get(o, 0.0)
-                    tt.append(t)
-                    tr.append(s.rebuild_s + t)
-                    to.append(s.rebuild_s)  # a selective stage not run: rebuilt in full
-            self.tf.append(tf)
-            self.save.append(save)
-            self.dev_bwd.append(dev)
-            self.t_top.append(tt)
-            self.t_run.append(tr)
-            self.t_open.append(to)
-        self.ovh_s = problem.region_overhead_s
-        self.ob = _ceil(problem.region_overhead_bytes, q)
-        self.post = _ceil(a[n] + problem.post_chain_peak_bytes + problem.held_at_chain_end, q)
+        rows = [[_option_figures(s, o, kind, bw) for o, kind in zip(os, ks, strict=True)]
+                for s, os, ks in zip(st, self.opts, self.kinds, strict=True)]
+        # Bytes (exact) and seconds per stage and option, one table per _OptionFigures field
+        self.tf: list[list[int]] = [[f.forward for f in row] for row in rows]
+        self.save: list[list[int]] = [[f.save for f in row] for row in rows]
+        self.dev_bwd: list[list[int]] = [[f.dev_bwd for f in row] for row in rows]
+        self.t_top: list[list[float]] = [[f.t_top for f in row] for row in rows]
+        self.t_run: list[list[float]] = [[f.t_run for f in row] for row in rows]
+        self.t_open: list[list[float]] = [[f.t_open for f in row] for row in rows]
 
     # The pair tables are O(n^2): built when a nested solver first asks, so the one-level
     # solver (remat.core.solve.flat) can take chains of ten thousand stages.
