@@ -235,26 +235,10 @@ def verify(
     and no uncovered hazard was found.
     """
     start = time.perf_counter()
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise UsageError(f"steps={steps!r} is invalid; give a whole number >= 1")
-    if optimizer not in OPTIMIZERS:
-        raise UsageError(f"optimizer {optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise UsageError(f"seed={seed!r} is invalid; give a whole number")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
-        raise UsageError(f"lr={lr!r} is invalid; give a positive number")
-    policy = parse_tolerance(tolerance)
+    policy = _checked_arguments(steps, optimizer, seed, lr, tolerance)
     plain, twin, batch, loss = build_twins(model_or_factory, batch, loss_fn, seed)
-    refuse_meta(plain, batch, fake=False)
-    resolved = resolve_plan(plan, twin)
-    for path in resolved.stages:  # a plan for another model: one sentence, before anything
-        stage_module(twin, resolved, path)
-    # Compiled stages run as graphs: no op of theirs reaches a dispatch mode, so the value
-    # check and the hazard probes (which would run them eagerly) are skipped, and the
-    # steps are compared as compiled (docs/compile.md).
-    compiled = stages_compiled(twin, resolved.stages)
-    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state, force=force,
-                   allow_compile_mismatch=True)
+    resolved, compiled, handle = _applied(plan, plain, twin, batch,
+                                          preserve_rng_state=preserve_rng_state, force=force)
     run = _Run(plain, twin, batch, loss, resolved, policy, seed, lr, cuda_devices())
     try:
         checks, hazards, divergence, values = run.all(
@@ -278,6 +262,65 @@ def verify(
         plan_regions=tuple(str(r) for r in resolved.regions),
         elapsed_s=time.perf_counter() - start,
     )
+
+
+def _applied(
+    plan: PlanLike, plain: nn.Module, twin: nn.Module, batch: Any, *,
+    preserve_rng_state: bool, force: bool,
+) -> tuple[Plan, bool, Handle]:
+    """``plan`` resolved for ``twin`` and applied to it: the plan, whether its stages are
+    compiled, and the handle that removes it."""
+    refuse_meta(plain, batch, fake=False)
+    resolved = resolve_plan(plan, twin)
+    for path in resolved.stages:  # a plan for another model: one sentence, before anything
+        stage_module(twin, resolved, path)
+    # Compiled stages run as graphs: no op of theirs reaches a dispatch mode, so the value
+    # check and the hazard probes (which would run them eagerly) are skipped, and the
+    # steps are compared as compiled (docs/compile.md).
+    compiled = stages_compiled(twin, resolved.stages)
+    handle = apply(twin, resolved, preserve_rng_state=preserve_rng_state, force=force,
+                   allow_compile_mismatch=True)
+    return resolved, compiled, handle
+
+
+def _checked_arguments(
+    steps: int, optimizer: str, seed: int, lr: float, tolerance: object,
+) -> TolerancePolicy:
+    """The tolerance policy; UsageError on a ``steps``, ``optimizer``, ``seed``, ``lr`` or
+    ``tolerance`` verify cannot take."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"steps={steps!r} is invalid; give a whole number >= 1")
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"optimizer {optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise UsageError(f"seed={seed!r} is invalid; give a whole number")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
+        raise UsageError(f"lr={lr!r} is invalid; give a positive number")
+    return parse_tolerance(tolerance)
+
+
+@dataclass(frozen=True)
+class _FirstSteps:
+    """Step 1 of both twins: each loss (None where the step raised, with the error), the
+    batch's leaves that required grad, and why the batch was given without grad, if it was
+    (Note [A model that refuses a batch that requires grad])."""
+
+    plain_loss: torch.Tensor | None
+    plain_error: str | None
+    plain_leaves: dict[str, torch.Tensor]
+    twin_loss: torch.Tensor | None
+    twin_error: str | None
+    twin_leaves: dict[str, torch.Tensor]
+    refused: str | None
+
+    def failed(self) -> Check:
+        """The "runs" check that says which step 1 raised."""
+        failed = "; ".join(
+            f"the {who} model's step 1 raised {error}"
+            for who, error in (("plain", self.plain_error), ("planned", self.twin_error))
+            if error is not None
+        )
+        return Check("runs", "error", failed)
 
 
 @dataclass(eq=False)
@@ -335,6 +378,39 @@ class _Run:
     ) -> tuple[list[Check], Divergence | None]:
         # the twins start from one state (build_twins): one copy for Harness._lockstep
         initial = _state(self.plain)
+        first = self._first_steps(initial, probe, value_check)
+        if first.plain_loss is None or first.twin_loss is None:
+            return [first.failed(), *_skipped(_COMPARED, "step 1 failed")], None
+
+        grads = (_grads(self.twin), _grads(self.plain))
+        # Note [A model that is not finite on its own]
+        plain_values = [("loss", first.plain_loss),
+                        *((f"gradient of the batch's {k}", t.grad)
+                          for k, t in first.plain_leaves.items()),
+                        *((f"gradient of {n!r}", g) for n, g in grads[1].items())]
+        checks = self._gradient_checks(first, grads)
+        divergence = None
+        if not all(c.passed for c in checks):
+            divergence = first_divergence(
+                *captures, grads, self._stage_parameters(), self.policy,
+                None if value_check is None else value_check.result(),
+            )
+        checks += self._optimizer_step_checks(grads, grads_agree=checks[-1].passed)
+        trajectory, runs, later = self._trajectory_checks(
+            steps, optimizer, first.twin_loss, first.plain_loss, initial)
+        checks += trajectory
+        finite = _finite_check([*plain_values, *((f"step {t + 2} loss", loss)
+                                                  for t, loss in enumerate(later))])
+        return [runs, finite, *checks], divergence
+
+    def _first_steps(
+        self,
+        initial: dict[str, torch.Tensor],
+        probe: HazardProbe | None,
+        value_check: ValueCheck | None,
+    ) -> _FirstSteps:
+        """Step 1 of the plain model, then of the twin (its probes watching), each on a fresh
+        copy of the batch; a step that raises is recorded, not raised."""
         plain_batch, plain_leaves = fresh_batch(self.batch, grad=True)
         plain_loss, plain_error = _guarded(lambda: self._first_step(self.plain, plain_batch))
         refused = None  # Note [A model that refuses a batch that requires grad]
@@ -350,32 +426,29 @@ class _Run:
         twin_loss, twin_error = _guarded(
             lambda: self._first_step(self.twin, twin_batch, probe, value_check)
         )
-        if plain_loss is None or twin_loss is None:
-            failed = "; ".join(
-                f"the {who} model's step 1 raised {error}"
-                for who, error in (("plain", plain_error), ("planned", twin_error))
-                if error is not None
-            )
-            return [Check("runs", "error", failed), *_skipped(_COMPARED, "step 1 failed")], None
+        return _FirstSteps(plain_loss, plain_error, plain_leaves,
+                           twin_loss, twin_error, twin_leaves, refused)
 
-        grads = (_grads(self.twin), _grads(self.plain))
-        # Note [A model that is not finite on its own]
-        plain_values = [("loss", plain_loss),
-                        *((f"gradient of the batch's {k}", t.grad)
-                          for k, t in plain_leaves.items()),
-                        *((f"gradient of {n!r}", g) for n, g in grads[1].items())]
-        checks = [check_tensors("loss", [("loss", twin_loss, plain_loss)], self.policy)]
+    def _gradient_checks(
+        self,
+        first: _FirstSteps,
+        grads: tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]],
+    ) -> list[Check]:
+        """Step 1's loss, input gradients and parameter gradients compared, in that order."""
+        plain_leaves, twin_leaves = first.plain_leaves, first.twin_leaves
+        checks = [check_tensors("loss", [("loss", first.twin_loss, first.plain_loss)],
+                                self.policy)]
         if plain_leaves:
             checks.append(check_tensors(
                 "input-gradients",
                 [(k, twin_leaves[k].grad, plain_leaves[k].grad) for k in plain_leaves],
                 self.policy, what="input gradients",
             ))
-        elif refused is not None:
+        elif first.refused is not None:
             checks.append(Check(
                 "input-gradients", "skip",
-                f"the model's step fails on a batch that requires grad ({refused}), so the "
-                "batch was given as it is and only the other checks compare the runs"))
+                f"the model's step fails on a batch that requires grad ({first.refused}), so "
+                "the batch was given as it is and only the other checks compare the runs"))
         else:
             checks.append(Check("input-gradients", "skip",
                                 "the batch has no floating-point tensors"))
@@ -383,13 +456,17 @@ class _Run:
             "parameter-gradients", [(n, grads[0].get(n), g) for n, g in grads[1].items()],
             self.policy, what="parameter gradients",
         ))
-        divergence = None
-        if not all(c.passed for c in checks):
-            divergence = first_divergence(
-                *captures, grads, self._stage_parameters(), self.policy,
-                None if value_check is None else value_check.result(),
-            )
-        grads_agree = checks[-1].passed
+        return checks
+
+    def _optimizer_step_checks(
+        self,
+        grads: tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]],
+        *,
+        grads_agree: bool,
+    ) -> list[Check]:
+        """One SGD and one AdamW step from step 1's gradients, the parameters compared (each
+        model put back after)."""
+        checks = []
         for name in ("sgd", "adamw"):
             ours = _after_one_step(self.twin, name, self.lr)
             theirs = _after_one_step(self.plain, name, self.lr)
@@ -404,23 +481,24 @@ class _Run:
                     f"{name}-step", [(n, ours[n], t) for n, t in stepped.items()],
                     self.policy, what="parameters"), "parameters", name)
             checks.append(check)
+        return checks
+
+    def _trajectory_checks(
+        self, steps: int, optimizer: str, twin_loss: torch.Tensor, plain_loss: torch.Tensor,
+        initial: dict[str, torch.Tensor],
+    ) -> tuple[list[Check], Check, list[torch.Tensor]]:
+        """The trajectory's checks (an error if a later step raised), the "runs" check, and
+        the plain model's losses after step 1."""
         trajectory, error = _guarded(
             lambda: self._trajectory(steps, optimizer, twin_loss, plain_loss, initial)
         )
-        later: list[torch.Tensor] = []  # the plain model's losses after step 1
         if trajectory is None:
-            checks += [
+            return [
                 Check("trajectory-losses", "error", f"a later step raised {error}"),
                 Check("trajectory-parameters", "skip", "a later step failed"),
-            ]
-            runs = Check("runs", "pass", "both models ran step 1")
-        else:
-            checks += trajectory[0]
-            later = trajectory[1]
-            runs = Check("runs", "pass", f"both models ran {steps} training step(s)")
-        finite = _finite_check([*plain_values, *((f"step {t + 2} loss", loss)
-                                                  for t, loss in enumerate(later))])
-        return [runs, finite, *checks], divergence
+            ], Check("runs", "pass", "both models ran step 1"), []
+        return (trajectory[0], Check("runs", "pass", f"both models ran {steps} training step(s)"),
+                trajectory[1])
 
     def _first_step(
         self,
