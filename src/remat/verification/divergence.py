@@ -13,7 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from remat.runtime.engine import main_output
 from remat.runtime.stage_calls import hook_stages, stage_submodule
-from remat.verification.compare import diff
+from remat.verification.compare import Diff, diff
 from remat.verification.tolerance import TolerancePolicy
 from remat.verification.verify_report import Divergence, ValueCheckResult
 
@@ -88,47 +88,90 @@ def first_divergence(
     policy: TolerancePolicy,
     values: ValueCheckResult | None,
 ) -> Divergence | None:
-    """Where step 1 of the twins first parts ways (see :class:`Divergence`)."""
+    """Where step 1 of the twins first parts ways (see :class:`Divergence`): the forward's
+    outputs, then the rebuilds, then backward from the last stage, then the gradients of
+    parameters outside every stage."""
+    if (found := _in_forward(ours, plain, policy)) is not None:
+        return found
+    if (found := _in_rebuilt_values(values)) is not None:
+        return found
+    if (found := _in_rebuilt_outputs(ours, plain, policy)) is not None:
+        return found
+    if (found := _in_backward(ours, plain, grads, stage_params, policy)) is not None:
+        return found
+    return _outside_stages(ours.names, grads, policy)
+
+
+def _at(names: tuple[str, ...], i: int | None, quantity: str, tensor: str, d: Diff,
+        message: str) -> Divergence:
+    """The divergence ``d`` of ``tensor`` at stage ``i`` (None: no one stage)."""
+    return Divergence(
+        stage=None if i is None else names[i],
+        stage_index=i,
+        quantity=quantity,
+        tensor=tensor,
+        max_abs_error=d.max_abs_error,
+        max_rel_error=d.max_rel_error,
+        message=message,
+    )
+
+
+def _in_forward(ours: StageRecords, plain: StageRecords,
+                policy: TolerancePolicy) -> Divergence | None:
+    """The first stage whose forward output differs."""
     names = ours.names
-
-    def at(i: int | None, quantity: str, tensor: str, d: Any, message: str) -> Divergence:
-        return Divergence(
-            stage=None if i is None else names[i],
-            stage_index=i,
-            quantity=quantity,
-            tensor=tensor,
-            max_abs_error=d.max_abs_error,
-            max_rel_error=d.max_rel_error,
-            message=message,
-        )
-
     for i in range(len(names)):
         d = diff(ours.outputs.get(i), plain.outputs.get(i), policy)
         if not d.ok:
-            return at(i, "output", f"{names[i]} output", d,
-                      f"stage {names[i]!r} computes another output in forward")
+            return _at(names, i, "output", f"{names[i]} output", d,
+                       f"stage {names[i]!r} computes another output in forward")
+    return None
+
+
+def _in_rebuilt_values(values: ValueCheckResult | None) -> Divergence | None:
+    """The value check's first op that a rebuild computed otherwise."""
     # Rebuilds: the value check sees every op a rebuild ran, even when early stop ends it
     # before the stage returns (then the stage hooks below see no rebuilt output).
     first = values.first if values is not None else None
-    if first is not None:
-        return Divergence(
-            stage=first.stage,
-            stage_index=first.stage_index,
-            quantity="rebuilt-value",
-            tensor=f"{first.stage} op {first.op_index} {first.rebuilt_op}",
-            max_abs_error=math.inf if first.max_abs_error is None else first.max_abs_error,
-            max_rel_error=math.inf if first.max_rel_error is None else first.max_rel_error,
-            message=first.message,
-            op=first.rebuilt_op,
-        )
+    if first is None:
+        return None
+    return Divergence(
+        stage=first.stage,
+        stage_index=first.stage_index,
+        quantity="rebuilt-value",
+        tensor=f"{first.stage} op {first.op_index} {first.rebuilt_op}",
+        max_abs_error=math.inf if first.max_abs_error is None else first.max_abs_error,
+        max_rel_error=math.inf if first.max_rel_error is None else first.max_rel_error,
+        message=first.message,
+        op=first.rebuilt_op,
+    )
+
+
+def _in_rebuilt_outputs(ours: StageRecords, plain: StageRecords,
+                        policy: TolerancePolicy) -> Divergence | None:
+    """The first stage whose rebuilt output differs from the plain forward's."""
+    names = ours.names
     for i in range(len(names)):
         if i not in ours.rebuilt:
             continue
         d = diff(ours.rebuilt[i], plain.outputs.get(i), policy)
         if not d.ok:
-            return at(i, "rebuilt-output", f"{names[i]} rebuilt output", d,
-                      f"the rebuild of stage {names[i]!r} computes another output than the "
-                      "forward did")
+            return _at(names, i, "rebuilt-output", f"{names[i]} rebuilt output", d,
+                       f"the rebuild of stage {names[i]!r} computes another output than the "
+                       "forward did")
+    return None
+
+
+def _in_backward(
+    ours: StageRecords,
+    plain: StageRecords,
+    grads: tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]],
+    stage_params: list[list[str]],
+    policy: TolerancePolicy,
+) -> Divergence | None:
+    """From the last stage back: the first gradient reaching a stage that differs (the code
+    after it), or the first stage that got the same gradient and passed back another."""
+    names = ours.names
     for i in reversed(range(len(names))):
         d = diff(ours.output_grads.get(i), plain.output_grads.get(i), policy)
         if not d.ok:
@@ -136,9 +179,9 @@ def first_divergence(
                 "after the last stage" if i == len(names) - 1
                 else f"between stages {names[i]!r} and {names[i + 1]!r}"
             )
-            return at(None, "output-gradient", f"{names[i]} output gradient", d,
-                      f"the gradient reaching stage {names[i]!r} already differs: the "
-                      f"divergence lies in the code {where}")
+            return _at(names, None, "output-gradient", f"{names[i]} output gradient", d,
+                       f"the gradient reaching stage {names[i]!r} already differs: the "
+                       f"divergence lies in the code {where}")
         produced = [
             (f"{names[i]} input gradient", "input-gradient",
              ours.input_grads.get(i), plain.input_grads.get(i)),
@@ -152,15 +195,24 @@ def first_divergence(
                 worst = (label, quantity, d)
         if worst is not None:
             label, quantity, d = worst
-            return at(i, quantity, label, d,
-                      f"stage {names[i]!r} received the same gradient but passed back "
-                      f"another one: its backward (and rebuild) differ, worst {label!r}")
+            return _at(names, i, quantity, label, d,
+                       f"stage {names[i]!r} received the same gradient but passed back "
+                       f"another one: its backward (and rebuild) differ, worst {label!r}")
+    return None
+
+
+def _outside_stages(
+    names: tuple[str, ...],
+    grads: tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]],
+    policy: TolerancePolicy,
+) -> Divergence | None:
+    """The parameter outside every stage whose gradient differs most, if any does."""
     failing = [
         (name, d) for name in grads[1]
         if not (d := diff(grads[0].get(name), grads[1].get(name), policy)).ok
     ]
     if failing:
         name, d = max(failing, key=lambda item: item[1].max_rel_error)
-        return at(None, "parameter-gradient", name, d,
-                  f"every stage agrees, but the gradient of {name!r} outside them differs")
+        return _at(names, None, "parameter-gradient", name, d,
+                   f"every stage agrees, but the gradient of {name!r} outside them differs")
     return None
