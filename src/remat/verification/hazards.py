@@ -440,12 +440,27 @@ class HazardProbe:
     ) -> tuple[Hazard, ...]:
         """Every hazard seen, plus those the value check's records reveal."""
         found = list(self._found)
-        for stage, ops in (forward_ops or {}).items():
+        self._note_explicit_generators(forward_ops or {})
+        found += self._randomness_hazards()
+        if value_check is not None:
+            found += _control_flow_hazards(value_check)
+            found += _routing_hazards(value_check)
+        found += self._side_effect_hazards()
+        return _in_report_order(found)
+
+    def _note_explicit_generators(self, forward_ops: Mapping[int, Sequence[Fingerprint]]) -> None:
+        """A rebuilt stage's forward ops that drew from an explicit torch.Generator, counted
+        among the stage's sources of randomness."""
+        for stage, ops in forward_ops.items():
             explicit = sorted({f.op for f in ops if f.explicit_generator})
             if explicit and stage in self._rebuilt:
                 self._randomness.setdefault(stage, {})[
                     f"an explicit torch.Generator ({', '.join(explicit)})"
                 ] = None
+
+    def _randomness_hazards(self) -> list[Hazard]:
+        """Each stage that draws random numbers its rebuild does not restore."""
+        found = []
         for stage, sources in sorted(self._randomness.items()):
             fix = (
                 "turn RNG preservation back on"
@@ -464,34 +479,11 @@ class HazardProbe:
                 count=len(sources),
                 details=tuple(sources),
             ))
-        for mismatch in value_check.control_flow if value_check is not None else ():
-            found.append(Hazard(
-                kind="control-flow",
-                message=(
-                    f"{mismatch.message}; the stage's code depends on state that changed "
-                    "after its forward, so make it depend only on its inputs"
-                ),
-                stage=mismatch.stage,
-                stage_index=mismatch.stage_index,
-                region=mismatch.region,
-                details=tuple(
-                    op for op in (mismatch.forward_op, mismatch.rebuilt_op) if op is not None
-                ),
-            ))
-        for flip in value_check.routing if value_check is not None else ():
-            found.append(Hazard(
-                kind="routing",
-                message=(
-                    f"the rebuild of stage {flip.stage!r} chose other indices at "
-                    f"{flip.forward_op} (op {flip.op_index}) than its forward did, so its "
-                    "experts get other tokens; save the routing decisions with "
-                    "selective:save-routing on the stage, or keep it out of regions"
-                ),
-                stage=flip.stage,
-                stage_index=flip.stage_index,
-                region=flip.region,
-                details=(flip.forward_op or "",),
-            ))
+        return found
+
+    def _side_effect_hazards(self) -> list[Hazard]:
+        """Each stage whose rebuild repeated Python side effects."""
+        found = []
         for stage, counts in sorted(self._repeats.items()):
             total = sum(counts.values())
             found.append(Hazard(
@@ -507,12 +499,57 @@ class HazardProbe:
                 count=total,
                 details=tuple(f"{k}: {n}" for k, n in counts.most_common(_MAX_DETAILS)),
             ))
-        order = {kind: k for k, kind in enumerate(
-            ("parameter-changed", "inplace-modification", "randomness", "control-flow",
-             "routing", "buffer-mutation", "python-side-effect")
-        )}
-        return tuple(sorted(
-            found,
-            key=lambda h: (h.covered, -1 if h.stage_index is None else h.stage_index,
-                           order[h.kind]),
-        ))
+        return found
+
+
+def _control_flow_hazards(value_check: ValueCheckResult) -> list[Hazard]:
+    """Each rebuild the value check saw run other ops than its forward."""
+    return [
+        Hazard(
+            kind="control-flow",
+            message=(
+                f"{mismatch.message}; the stage's code depends on state that changed "
+                "after its forward, so make it depend only on its inputs"
+            ),
+            stage=mismatch.stage,
+            stage_index=mismatch.stage_index,
+            region=mismatch.region,
+            details=tuple(
+                op for op in (mismatch.forward_op, mismatch.rebuilt_op) if op is not None
+            ),
+        )
+        for mismatch in value_check.control_flow
+    ]
+
+
+def _routing_hazards(value_check: ValueCheckResult) -> list[Hazard]:
+    """Each rebuild the value check saw choose other indices (experts' routing)."""
+    return [
+        Hazard(
+            kind="routing",
+            message=(
+                f"the rebuild of stage {flip.stage!r} chose other indices at "
+                f"{flip.forward_op} (op {flip.op_index}) than its forward did, so its "
+                "experts get other tokens; save the routing decisions with "
+                "selective:save-routing on the stage, or keep it out of regions"
+            ),
+            stage=flip.stage,
+            stage_index=flip.stage_index,
+            region=flip.region,
+            details=(flip.forward_op or "",),
+        )
+        for flip in value_check.routing
+    ]
+
+
+def _in_report_order(found: list[Hazard]) -> tuple[Hazard, ...]:
+    """Uncovered hazards first, then by stage (those of no stage first), then by kind."""
+    order = {kind: k for k, kind in enumerate(
+        ("parameter-changed", "inplace-modification", "randomness", "control-flow",
+         "routing", "buffer-mutation", "python-side-effect")
+    )}
+    return tuple(sorted(
+        found,
+        key=lambda h: (h.covered, -1 if h.stage_index is None else h.stage_index,
+                       order[h.kind]),
+    ))
