@@ -92,8 +92,10 @@ class _SinChain(nn.Module):
 def pack_seconds(steps: int = 15) -> float:
     """What a rebuild costs beyond its forward per tensor the stage saves: a chain of
     tiny sines as one stage, its forward and its rebuild in a one-stage region timed by
-    the profile's hooks (medians of ``steps`` steps each), the difference per saved
-    tensor as the step's ops count them."""
+    the profile's hooks, one step of each per round over ``steps`` rounds, the median of
+    the rounds' differences per saved tensor as the step's ops count them. Interleaved:
+    timed in two separate runs, a machine whose speed moved between them read the
+    rebuild as faster than the forward (0 s per pack under load)."""
     from remat.core.plan_format import Plan, Region
     from remat.profiling.timing import timed_steps
 
@@ -105,13 +107,15 @@ def pack_seconds(steps: int = 15) -> float:
 
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     stage = [model[0]]
-    plain = timed_steps(model, batch, loss, opt, stage, steps=steps)
     region = Plan(("0",), (Region(0, 1),))
-    rebuilt = timed_steps(model, batch, loss, opt, stage, steps=steps, plan=region)
-    fwd = statistics.median(t.fwd_s[0] for t in plain)
-    rebuild = statistics.median(t.rebuild_s[0] for t in rebuilt)
+    timed_steps(model, batch, loss, opt, stage, steps=1)  # warm-up, untimed
+    differences = []
+    for _ in range(steps):
+        fwd = timed_steps(model, batch, loss, opt, stage, steps=1)[0].fwd_s[0]
+        rebuild = timed_steps(model, batch, loss, opt, stage, steps=1, plan=region)[0]
+        differences.append(rebuild.rebuild_s[0] - fwd)
     packs = count_work(model, batch, loss, ["0"], opt).packs.get("0", 0)
-    return max(0.0, rebuild - fwd) / packs if packs else 0.0
+    return max(0.0, statistics.median(differences)) / packs if packs else 0.0
 
 
 class _ConvBlock(nn.Module):
