@@ -132,6 +132,293 @@ def _never(_packed: None) -> torch.Tensor:
     raise AssertionError("remat profile: a no-save pass was run backward")
 
 
+class _Offers:
+    """Autograd's saved-tensor hook of a pass: what the running stage, or the code before
+    the next stage, offers to save, and which of the pre-chain's storages some code did.
+
+    Apart from the rest of a pass's state: a graph that outlives the pass (a model that
+    keeps its outputs) holds the hook, and so only these lists of weak references.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.order: list[int] = []
+        self.current: list[int] = []  # the stage running now, if any
+        # what it asked autograd to save
+        self.offered: list[weakref.ref[torch.UntypedStorage]] = []
+        self.inputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
+        # storage id -> [the storage, bytes, marked]: what the step had made and still held
+        # when stage 0 was called (no-save pass), marked where some stage's call got it or
+        # some code offered to save it; told by identity, as a freed storage's id is reused
+        self.before_chain: dict[int, list[Any]] = {}
+        # per stage: the stage inputs the model's code just before it offered to save
+        self.link_saves: list[set[int]] = [set() for _ in range(n)]
+        # what the code since the last stage returned offered to save, and per stage whether
+        # its input was one of them (an in-place ReLU saves its result)
+        self.link_offered: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def mark(self, storage: torch.UntypedStorage) -> None:
+        entry = self.before_chain.get(id(storage))
+        if entry is not None and entry[0]() is storage:
+            entry[2] = True
+
+    def drop(self, t: torch.Tensor) -> None:
+        # a tensor without one storage is neither an input nor an output
+        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+            storage = t.untyped_storage()
+            self.mark(storage)
+            if self.current:
+                self.offered.append(weakref.ref(storage))
+            elif len(self.order) < self.n:  # the code before the next stage, order[-1] + 1
+                self.link_offered.append(weakref.ref(storage))
+                for j, ref in enumerate(self.inputs):
+                    if ref is not None and ref() is storage:
+                        self.link_saves[len(self.order)].add(j)
+
+    def note(self, t: torch.Tensor) -> torch.Tensor:
+        # saving pass: what a stage saves outside a checkpoint frame (a compiled stage's
+        # graph, whatever option it was compiled with) reaches this hook
+        self.drop(t)
+        return t
+
+
+class _Recorder:
+    """What one forward pass notes at its stages' calls and returns, and in autograd's
+    saved-tensor hook: the state the hooks share, one method per hook.
+
+    The hooks keep the same references the pass always kept (weak ones to storages, the
+    stage's input only from its call to its return), so the live bytes read are the same.
+    """
+
+    def __init__(self, model: nn.Module, batch: Any, names: Sequence[str],
+                 device: torch.device | None, save: bool) -> None:
+        self.names = names
+        self.save = save
+        self.modules = [stage_submodule(model, name) for name in names]
+        n = self.n = len(self.modules)
+        self.found: list[StageForward | None] = [None] * n
+        self.entries: dict[int, tuple[int, torch.Tensor | None]] = {}
+        self.outputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
+        self.kept = [False] * n
+        # Saved tensors need no classifying here: the live bytes are the same either way.
+        self.tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
+        # the saved-tensor hook's lists, shared (changed in place only)
+        self.offers = offers = _Offers(n)
+        self.inputs = offers.inputs
+        # the last stage at whose return each stage's input / output was alive
+        self.input_seen = [-1] * n
+        self.output_seen = [-1] * n
+        self.versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self.batch_tensors = list(iter_tensors(batch))
+        self.order = offers.order
+        self.previous: dict[int, bool] = {}  # stage -> it got the previous stage's output
+        self.current = offers.current  # the stage running now, if any
+        self.offered = offers.offered  # what it asked autograd to save
+        # storage id -> (the storage, bytes): what the stages' calls are passed from before
+        # the chain besides their input (a 4-D attention mask, position ids; gemma2 passes
+        # its sliding-window layers one mask and the others another); which of them each
+        # call got; and the ids some stage offered to save
+        self.call_args: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self.stage_args: list[list[int]] = [[] for _ in range(n)]
+        self.args_saved: set[int] = set()
+        self.args_at_return = 0
+        self.args_by_stage: tuple[tuple[CallArg, ...], ...] = ()
+        self.chain_start = 0  # the tracker's serial when stage 0 was called
+        self.step_start = 0  # the tracker's serial when loss_fn was called
+        self.before_chain = offers.before_chain
+        self.pre_chain_at_return = 0
+        self.link_saves = offers.link_saves
+        self.link_offered = offers.link_offered
+        self.input_saved_before = [False] * n
+
+    def alive(self, j: int) -> bool:
+        ref = self.outputs[j]
+        return ref is not None and ref() is not None
+
+    def seen(self, k: int, at: int | None = None) -> None:
+        """Note, at stage k's return (``at``: after the forward), what is still alive."""
+        at = k if at is None else at
+        for j in range(k + 1):
+            ref = self.inputs[j]
+            if ref is not None and ref() is not None:
+                self.input_seen[j] = at
+            if self.alive(j):
+                self.output_seen[j] = at
+
+    def offered_any(self, t: torch.Tensor | None) -> bool:
+        if t is None:
+            return False
+        storage = t.untyped_storage()
+        return any(ref() is storage for ref in self.offered)
+
+    def returned(self, _model: nn.Module, _args: Any, _output: Any) -> None:
+        # The model's forward has returned and its loop variables are gone: an earlier
+        # stage's output still alive now is in what it returns (a transformers model with
+        # output_hidden_states=True returns every layer's output). The last stage's
+        # output may be the model's own output.
+        for j in range(self.n - 1):
+            self.kept[j] = self.kept[j] or self.alive(j)
+        self.seen(self.n - 1, at=self.n)
+        self.pre_chain_at_return = sum(
+            nbytes for ref, nbytes, marked in self.before_chain.values()
+            if not marked and ref() is None)
+
+    def pre(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tracker = self.tracker
+        x = main_input(args, kwargs)
+        if i > 0 and x is not None:  # (the code before the first stage is the pre-chain)
+            with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                if any(ref() is x.untyped_storage() for ref in self.link_offered):
+                    self.input_saved_before[i] = True
+        if i == 0 and not self.save:  # what the pre-chain made and still holds, and offered to save
+            self.before_chain.update((id(o), [ref, nbytes, False])
+                                     for ref, nbytes in tracker.live_since(self.step_start)
+                                     if (o := ref()) is not None)
+            for ref in self.link_offered:
+                if (o := ref()) is not None:
+                    self.offers.mark(o)
+        self.link_offered.clear()
+        self.order.append(i)
+        for j in range(i - 1):  # the loop holds only the previous stage's output now
+            self.kept[j] = self.kept[j] or self.alive(j)
+        tracker.reset_peak()
+        self.entries[i] = (tracker.live_bytes, x)
+        if i == 0:
+            self.chain_start = tracker.serial
+        if not self.save:
+            for t in iter_tensors((args, kwargs)):
+                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                    self.offers.mark(t.untyped_storage())
+            for t in iter_tensors((args, kwargs)):
+                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
+                    storage = t.untyped_storage()
+                    if (x is None or not same_storage(x, t)) and not any(
+                            same_storage(t, b) for b in self.batch_tensors) and (
+                            i == 0 or tracker.made_before(t, self.chain_start)):
+                        self.call_args[id(storage)] = (weakref.ref(storage), storage.nbytes())
+                        if id(storage) not in self.stage_args[i]:
+                            self.stage_args[i].append(id(storage))
+        self.previous[i] = i > 0 and x is not None and self.alive(i - 1) and (
+            self.outputs[i - 1]() is x.untyped_storage()  # type: ignore[misc]
+        )
+        self.current[:] = [i]
+        self.offered.clear()
+        self.versions[i] = [(b, b._version) for b in self.modules[i].buffers()]
+
+    def post(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        live, peak = self.tracker.live_bytes, self.tracker.peak_bytes
+        entry, x = self.entries.pop(i)
+        y = main_output(out)
+        self.found[i] = StageForward(
+            entry_bytes=entry,
+            exit_bytes=live,
+            peak_bytes=max(peak, live),
+            boundary_bytes=storage_bytes(x),
+            output_bytes=storage_bytes(y),
+            output_is_new=y is not None and not same_storage(x, y),
+            saves_input=self.offered_any(x),
+            saves_output=self.offered_any(y),
+            gets_previous_output=self.previous.get(i, False),
+            mutated_buffer_bytes=_mutated_bytes(self.modules[i], self.versions.pop(i, [])),
+        )
+        for key, (ref, _) in self.call_args.items():
+            storage = ref()
+            if storage is not None and any(o() is storage for o in self.offered):
+                self.args_saved.add(key)
+        self.current.clear()
+        self.offered.clear()
+        if y is not None:
+            self.outputs[i] = weakref.ref(y.untyped_storage())
+        if x is not None and not any(same_storage(x, t) for t in self.batch_tensors):
+            # (the batch is alive all step, counted apart)
+            self.inputs[i] = weakref.ref(x.untyped_storage())
+        if not self.save:
+            self.seen(i)
+
+    def run(self, model: nn.Module, batch: Any,
+            loss_fn: Callable[[nn.Module, Any], Any]) -> int:
+        """Run ``loss_fn(model, batch)`` under the hooks and the tracker, drop the graph;
+        the bytes of the storage behind the loss."""
+        n = self.n
+        with stage_hooks(self.modules, self.pre, self.post), self.tracker:
+            if self.save:
+                with torch.autograd.graph.saved_tensors_hooks(self.offers.note, _same):
+                    loss = loss_fn(model, batch)
+            else:
+                self.step_start = self.tracker.serial
+                with torch.autograd.graph.saved_tensors_hooks(self.offers.drop, _never):
+                    loss = loss_fn(model, batch)
+                # the forward has returned; nothing is saved in this pass
+                self.args_gone()
+            loss_storage = (loss.untyped_storage().nbytes()
+                            if isinstance(loss, torch.Tensor) else 0)
+            if self.save:  # what the graph holds counts, so before it goes
+                for j in range(n):
+                    self.kept[j] = self.kept[j] or self.alive(j)
+            del loss
+            if not self.save:
+                for j in range(n):
+                    self.kept[j] = self.kept[j] or self.alive(j)
+                self.seen(n - 1, at=n)
+        return loss_storage
+
+    def args_gone(self) -> None:
+        """No-save pass, once the forward has returned: the call arguments no stage
+        offered to save that are gone, their bytes and which of them each call got."""
+        call_args = self.call_args
+        gone = [key for key, (ref, _) in call_args.items()
+                if key not in self.args_saved and ref() is None]
+        self.args_at_return = sum(call_args[key][1] for key in gone)
+        index = {key: k for k, key in enumerate(gone)}
+        self.args_by_stage = tuple(
+            tuple(CallArg(index[key], call_args[key][1])
+                  for key in keys if key in index)
+            for keys in self.stage_args)
+
+    def stages(self) -> tuple[StageForward, ...]:
+        """Each stage's reading; UsageError where the forward did not call the stages
+        once each in the order given."""
+        names = self.names
+        missing = [i for i, f in enumerate(self.found) if f is None]
+        if missing:
+            raise UsageError(
+                f"the forward never called stage {names[missing[0]]!r}; list only stages that "
+                "loss_fn(model, batch) runs"
+            )
+        if self.order != list(range(self.n)):
+            called = ", ".join(repr(names[i]) for i in self.order[:4])
+            raise UsageError(
+                f"the forward calls the stages as {called}, ..., not once each in the order "
+                "given; list the stages in the order the forward calls them, once each"
+            )
+        return tuple(f for f in self.found if f is not None)
+
+    def result(self, loss_storage: int) -> ForwardPass:
+        stages = self.stages()
+        if self.save:
+            return ForwardPass(stages, tuple(self.kept))
+        n = self.n
+        # The chain holds a stage's input through its call, and its output through the next
+        # stage's call when that is its input (else only through its own return).
+        own = [i + 1 if i + 1 < n and stages[i + 1].gets_previous_output else i
+               for i in range(n)]
+        return ForwardPass(
+            stages,
+            tuple(self.kept),
+            link_saved_inputs=tuple(frozenset(js) for js in self.link_saves),
+            input_saved_before=tuple(self.input_saved_before),
+            input_held_through=tuple(k if k > i else None
+                                     for i, k in enumerate(self.input_seen)),
+            output_held_through=tuple(
+                k if k > own[i] and i < n - 1 else None for i, k in enumerate(self.output_seen)
+            ),
+            loss_storage_bytes=loss_storage,
+            args_at_return_bytes=self.args_at_return,
+            call_args=self.args_by_stage,
+            pre_chain_at_return_bytes=self.pre_chain_at_return,
+        )
+
+
 def forward_pass(
     model: nn.Module,
     batch: Any,
@@ -148,247 +435,19 @@ def forward_pass(
     """
     from remat.runtime import apply
 
-    modules = [stage_submodule(model, name) for name in names]
-    n = len(modules)
-    found: list[StageForward | None] = [None] * n
-    entries: dict[int, tuple[int, torch.Tensor | None]] = {}
-    outputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
-    kept = [False] * n
-    # Saved tensors need no classifying here: the live bytes are the same either way.
-    tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
-
-    def alive(j: int) -> bool:
-        ref = outputs[j]
-        return ref is not None and ref() is not None
-
-    inputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
-    # the last stage at whose return each stage's input / output was alive
-    input_seen = [-1] * n
-    output_seen = [-1] * n
-
-    def seen(k: int, at: int | None = None) -> None:
-        """Note, at stage k's return (``at``: after the forward), what is still alive."""
-        at = k if at is None else at
-        for j in range(k + 1):
-            ref = inputs[j]
-            if ref is not None and ref() is not None:
-                input_seen[j] = at
-            if alive(j):
-                output_seen[j] = at
-
-    versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
-    batch_tensors = list(iter_tensors(batch))
-    order: list[int] = []
-    previous: dict[int, bool] = {}  # stage -> it got the previous stage's output
-    current: list[int] = []  # the stage running now, if any
-    offered: list[weakref.ref[torch.UntypedStorage]] = []  # what it asked autograd to save
-
-    # storage id -> (the storage, bytes): what the stages' calls are passed from before
-    # the chain besides their input (a 4-D attention mask, position ids; gemma2 passes
-    # its sliding-window layers one mask and the others another); which of them each
-    # call got; and the ids some stage offered to save
-    call_args: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
-    stage_args: list[list[int]] = [[] for _ in range(n)]
-    args_saved: set[int] = set()
-    args_at_return = 0
-    args_by_stage: tuple[tuple[CallArg, ...], ...] = ()
-    chain_start = [0]  # the tracker's serial when stage 0 was called
-    step_start = [0]  # the tracker's serial when loss_fn was called
-    # storage id -> [the storage, bytes, marked]: what the step had made and still held
-    # when stage 0 was called (no-save pass), marked where some stage's call got it or
-    # some code offered to save it; told by identity, as a freed storage's id is reused
-    before_chain: dict[int, list[Any]] = {}
-
-    def mark(storage: torch.UntypedStorage) -> None:
-        entry = before_chain.get(id(storage))
-        if entry is not None and entry[0]() is storage:
-            entry[2] = True
-    pre_chain_at_return = [0]
-
-    # per stage: the stage inputs the model's code just before it offered to save
-    link_saves: list[set[int]] = [set() for _ in range(n)]
-    # what the code since the last stage returned offered to save, and per stage whether
-    # its input was one of them (an in-place ReLU saves its result)
-    link_offered: list[weakref.ref[torch.UntypedStorage]] = []
-    input_saved_before = [False] * n
-
-    def drop(t: torch.Tensor) -> None:
-        # a tensor without one storage is neither an input nor an output
-        with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-            storage = t.untyped_storage()
-            mark(storage)
-            if current:
-                offered.append(weakref.ref(storage))
-            elif len(order) < n:  # the code before the next stage, order[-1] + 1
-                link_offered.append(weakref.ref(storage))
-                for j, ref in enumerate(inputs):
-                    if ref is not None and ref() is storage:
-                        link_saves[len(order)].add(j)
-
-    def note(t: torch.Tensor) -> torch.Tensor:
-        # saving pass: what a stage saves outside a checkpoint frame (a compiled stage's
-        # graph, whatever option it was compiled with) reaches this hook
-        drop(t)
-        return t
-
-    def offered_any(t: torch.Tensor | None) -> bool:
-        if t is None:
-            return False
-        storage = t.untyped_storage()
-        return any(ref() is storage for ref in offered)
-
-    def returned(_model: nn.Module, _args: Any, _output: Any) -> None:
-        # The model's forward has returned and its loop variables are gone: an earlier
-        # stage's output still alive now is in what it returns (a transformers model with
-        # output_hidden_states=True returns every layer's output). The last stage's
-        # output may be the model's own output.
-        for j in range(n - 1):
-            kept[j] = kept[j] or alive(j)
-        seen(n - 1, at=n)
-        pre_chain_at_return[0] = sum(
-            nbytes for ref, nbytes, marked in before_chain.values()
-            if not marked and ref() is None)
-
-    def pre(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        x = main_input(args, kwargs)
-        if i > 0 and x is not None:  # (the code before the first stage is the pre-chain)
-            with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-                if any(ref() is x.untyped_storage() for ref in link_offered):
-                    input_saved_before[i] = True
-        if i == 0 and not save:  # what the pre-chain made and still holds, and offered to save
-            before_chain.update((id(o), [ref, nbytes, False])
-                                for ref, nbytes in tracker.live_since(step_start[0])
-                                if (o := ref()) is not None)
-            for ref in link_offered:
-                if (o := ref()) is not None:
-                    mark(o)
-        link_offered.clear()
-        order.append(i)
-        for j in range(i - 1):  # the loop holds only the previous stage's output now
-            kept[j] = kept[j] or alive(j)
-        tracker.reset_peak()
-        entries[i] = (tracker.live_bytes, x)
-        if i == 0:
-            chain_start[0] = tracker.serial
-        if not save:
-            for t in iter_tensors((args, kwargs)):
-                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-                    mark(t.untyped_storage())
-            for t in iter_tensors((args, kwargs)):
-                with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
-                    storage = t.untyped_storage()
-                    if (x is None or not same_storage(x, t)) and not any(
-                            same_storage(t, b) for b in batch_tensors) and (
-                            i == 0 or tracker.made_before(t, chain_start[0])):
-                        call_args[id(storage)] = (weakref.ref(storage), storage.nbytes())
-                        if id(storage) not in stage_args[i]:
-                            stage_args[i].append(id(storage))
-        previous[i] = i > 0 and x is not None and alive(i - 1) and (
-            outputs[i - 1]() is x.untyped_storage()  # type: ignore[misc]
-        )
-        current[:] = [i]
-        offered.clear()
-        versions[i] = [(b, b._version) for b in modules[i].buffers()]
-
-    def post(i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        live, peak = tracker.live_bytes, tracker.peak_bytes
-        entry, x = entries.pop(i)
-        y = main_output(out)
-        found[i] = StageForward(
-            entry_bytes=entry,
-            exit_bytes=live,
-            peak_bytes=max(peak, live),
-            boundary_bytes=storage_bytes(x),
-            output_bytes=storage_bytes(y),
-            output_is_new=y is not None and not same_storage(x, y),
-            saves_input=offered_any(x),
-            saves_output=offered_any(y),
-            gets_previous_output=previous.get(i, False),
-            mutated_buffer_bytes=_mutated_bytes(modules[i], versions.pop(i, [])),
-        )
-        for key, (ref, _) in call_args.items():
-            storage = ref()
-            if storage is not None and any(o() is storage for o in offered):
-                args_saved.add(key)
-        current.clear()
-        offered.clear()
-        if y is not None:
-            outputs[i] = weakref.ref(y.untyped_storage())
-        if x is not None and not any(same_storage(x, t) for t in batch_tensors):
-            # (the batch is alive all step, counted apart)
-            inputs[i] = weakref.ref(x.untyped_storage())
-        if not save:
-            seen(i)
-
+    recorder = _Recorder(model, batch, names, device, save)
     with buffers_restored(model):
-        tracker.register_existing(model)
-        tracker.register_existing(list(iter_tensors(batch)))
+        recorder.tracker.register_existing(model)
+        recorder.tracker.register_existing(list(iter_tensors(batch)))
         handle = apply(model, plan) if plan is not None else None
         # kept_outside is read from the no-save pass only (nothing there is saved, so a
         # live output is a reference from outside the chain)
-        root = None if save else model.register_forward_hook(returned)
+        root = None if save else model.register_forward_hook(recorder.returned)
         try:
-            with stage_hooks(modules, pre, post), tracker:
-                if save:
-                    with torch.autograd.graph.saved_tensors_hooks(note, _same):
-                        loss = loss_fn(model, batch)
-                else:
-                    step_start[0] = tracker.serial
-                    with torch.autograd.graph.saved_tensors_hooks(drop, _never):
-                        loss = loss_fn(model, batch)
-                    # the forward has returned; nothing is saved in this pass
-                    gone = [key for key, (ref, _) in call_args.items()
-                            if key not in args_saved and ref() is None]
-                    args_at_return = sum(call_args[key][1] for key in gone)
-                    index = {key: k for k, key in enumerate(gone)}
-                    args_by_stage = tuple(
-                        tuple(CallArg(index[key], call_args[key][1])
-                              for key in keys if key in index)
-                        for keys in stage_args)
-                loss_storage = (loss.untyped_storage().nbytes()
-                                if isinstance(loss, torch.Tensor) else 0)
-                if save:  # what the graph holds counts, so before it goes
-                    for j in range(n):
-                        kept[j] = kept[j] or alive(j)
-                del loss
-                if not save:
-                    for j in range(n):
-                        kept[j] = kept[j] or alive(j)
-                    seen(n - 1, at=n)
+            loss_storage = recorder.run(model, batch, loss_fn)
         finally:
             if root is not None:
                 root.remove()
             if handle is not None:
                 handle.remove()
-    missing = [i for i, f in enumerate(found) if f is None]
-    if missing:
-        raise UsageError(
-            f"the forward never called stage {names[missing[0]]!r}; list only stages that "
-            "loss_fn(model, batch) runs"
-        )
-    if order != list(range(n)):
-        called = ", ".join(repr(names[i]) for i in order[:4])
-        raise UsageError(
-            f"the forward calls the stages as {called}, ..., not once each in the order "
-            "given; list the stages in the order the forward calls them, once each"
-        )
-    stages = tuple(f for f in found if f is not None)
-    if save:
-        return ForwardPass(stages, tuple(kept))
-    # The chain holds a stage's input through its call, and its output through the next
-    # stage's call when that is its input (else only through its own return).
-    own = [i + 1 if i + 1 < n and stages[i + 1].gets_previous_output else i for i in range(n)]
-    return ForwardPass(
-        stages,
-        tuple(kept),
-        link_saved_inputs=tuple(frozenset(js) for js in link_saves),
-        input_saved_before=tuple(input_saved_before),
-        input_held_through=tuple(k if k > i else None for i, k in enumerate(input_seen)),
-        output_held_through=tuple(
-            k if k > own[i] and i < n - 1 else None for i, k in enumerate(output_seen)
-        ),
-        loss_storage_bytes=loss_storage,
-        args_at_return_bytes=args_at_return,
-        call_args=args_by_stage,
-        pre_chain_at_return_bytes=pre_chain_at_return[0],
-    )
+    return recorder.result(loss_storage)
