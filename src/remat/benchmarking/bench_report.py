@@ -14,7 +14,7 @@ from remat.core.plan_format import Plan
 from remat.core.units import format_bytes
 
 from .plots import PLOT_HINT, plot_all
-from .results import BenchReport, Finding, Row
+from .results import BenchReport, Finding, MicrobatchReport, Row
 
 __all__ = ["ReportFiles", "markdown", "options_summary", "plan_summary", "write_report"]
 
@@ -83,6 +83,18 @@ def _finding(f: Finding) -> str:
 
 
 def markdown(report: BenchReport, plots: Sequence[Path] = (), plots_note: str | None = None) -> str:
+    out = _header(report)
+    out += _rows_section(report)
+    out += _findings_section(report)
+    if report.microbatch is not None:
+        out += _microbatch_section(report.microbatch)
+    out += _plots_section(plots, plots_note)
+    out += _HOW_MEASURED
+    return "\n".join(out)
+
+
+def _header(report: BenchReport) -> list[str]:
+    """The title, the command, how the rows were run, and the environment's table."""
     env = report.environment
     out = [f"# remat bench: {report.model}", ""]
     if report.command:
@@ -99,6 +111,13 @@ def markdown(report: BenchReport, plots: Sequence[Path] = (), plots_note: str | 
         f"| {env.torch_version} | {env.device} | {env.threads} (interop {env.interop_threads}) "
         f"| {env.malloc} | {env.dtype} | {env.attention_backend} | {report.compile_status} |",
         "",
+    ]
+    return out
+
+
+def _rows_section(report: BenchReport) -> list[str]:
+    """``## Rows``: what the columns mean, then one table line per row."""
+    return [
         "## Rows",
         "",
         "Peaks are of one whole training step (parameters, gradients, optimizer state, "
@@ -112,6 +131,12 @@ def markdown(report: BenchReport, plots: Sequence[Path] = (), plots_note: str | 
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(_row_line(r) for r in report.rows),
         "",
+    ]
+
+
+def _findings_section(report: BenchReport) -> list[str]:
+    """``## Findings``, then the rows whose gradients differ, if any do."""
+    out = [
         "## Findings",
         "",
         *(_finding(f) for f in report.findings),
@@ -122,51 +147,61 @@ def markdown(report: BenchReport, plots: Sequence[Path] = (), plots_note: str | 
         out += ["Gradient mismatches:", ""]
         out += [f"- {r.key}: {r.grads_detail}" for r in differing]
         out += [""]
-    micro = report.microbatch
-    if micro is not None:
-        out += ["## Micro-batch under a budget", "", micro.statement[:1].upper()
-                + micro.statement[1:] + ".", ""]
-        if micro.rows:
-            out += [
-                f"Global batch {micro.global_batch} kept by gradient accumulation; micro-batch "
-                f"predicted from the profile's batch scaling (profiled at "
-                f"{micro.profiled_batch_sizes[0]} and {micro.profiled_batch_sizes[1]}), then "
-                "confirmed by the measured peak of a whole accumulation step.",
-                "",
-                "| strategy | predicted micro-batch | confirmed | accumulation | predicted peak | "
-                "measured peak | predicted samples/s | samples/s |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |",
-            ]
-            for m in micro.rows:
-                if m.status != "ok":
-                    out.append(f"| {m.strategy} | {m.status}: {m.reason} | | | | | | |")
-                    continue
-                out.append(
-                    f"| {m.strategy} | {m.predicted_microbatch} | {m.microbatch} | "
-                    f"{m.accumulation_steps} | {_size(m.predicted_peak_bytes)} | "
-                    f"{_size(m.measured_peak_bytes)} | {m.predicted_samples_per_s or 0:.1f} | "
-                    f"{'-' if m.samples_per_s is None else f'{m.samples_per_s:.1f}'} |"
-                )
-            out += [""]
-    out += ["## Plots", ""]
+    return out
+
+
+def _microbatch_section(micro: MicrobatchReport) -> list[str]:
+    """``## Micro-batch under a budget``: the statement, then each strategy's micro-batch."""
+    out = ["## Micro-batch under a budget", "", micro.statement[:1].upper()
+           + micro.statement[1:] + ".", ""]
+    if micro.rows:
+        out += [
+            f"Global batch {micro.global_batch} kept by gradient accumulation; micro-batch "
+            f"predicted from the profile's batch scaling (profiled at "
+            f"{micro.profiled_batch_sizes[0]} and {micro.profiled_batch_sizes[1]}), then "
+            "confirmed by the measured peak of a whole accumulation step.",
+            "",
+            "| strategy | predicted micro-batch | confirmed | accumulation | predicted peak | "
+            "measured peak | predicted samples/s | samples/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for m in micro.rows:
+            if m.status != "ok":
+                out.append(f"| {m.strategy} | {m.status}: {m.reason} | | | | | | |")
+                continue
+            out.append(
+                f"| {m.strategy} | {m.predicted_microbatch} | {m.microbatch} | "
+                f"{m.accumulation_steps} | {_size(m.predicted_peak_bytes)} | "
+                f"{_size(m.measured_peak_bytes)} | {m.predicted_samples_per_s or 0:.1f} | "
+                f"{'-' if m.samples_per_s is None else f'{m.samples_per_s:.1f}'} |"
+            )
+        out += [""]
+    return out
+
+
+def _plots_section(plots: Sequence[Path], plots_note: str | None) -> list[str]:
+    """``## Plots``: each plot's image, and why there are none if plots were skipped."""
+    out = ["## Plots", ""]
     out += [f"![{p.stem}]({p.name})" for p in plots]
     if plots_note:
         out += [plots_note]
-    out += [
-        "",
-        "## How each row was measured",
-        "",
-        "- tracker: remat's live-storage tracker (a dispatch mode), exact per storage; the "
-        "torch.profiler figure of the same rows is in the JSON (`profiler_peak_bytes`).",
-        "- torch.profiler: compiled rows, from the allocator events of "
-        "`torch.profiler.profile(profile_memory=True)` (Dynamo does not compile under a "
-        "dispatch mode, so the tracker would measure the eager model).",
-        "- compile rows set `torch._functorch.config.activation_memory_budget` to the budget's "
-        "fraction of the measured peak (torch reads it as a fraction of activation memory, a "
-        "different base) and inductor's `fallback_random`, so dropout masks match eager.",
-        "",
-    ]
-    return "\n".join(out)
+    return out
+
+
+_HOW_MEASURED = [
+    "",
+    "## How each row was measured",
+    "",
+    "- tracker: remat's live-storage tracker (a dispatch mode), exact per storage; the "
+    "torch.profiler figure of the same rows is in the JSON (`profiler_peak_bytes`).",
+    "- torch.profiler: compiled rows, from the allocator events of "
+    "`torch.profiler.profile(profile_memory=True)` (Dynamo does not compile under a "
+    "dispatch mode, so the tracker would measure the eager model).",
+    "- compile rows set `torch._functorch.config.activation_memory_budget` to the budget's "
+    "fraction of the measured peak (torch reads it as a fraction of activation memory, a "
+    "different base) and inductor's `fallback_random`, so dropout masks match eager.",
+    "",
+]
 
 
 def write_report(report: BenchReport, folder: str | Path) -> ReportFiles:
