@@ -9,6 +9,7 @@ peak and time come from the simulator.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -420,43 +421,68 @@ def optimal(problem: Problem, budget: Budget, *, path: str = "auto",
         if not scalable:
             raise UsageError(too_large.sentence())
         return _scaled_down(problem, limit, too_large)
+    ways = _reshard_ways(problem, reshard_after_rebuild)
+    tables_plan = functools.partial(_tables_plan, problem, fill)
+    best = _fastest_way(problem, limit, tables_plan, ways)
+    if best is None:
+        best = _least_peak_way(problem, limit, ways)
+    _, reshard, found = best
+    plan = _finish(problem, found[0], found[1], "optimal", limit, t0, reshard)
+    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
+    return plan
 
-    def tables_plan(dp_limit: int) -> Found | None:
-        slots = _slots(problem, dp_limit)
-        if slots is None:
-            return None
-        slot, m, spare = slots
-        tables = fill(dp.Model(problem, slot, spare), m)
-        return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
 
+def _tables_plan(problem: Problem, fill: Callable[[dp.Model, int], dp.Tables],
+                 dp_limit: int) -> Found | None:
+    """The nested tables' plan within ``dp_limit``; None where none fits in slots."""
+    slots = _slots(problem, dp_limit)
+    if slots is None:
+        return None
+    slot, m, spare = slots
+    tables = fill(dp.Model(problem, slot, spare), m)
+    return dp.reconstruct(tables, m) if math.isfinite(tables.top[0, m]) else None
+
+
+def _reshard_ways(problem: Problem, reshard_after_rebuild: bool | None) -> tuple[bool, ...]:
+    """Whether to reshard after rebuilds, each way optimal tries (Note [Keep or reshard
+    after a rebuild]): both on a problem with units unless the caller chose one."""
     if reshard_after_rebuild is not None and not isinstance(reshard_after_rebuild, bool):
         raise UsageError(f"reshard_after_rebuild={reshard_after_rebuild!r} is not a bool; "
                          "give True, False or None (choose)")
     ways = (False, True) if _has_units(problem) else (False,)
     if reshard_after_rebuild is not None:
         ways = (reshard_after_rebuild,)
+    return ways
+
+
+def _fastest_way(problem: Problem, limit: int, tables_plan: Callable[[int], Found | None],
+                 ways: tuple[bool, ...]) -> tuple[float, bool, Found] | None:
+    """The fastest plan fitting ``limit`` over ``ways``, the first on a tie: (step seconds,
+    reshard, plan); None where the tables and recipes find none."""
     best: tuple[float, bool, Found] | None = None
     for reshard in ways:
         got = _fastest_fitting(problem, limit, tables_plan, reshard)
         if got is not None and (best is None or got[0] < best[0]):
             best = (got[0], reshard, got[1])
-    if best is None:
-        least, regions, options, reshard = _least_plan(problem, ways)
-        if limit < least:
-            fixed = problem.backward_base_bytes
-            # where the tables do not count everything, another plan may peak a little
-            # lower (docs/cost-model.md): the figure is the least remat found, not a bound
-            whose = "any plan reaches" if _least_is_exact(problem) else "remat found"
-            raise CheckFailed(
-                f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes): the smallest "
-                f"peak {whose} is {format_bytes(least)} ({least} bytes, of which "
-                f"{format_bytes(fixed)} is fixed), so give a budget of at least that"
-            )
-        best = (math.inf, reshard, (regions, options))
-    _, reshard, found = best
-    plan = _finish(problem, found[0], found[1], "optimal", limit, t0, reshard)
-    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= limit
-    return plan
+    return best
+
+
+def _least_peak_way(problem: Problem, limit: int, ways: tuple[bool, ...],
+                    ) -> tuple[float, bool, Found]:
+    """The plan of least peak where it fits ``limit`` (rounding to slots left the tables
+    none); CheckFailed naming that peak where it does not."""
+    least, regions, options, reshard = _least_plan(problem, ways)
+    if limit < least:
+        fixed = problem.backward_base_bytes
+        # where the tables do not count everything, another plan may peak a little
+        # lower (docs/cost-model.md): the figure is the least remat found, not a bound
+        whose = "any plan reaches" if _least_is_exact(problem) else "remat found"
+        raise CheckFailed(
+            f"no plan fits a budget of {format_bytes(limit)} ({limit} bytes): the smallest "
+            f"peak {whose} is {format_bytes(least)} ({least} bytes, of which "
+            f"{format_bytes(fixed)} is fixed), so give a budget of at least that"
+        )
+    return (math.inf, reshard, (regions, options))
 
 
 def _scaled_down(problem: Problem, limit: int, too_large: TooLarge) -> Plan:
