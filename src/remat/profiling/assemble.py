@@ -74,6 +74,7 @@ before (docs/cost-model.md, "What the forward lets go of at its return").
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -177,107 +178,136 @@ def output_held_by_option(m: Measurements, option: str, i: int) -> bool:
             and not m.plain_pass.kept_outside[i])
 
 
+def _saved_bytes(m: Measurements, i: int) -> tuple[dict[str, int], dict[str, bool], bool]:
+    """What stage ``i`` saves under keep and each option, whether each option's own graph
+    kept its input (compiled stages), and whether keep's figure has its output in it."""
+    fwd, nosave = m.spans.stage_forward[i], m.nosave.stages[i]
+    kept = max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)
+    # Note [Outputs a selective cache holds], its last paragraph
+    output_saved = nosave.saves_output and code_lets_go_output(m, i)
+    if output_saved:
+        kept += nosave.output_bytes
+    saved: dict[str, int] = {KEEP: kept}
+    input_kept: dict[str, bool] = {}
+    for option, stages in m.measured_in.items():
+        if i in stages:
+            saved[option] = m.selective[option].stages[i].kept_bytes
+            if output_held_by_option(m, option, i):
+                saved[option] += nosave.output_bytes
+            if m.compiled and m.compiled[i]:  # the option's own graph: see what it kept
+                input_kept[option] = m.selective[option].stages[i].saves_input
+    # An option whose ops the stage never runs saves what saving nothing saves; a
+    # partitioned one is offered only where it was measured (a compiled stage that
+    # draws no random numbers).
+    for option in m.selective_options:
+        if not Option(option).is_partitioned:
+            saved.setdefault(option, nosave.kept_bytes)
+    return saved, input_kept, output_saved
+
+
+def _replay_bytes(
+    m: Measurements, i: int, offered: Sequence[str], saved: dict[str, int], input_grad: int
+) -> dict[str, int]:
+    """Under a selective option the stage's backward replays its unsaved ops first; in
+    the simulator's terms (its backward event charges keep's saved bytes), the
+    transient that backward needs (the problem offers the option only where keep's
+    figure covers it)."""
+    replay = {}
+    for option in offered:
+        measured = option in m.measured_in and i in m.measured_in[option]
+        spans = m.selective_backward.get(option if measured else NOTHING)
+        if spans is not None:
+            rise = spans[i].peak_bytes - spans[i].entry_bytes
+            replay[option] = max(0, rise + saved[option] - saved[KEEP] - input_grad)
+    return replay
+
+
+@dataclass(frozen=True)
+class _Times:
+    """The stages' pooled times: which stage each is identical to, each option's extra
+    backward time and the plain figures (``fwd_s``, ``bwd_s``, ``rebuild_s``)."""
+
+    same_as: tuple[int, ...]
+    extras: dict[str, list[Pooled]]
+    times: dict[str, list[Pooled]]
+
+    def of_stage(self, i: int, offered: Sequence[str]) -> dict[str, Pooled]:
+        """Stage ``i``'s plain times and its offered options' extra backward times."""
+        return {
+            **{what: self.times[what][i] for what in self.times},
+            **{f"extra_bwd_s.{o}": self.extras[o][i] for o in offered},
+        }
+
+
+def _stage_profile(m: Measurements, i: int, grads: Sequence[int], t: _Times) -> StageProfile:
+    fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
+    saved, input_kept, output_saved = _saved_bytes(m, i)
+    # The simulator counts the input's gradient at the stage's backward whether or not
+    # one is made; the measured rise has it only where the input requires grad, so a
+    # stage fed the batch itself (a Sequential's first) was over by its input there
+    # (README's own example: 512 KiB at 'backward 0', its peak under a plan)
+    input_grad = nosave.boundary_bytes
+    clones = nosave.mutated_buffer_bytes
+    saved_before = bool(m.nosave.input_saved_before) and m.nosave.input_saved_before[i]
+    # A stage that saves its own output (ends in a ReLU) holds it into its backward;
+    # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
+    held_output = nosave.output_bytes if nosave.saves_output and not output_saved else 0
+    offered = [o for o in m.selective_options if o in saved]
+    extra = {option: t.extras[option][i].median for option in offered}
+    pooled = t.of_stage(i, offered)
+    replay = _replay_bytes(m, i, offered, saved, input_grad)
+    return StageProfile(
+        name=m.names[i],
+        boundary_bytes=nosave.boundary_bytes,
+        output_bytes=nosave.output_bytes,
+        saved_bytes=saved,
+        fwd_s=t.times["fwd_s"][i].median,
+        bwd_s=t.times["bwd_s"][i].median,
+        rebuild_s=t.times["rebuild_s"][i].median,
+        extra_bwd_s=extra,
+        # A rebuild of the stage runs with its changed buffers cloned (module
+        # docstring): counted in both forward figures, a few bytes over elsewhere.
+        fwd_transient_bytes=fwd.peak_bytes - fwd.exit_bytes + clones,
+        # keep's backward clones no buffer (a selective stage's replay does: its
+        # own transient, measured with the option on, has them), so none here:
+        # with them a BatchNorm stage's backward was over by its changed buffers,
+        # and the peak without checkpointing with it (issue 47, item 4). Negative
+        # where the backward frees what the stage saved before its peak
+        # (Note [A backward that frees before its peak] in the simulator).
+        bwd_transient_bytes=bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad,
+        nosave_transient_bytes=nosave.over_io_bytes + clones,
+        grad_bytes=grads[i],
+        output_kept_outside=m.nosave.kept_outside[i],
+        # the code before the stage holds its input to the backward of that code,
+        # after the stage's (Note [The backward of the code between stages])
+        saves_input=nosave.saves_input or saved_before,
+        saves_output=nosave.saves_output,
+        break_before=m.breaks[i],
+        reads=m.reads[i],
+        call_args=m.nosave.call_args[i] if m.nosave.call_args else (),
+        link_saved_bytes=link_saved_bytes(m, i),
+        link_backward_bytes=link_backward_bytes(m, i),
+        selective_bwd_transient_bytes=replay,
+        input_kept_by_option=(dict.fromkeys(input_kept, True) if saved_before
+                              else input_kept),
+        input_held_through=m.nosave.input_held_through[i],
+        output_held_through=m.nosave.output_held_through[i],
+        gets_previous_output=i == 0 or nosave.gets_previous_output,
+        same_as=t.same_as[i] if t.same_as[i] != i else None,
+        time_spread={what: (x.low, x.high) for what, x in pooled.items()
+                     if x.samples > 1},
+    )
+
+
 def stage_profiles(m: Measurements, grads: Sequence[int]) -> list[StageProfile]:
-    found = []
     same_as = m.same_as or tuple(range(len(m.names)))
     extras = {
         o: option_extras(m.plain_steps, m.option_steps[o], same_as, m.overhead.time_s)
         for o in m.selective_options
     }
     times = stage_times(m.plain_steps, m.per_stage_steps, same_as)
-    for i, name in enumerate(m.names):
-        fwd, bwd, nosave = m.spans.stage_forward[i], m.spans.stage_backward[i], m.nosave.stages[i]
-        kept = max(0, fwd.exit_bytes - fwd.entry_bytes - nosave.new_output_bytes)
-        # Note [Outputs a selective cache holds], its last paragraph
-        output_saved = nosave.saves_output and code_lets_go_output(m, i)
-        if output_saved:
-            kept += nosave.output_bytes
-        saved: dict[str, int] = {KEEP: kept}
-        input_kept: dict[str, bool] = {}
-        for option, stages in m.measured_in.items():
-            if i in stages:
-                saved[option] = m.selective[option].stages[i].kept_bytes
-                if output_held_by_option(m, option, i):
-                    saved[option] += nosave.output_bytes
-                if m.compiled and m.compiled[i]:  # the option's own graph: see what it kept
-                    input_kept[option] = m.selective[option].stages[i].saves_input
-        # An option whose ops the stage never runs saves what saving nothing saves; a
-        # partitioned one is offered only where it was measured (a compiled stage that
-        # draws no random numbers).
-        for option in m.selective_options:
-            if not Option(option).is_partitioned:
-                saved.setdefault(option, nosave.kept_bytes)
-        # The simulator counts the input's gradient at the stage's backward whether or not
-        # one is made; the measured rise has it only where the input requires grad, so a
-        # stage fed the batch itself (a Sequential's first) was over by its input there
-        # (README's own example: 512 KiB at 'backward 0', its peak under a plan)
-        input_grad = nosave.boundary_bytes
-        clones = nosave.mutated_buffer_bytes
-        saved_before = bool(m.nosave.input_saved_before) and m.nosave.input_saved_before[i]
-        # A stage that saves its own output (ends in a ReLU) holds it into its backward;
-        # the simulator has let go of it by then (docs/cost-model.md, assumption 2).
-        held_output = nosave.output_bytes if nosave.saves_output and not output_saved else 0
-        offered = [o for o in m.selective_options if o in saved]
-        extra = {option: extras[option][i].median for option in offered}
-        pooled: dict[str, Pooled] = {
-            **{what: times[what][i] for what in times},
-            **{f"extra_bwd_s.{o}": extras[o][i] for o in offered},
-        }
-        # Under a selective option the stage's backward replays its unsaved ops first; in
-        # the simulator's terms (its backward event charges keep's saved bytes), the
-        # transient that backward needs (the problem offers the option only where keep's
-        # figure covers it).
-        replay = {}
-        for option in offered:
-            measured = option in m.measured_in and i in m.measured_in[option]
-            spans = m.selective_backward.get(option if measured else NOTHING)
-            if spans is not None:
-                rise = spans[i].peak_bytes - spans[i].entry_bytes
-                replay[option] = max(0, rise + saved[option] - saved[KEEP] - input_grad)
-        found.append(
-            StageProfile(
-                name=name,
-                boundary_bytes=nosave.boundary_bytes,
-                output_bytes=nosave.output_bytes,
-                saved_bytes=saved,
-                fwd_s=times["fwd_s"][i].median,
-                bwd_s=times["bwd_s"][i].median,
-                rebuild_s=times["rebuild_s"][i].median,
-                extra_bwd_s=extra,
-                # A rebuild of the stage runs with its changed buffers cloned (module
-                # docstring): counted in both forward figures, a few bytes over elsewhere.
-                fwd_transient_bytes=fwd.peak_bytes - fwd.exit_bytes + clones,
-                # keep's backward clones no buffer (a selective stage's replay does: its
-                # own transient, measured with the option on, has them), so none here:
-                # with them a BatchNorm stage's backward was over by its changed buffers,
-                # and the peak without checkpointing with it (issue 47, item 4). Negative
-                # where the backward frees what the stage saved before its peak
-                # (Note [A backward that frees before its peak] in the simulator).
-                bwd_transient_bytes=bwd.peak_bytes - bwd.entry_bytes + held_output - input_grad,
-                nosave_transient_bytes=nosave.over_io_bytes + clones,
-                grad_bytes=grads[i],
-                output_kept_outside=m.nosave.kept_outside[i],
-                # the code before the stage holds its input to the backward of that code,
-                # after the stage's (Note [The backward of the code between stages])
-                saves_input=nosave.saves_input or saved_before,
-                saves_output=nosave.saves_output,
-                break_before=m.breaks[i],
-                reads=m.reads[i],
-                call_args=m.nosave.call_args[i] if m.nosave.call_args else (),
-                link_saved_bytes=link_saved_bytes(m, i),
-                link_backward_bytes=link_backward_bytes(m, i),
-                selective_bwd_transient_bytes=replay,
-                input_kept_by_option=(dict.fromkeys(input_kept, True) if saved_before
-                                      else input_kept),
-                input_held_through=m.nosave.input_held_through[i],
-                output_held_through=m.nosave.output_held_through[i],
-                gets_previous_output=i == 0 or nosave.gets_previous_output,
-                same_as=same_as[i] if same_as[i] != i else None,
-                time_spread={what: (x.low, x.high) for what, x in pooled.items()
-                             if x.samples > 1},
-            )
-        )
-    return found
+    pooled = _Times(same_as, extras, times)
+    return [_stage_profile(m, i, grads, pooled) for i in range(len(m.names))]
 
 
 def fixed_bytes(
