@@ -65,6 +65,21 @@ def test_a_budget_is_read_before_the_model_is_loaded() -> None:
     with pytest.raises(UsageError, match="budget '-5%' must be above zero"):
         remat.auto(factory, budget="-5%")
     assert built == []
+    with pytest.raises(UsageError, match="budget 'lots' is not a size"):
+        remat.bench(factory, budgets="50%", microbatch_budget="lots")
+    assert built == []
+
+
+def test_auto_over_a_range_reads_its_budget_before_the_model_is_loaded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from remat.cli import main
+
+    loaded: list[int] = []
+    monkeypatch.setattr("remat.cli.common.load", lambda *_: loaded.append(1))
+    assert main(["auto", "--shapes", "seq=16..32:8", "--budget", "lots"]) == 2
+    assert "budget 'lots' is not a size" in capsys.readouterr().err
+    assert loaded == []
 
 
 def test_bench_rows_take_a_budget_value_as_its_text() -> None:

@@ -20,7 +20,8 @@ from typing import Any, cast
 from remat.core.errors import UsageError
 from remat.core.planner import to_problem
 from remat.core.profile_format import Profile
-from remat.core.solve import Problem, parse_budget
+from remat.core.solve import Problem
+from remat.core.solve.budget import Budget
 from remat.measure.malloc import set_malloc
 from remat.parallel.data_parallel import rank_problem
 from remat.parallel.ranks import rank_zeros
@@ -267,7 +268,7 @@ class Settings:
     """A run's options, checked (see :func:`bench`)."""
 
     strategies: tuple[str, ...]
-    budgets: tuple[str | int | float, ...]
+    budgets: tuple[Budget, ...]
     optimizer: str
     repeats: int
     warmup: int
@@ -275,7 +276,7 @@ class Settings:
     profile_repeats: int
     compile_limit_s: float
     matched: bool
-    microbatch_budget: str | int | float | None
+    microbatch_budget: Budget | None
     distributed: str | None = None
     allocator: str = "system allocator"  # what set_malloc made of the malloc option
 
@@ -285,7 +286,7 @@ def bench(
     *,
     options: Mapping[str, Any] | None = None,
     stages: Sequence[str] | None = None,
-    budgets: str | Sequence[str | int | float] = DEFAULT_BUDGETS,
+    budgets: str | Sequence[Budget | str | int | float] = DEFAULT_BUDGETS,
     strategies: str | Sequence[str] = STRATEGIES,
     optimizer: str = "adamw",
     repeats: int = 10,
@@ -294,7 +295,7 @@ def bench(
     profile_repeats: int | None = None,
     compile_limit_s: float = 600.0,
     matched: bool = True,
-    microbatch_budget: str | int | float | None = "50%",
+    microbatch_budget: Budget | str | int | float | None = "50%",
     threads: int | None = None,
     progress: Progress | None = None,
     command: str | None = None,
@@ -328,7 +329,7 @@ def bench(
         raise UsageError(f"compile_limit_s={compile_limit_s!r} is invalid; give seconds >= 0")
     settings = Settings(
         strategies=parse_strategies(strategies),
-        budgets=parse_budgets(budgets),
+        budgets=tuple(Budget.parse(b) for b in parse_budgets(budgets)),  # read once, here
         optimizer=optimizer,
         repeats=whole(repeats, "repeats", 1),
         warmup=whole(warmup, "warmup", 0),
@@ -338,7 +339,7 @@ def bench(
         matched=matched,
         microbatch_budget=(
             None if microbatch_budget is None or distributed
-            else parse_budgets([microbatch_budget])[0]
+            else Budget.parse(microbatch_budget)
         ),
         distributed=distributed,
         allocator=set_malloc(malloc),  # before the profile: it times steps too
@@ -409,7 +410,7 @@ def _run(
     micro = None
     if s.microbatch_budget is not None:
         micro = compare_microbatches(
-            p.factory, p.prof, parse_budget(s.microbatch_budget, p.problem),
+            p.factory, p.prof, s.microbatch_budget.bytes(p.problem),
             str(s.microbatch_budget), strategies=[n for n in s.strategies if n != "compile"],
             optimizer=s.optimizer, repeats=max(3, s.repeats // 2),
             usable=p.takes_batch and p.batch_size is not None, global_batch=p.batch_size,

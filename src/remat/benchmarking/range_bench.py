@@ -32,6 +32,7 @@ from remat.core.errors import UsageError
 from remat.core.plan_format import Plan
 from remat.core.plan_set import PlanSet, box_text
 from remat.core.shapes import Shape, parse_shapes
+from remat.core.solve.budget import Budget
 from remat.core.solve.simulator import simulate
 from remat.core.units import format_bytes
 from remat.measure.malloc import set_malloc
@@ -164,12 +165,16 @@ def _range_strategies(strategies: str | Sequence[str]) -> tuple[str, ...]:
     return found
 
 
-def _one_budget(budget: str | int | float | Sequence[str | int | float]) -> str | int | float:
-    given = parse_budgets([budget] if isinstance(budget, (int, float)) else budget)
+def _one_budget(
+    budget: Budget | str | int | float | Sequence[Budget | str | int | float],
+) -> Budget:
+    """The one budget a range benchmark plans under, read once here."""
+    single = isinstance(budget, (Budget, int, float))
+    given = parse_budgets([budget] if single else budget)  # type: ignore[list-item,arg-type]
     if len(given) != 1:
         raise UsageError(f"a range benchmark plans one plan set for one budget, and "
                          f"{len(given)} were given; give one, e.g. --budgets 50%")
-    return given[0]
+    return Budget.parse(given[0])
 
 
 def _ran(runner: Runner, chosen: PlanSet) -> int | None:
@@ -303,7 +308,7 @@ def bench_range(
     model: str | Callable[..., Any] = "gpt",
     *,
     shapes: str,
-    budget: str | int | float = "50%",
+    budget: Budget | str | int | float | Sequence[Budget | str | int | float] = "50%",
     options: Mapping[str, Any] | None = None,
     stages: Sequence[str] | None = None,
     strategies: str | Sequence[str] = RANGE_STRATEGIES,

@@ -26,6 +26,7 @@ from remat.core.profile_format import Profile
 from remat.core.shape_profiles import at_shape
 from remat.core.shapes import Shape, ShapeRange
 from remat.core.solve import Problem
+from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.simulator import simulate
 from remat.measure.step import measure_step
@@ -116,7 +117,7 @@ def problem_at(profile: Profile, shape: Shape) -> Problem:
 
 
 def profile_and_plan(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
-                     shapes: str, budget: str | int | float, *,
+                     shapes: str, budget: Budget | str | int | float, *,
                      stages: Sequence[str] | None = None, optimizer: str = "adamw",
                      repeats: int = 2, outside: str = "error",
                      progress: Callable[[str], None] | None = None,
@@ -140,8 +141,9 @@ def profile_and_plan(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
 
 
 def auto_range(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
-               shapes: str, budget: str | int | float, *, stages: Sequence[str] | None = None,
-               optimizer: str = "adamw", repeats: int = 2, outside: str = "error",
+               shapes: str, budget: Budget | str | int | float, *,
+               stages: Sequence[str] | None = None, optimizer: str = "adamw",
+               repeats: int = 2, outside: str = "error",
                progress: Callable[[str], None] | None = None) -> RangeReport:
     """Profile ``shapes``, plan the set under ``budget``, measure each bucket's ends."""
     say = progress or (lambda _what: None)

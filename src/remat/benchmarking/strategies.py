@@ -88,11 +88,13 @@ def with_default_rows(strategies: tuple[str, ...], model: object) -> tuple[str, 
     return strategies
 
 
-def parse_budgets(value: str | Sequence[str | int | float]) -> tuple[str | int | float, ...]:
+def parse_budgets(
+    value: str | Sequence[Budget | str | int | float],
+) -> tuple[Budget | str | int | float, ...]:
     """Budgets from ``"100%,50%,64MiB"`` (or a list), each read (:meth:`Budget.parse`: a
     usage error for one that is not a budget), unique, in given order, as given: the rows
     read them again and label them as written."""
-    found: list[str | int | float] = []
+    found: list[Budget | str | int | float] = []
     for item in _entries(value, "budgets", "100%,50%,25%"):
         Budget.parse(item)  # type: ignore[arg-type]
         if item not in found:

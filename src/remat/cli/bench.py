@@ -195,15 +195,14 @@ def run(args: argparse.Namespace) -> int:
         return _run_range(args)
     from remat.benchmarking import bench, parse_budgets, parse_strategies, write_report
     from remat.benchmarking.strategies import REMAT_COMPILE
+    from remat.core.solve.budget import Budget
 
     strategies = parse_strategies(args.strategies or DEFAULT_STRATEGIES)
     if args.compile:  # remat's plans for the stage-compiled model, beside the others
         strategies = parse_strategies([*strategies, REMAT_COMPILE])
     budgets = parse_budgets(args.budgets or DEFAULT_BUDGETS)
     micro_text = args.microbatch_budget or "50%"
-    micro = None if micro_text.strip().lower() == "off" else micro_text
-    if micro is not None:
-        parse_budgets([micro])
+    micro = None if micro_text.strip().lower() == "off" else Budget.parse(micro_text)
     compile_limit = 600.0 if args.compile_limit is None else args.compile_limit
     if compile_limit < 0:
         raise UsageError(f"--compile-limit {compile_limit:g} is negative; give seconds >= 0")

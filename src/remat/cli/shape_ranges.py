@@ -151,15 +151,17 @@ def auto_range_command(args: argparse.Namespace) -> int:
     """``remat auto --shapes``: the plan set, measured at each bucket's ends."""
     from remat.benchmarking.range_job import auto_range
     from remat.cli.common import check_threads, load
+    from remat.core.solve.budget import Budget
 
     if args.distributed is not None or args.compile:
         raise UsageError("--shapes runs one process on eager stages; drop --distributed and "
                          "--compile")
     check_threads(args.threads)
+    budget = Budget.parse(args.budget)  # read once, before the model is built
     model, batch, loss_fn, stages, description = load(args)
     console = console_for(args.json)
     with console.status("auto over the range") as status:
-        report = auto_range(model, batch, loss_fn, args.shapes, args.budget,
+        report = auto_range(model, batch, loss_fn, args.shapes, budget,
                             stages=stages, optimizer=args.optimizer,
                             repeats=args.profile_repeats or 2, outside=args.outside,
                             progress=lambda what: status.update(what))
