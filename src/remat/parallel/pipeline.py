@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -294,8 +296,6 @@ def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
     in passes, on paper]).
     ``microbatch`` as for :func:`profile_part`: it must require grad, as a receive buffer
     does (the first rank's input pass is empty and needs no figures)."""
-    import time
-
     # torch's own two functions, so that the graph is kept and freed exactly as the
     # schedules keep and free it
     from torch.distributed.pipelining._backward import (
@@ -303,6 +303,29 @@ def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
         stage_backward_weight,
     )
 
+    _check_split(part, microbatch, last, loss_fn, target)
+    passes = _SplitPasses(part, microbatch, last, loss_fn, target, list(part.parameters()),
+                          stage_backward_input, stage_backward_weight)
+    part.zero_grad(set_to_none=True)
+    gc.collect()
+    base, first, later = _tracked_passes(passes)
+    _, input_peak, held, weight_peak, _ = first
+    later_weight_peak = later[3]
+    t_input, t_weight = _timed_passes(passes, rounds)
+    return SplitFigures(
+        input_peak_bytes=max(0, input_peak - base),
+        held_bytes=max(0, held - base),
+        weight_peak_bytes=max(0, weight_peak - base),
+        later_weight_peak_bytes=max(0, later_weight_peak - base),
+        weight_share=t_weight / (t_input + t_weight) if t_input + t_weight > 0 else 0.5,
+        input_s=t_input,
+        weight_s=t_weight,
+    )
+
+
+def _check_split(part: nn.Module, microbatch: Any, last: bool,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, target: Any) -> None:
+    """split_figures's arguments, checked."""
     from remat.runtime.install import applied
 
     if applied(part):
@@ -314,69 +337,83 @@ def split_figures(part: nn.Module, microbatch: Any, *, last: bool,
     if last and (loss_fn is None or target is None):
         raise UsageError("the last pipeline rank's passes start from its real loss; give "
                          "loss_fn=(output, target) -> loss and the micro-batch's target")
-    params = list(part.parameters())
 
-    def forward(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
-                                          list[torch.Tensor] | None]:
-        out = part(x)
-        if last:
-            assert loss_fn is not None
-            return out, [loss_fn(out, target)], None
+
+@dataclass(frozen=True)
+class _SplitPasses:
+    """One micro-batch's forward through ``part``, then its backward in torch's two passes
+    (``input_pass``: ``stage_backward_input``, ``weight_pass``: ``stage_backward_weight``)."""
+
+    part: nn.Module
+    microbatch: torch.Tensor
+    last: bool
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    target: Any
+    params: list[torch.Tensor]
+    input_pass: Callable[..., Any]
+    weight_pass: Callable[..., Any]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                list[torch.Tensor] | None]:
+        out = self.part(x)
+        if self.last:
+            assert self.loss_fn is not None
+            return out, [self.loss_fn(out, self.target)], None
         return out, [out], [torch.ones_like(out)]
 
-    def passes(tracker: LiveMemoryTracker | None, marks: list[int]) -> tuple[float, float]:
-        x = microbatch.detach().requires_grad_(True)
+    def run(self, tracker: LiveMemoryTracker | None, marks: list[int]) -> tuple[float, float]:
+        """The passes' seconds (input, weight); with ``tracker``, ``marks`` gets the live
+        bytes before the input pass, its peak and the live bytes after, then the weight
+        pass's peak and the live bytes after it."""
+        x = self.microbatch.detach().requires_grad_(True)
         # the stage keeps its output until the input pass (the last one's for the merged
         # output, counted after it as a schedule buffer): so does this
-        out, outputs, grads = forward(x)
+        out, outputs, grads = self.forward(x)
         if tracker is not None:
             marks.append(tracker.live_bytes)
             tracker.reset_peak()
         t0 = time.perf_counter()
-        _, groups = stage_backward_input(outputs, grads, [x], iter(params))
+        _, groups = self.input_pass(outputs, grads, [x], iter(self.params))
         t1 = time.perf_counter()
         del out, outputs, grads
         if tracker is not None:
             marks += [tracker.peak_bytes, tracker.live_bytes]
             tracker.reset_peak()
         t2 = time.perf_counter()
-        stage_backward_weight(iter(params), groups)
+        self.weight_pass(iter(self.params), groups)
         t3 = time.perf_counter()
         del groups
         if tracker is not None:
             marks += [tracker.peak_bytes, tracker.live_bytes]
         return t1 - t0, t3 - t2
 
-    part.zero_grad(set_to_none=True)
-    gc.collect()
+
+def _tracked_passes(passes: _SplitPasses) -> tuple[int, list[int], list[int]]:
+    """The live bytes before, and the marks of two runs under the live-storage tracker:
+    the first with no gradients yet, the second with the gradients there from the start."""
     tracker = LiveMemoryTracker()
-    tracker.register_existing(part)
+    tracker.register_existing(passes.part)
+    target, microbatch = passes.target, passes.microbatch
     tracker.register_existing([microbatch, target] if target is not None else [microbatch])
-    marks: list[int] = []
+    first: list[int] = []
+    later: list[int] = []
     with tracker:
         base = tracker.live_bytes
-        passes(tracker, marks)  # no gradients yet
-        first = marks[:]
-        marks.clear()
-        passes(tracker, marks)  # the gradients there from the start
-    _, input_peak, held, weight_peak, _ = first
-    later_weight_peak = marks[3]
+        passes.run(tracker, first)  # no gradients yet
+        passes.run(tracker, later)  # the gradients there from the start
+    return base, first, later
+
+
+def _timed_passes(passes: _SplitPasses, rounds: int) -> tuple[float, float]:
+    """The median seconds of the input and the weight pass over ``rounds`` untracked runs
+    (at least one); the part's gradients are cleared after."""
     inputs, weights = [], []
     for _ in range(max(1, rounds)):
-        t_input, t_weight = passes(None, [])
+        t_input, t_weight = passes.run(None, [])
         inputs.append(t_input)
         weights.append(t_weight)
-    part.zero_grad(set_to_none=True)
-    t_input, t_weight = statistics.median(inputs), statistics.median(weights)
-    return SplitFigures(
-        input_peak_bytes=max(0, input_peak - base),
-        held_bytes=max(0, held - base),
-        weight_peak_bytes=max(0, weight_peak - base),
-        later_weight_peak_bytes=max(0, later_weight_peak - base),
-        weight_share=t_weight / (t_input + t_weight) if t_input + t_weight > 0 else 0.5,
-        input_s=t_input,
-        weight_s=t_weight,
-    )
+    passes.part.zero_grad(set_to_none=True)
+    return statistics.median(inputs), statistics.median(weights)
 
 
 def split_stage(part: nn.Module, microbatch: Any, *, schedule: str, microbatches: int,
