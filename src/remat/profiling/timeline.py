@@ -72,34 +72,35 @@ def _span(events: Sequence[Event], start: int, stop: int, before: int) -> Span:
     return Span(before, max(before, *lives), lives[-1])
 
 
-def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
-    """Cut a measured step (with timeline) into pre-chain, stages, post-chain and optimizer."""
-    events = step.timeline
-    if events is None:
-        raise RematError("internal error: the step was measured without a timeline")
+class _Timeline:
+    """A step's events with the chain's stages: where each stage ran, and the spans, ops
+    and modules of a run of events."""
 
-    def live_before(k: int) -> int:
-        return events[k - 1].live_bytes if k > 0 else step.start_bytes
+    def __init__(self, events: Sequence[Event], start_bytes: int, stages: Sequence[str]
+                 ) -> None:
+        self.events = events
+        self.start_bytes = start_bytes
+        self.stages = stages
+        self.owner: dict[str, int] = {}
 
-    n_events = len(events)
-    bwd_start = next((k for k, e in enumerate(events) if e.phase is Phase.BACKWARD), n_events)
-    opt_start = next((k for k, e in enumerate(events) if e.phase is Phase.OPTIMIZER), n_events)
+    def live_before(self, k: int) -> int:
+        return self.events[k - 1].live_bytes if k > 0 else self.start_bytes
 
-    owner: dict[str, int] = {}
-
-    def stage_of(path: str) -> int:
+    def stage_of(self, path: str) -> int:
+        owner = self.owner
         if path not in owner:
-            owner[path] = next((i for i, s in enumerate(stages) if _inside(path, s)), -1)
+            owner[path] = next((i for i, s in enumerate(self.stages) if _inside(path, s)), -1)
         return owner[path]
 
-    def windows(lo: int, hi: int, phase: Phase) -> list[tuple[int, int]]:
+    def windows(self, lo: int, hi: int, phase: Phase) -> list[tuple[int, int]]:
+        events, stages = self.events, self.stages
         # A selective stage's replay runs in its backward (phase REBUILD, same module).
         phases = (phase, Phase.REBUILD) if phase is Phase.BACKWARD else (phase,)
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for k in range(lo, hi):
             if events[k].phase in phases:
-                i = stage_of(events[k].module_path)
+                i = self.stage_of(events[k].module_path)
                 if i >= 0:
                     first.setdefault(i, k)
                     last[i] = k + 1
@@ -111,35 +112,49 @@ def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
                 )
         return [(first[i], last[i]) for i in range(len(stages))]
 
-    fwd = windows(0, bwd_start, Phase.FORWARD)
-    bwd = windows(bwd_start, opt_start, Phase.BACKWARD)
-    first_fwd, last_fwd = fwd[0][0], fwd[-1][1]
-    first_bwd, last_bwd = bwd[-1][0], bwd[0][1]
+    def span(self, start: int, stop: int) -> Span:
+        """Events ``start..stop-1``, from the live total when ``start`` began."""
+        return _span(self.events, start, stop, self.live_before(start))
 
-    def spans(win: list[tuple[int, int]]) -> tuple[Span, ...]:
-        return tuple(_span(events, a, b, live_before(a)) for a, b in win)
+    def spans(self, win: list[tuple[int, int]]) -> tuple[Span, ...]:
+        return tuple(self.span(a, b) for a, b in win)
 
-    def ops(lo: int, hi: int) -> frozenset[str]:
-        return frozenset(e.name for e in events[lo:hi] if e.name not in ("free", "register"))
+    def ops(self, lo: int, hi: int) -> frozenset[str]:
+        return frozenset(e.name for e in self.events[lo:hi]
+                         if e.name not in ("free", "register"))
 
-    def modules(lo: int, hi: int) -> frozenset[str]:
+    def modules(self, lo: int, hi: int) -> frozenset[str]:
+        events = self.events
         return frozenset(events[k].module_path for k in range(lo, hi) if events[k].name != "free")
 
+
+def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
+    """Cut a measured step (with timeline) into pre-chain, stages, post-chain and optimizer."""
+    events = step.timeline
+    if events is None:
+        raise RematError("internal error: the step was measured without a timeline")
+    t = _Timeline(events, step.start_bytes, stages)
+    n_events = len(events)
+    bwd_start = next((k for k, e in enumerate(events) if e.phase is Phase.BACKWARD), n_events)
+    opt_start = next((k for k, e in enumerate(events) if e.phase is Phase.OPTIMIZER), n_events)
+    fwd = t.windows(0, bwd_start, Phase.FORWARD)
+    bwd = t.windows(bwd_start, opt_start, Phase.BACKWARD)
+    first_fwd, last_fwd = fwd[0][0], fwd[-1][1]
+    first_bwd, last_bwd = bwd[-1][0], bwd[0][1]
     return StepSpans(
         start_bytes=step.start_bytes,
         pre_forward=_span(events, 0, first_fwd, step.start_bytes),
-        stage_forward=spans(fwd),
-        post_forward=_span(events, last_fwd, bwd_start, live_before(last_fwd)),
-        post_backward=_span(events, bwd_start, first_bwd, live_before(bwd_start)),
-        stage_backward=spans(bwd),
-        pre_backward=_span(events, last_bwd, opt_start, live_before(last_bwd)),
-        optimizer=_span(events, opt_start, n_events, live_before(opt_start)),
-        pre_modules=modules(0, first_fwd),
-        post_modules=modules(last_fwd, bwd_start),
-        stage_ops=tuple(ops(a, b) for a, b in fwd),
+        stage_forward=t.spans(fwd),
+        post_forward=t.span(last_fwd, bwd_start),
+        post_backward=t.span(bwd_start, first_bwd),
+        stage_backward=t.spans(bwd),
+        pre_backward=t.span(last_bwd, opt_start),
+        optimizer=t.span(opt_start, n_events),
+        pre_modules=t.modules(0, first_fwd),
+        post_modules=t.modules(last_fwd, bwd_start),
+        stage_ops=tuple(t.ops(a, b) for a, b in fwd),
         link_backward=tuple(
-            _span(events, bwd[i][1], bwd[i - 1][0], live_before(bwd[i][1])) if i else
-            Span(0, 0, 0)
+            t.span(bwd[i][1], bwd[i - 1][0]) if i else Span(0, 0, 0)
             for i in range(len(stages))
         ),
     )
