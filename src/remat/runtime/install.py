@@ -313,7 +313,50 @@ def apply(
     backward in passes] in remat.runtime.rebuild_once). Plans with nested regions or a
     selective option inside a region are refused with it.
     """
-    plan_set: PlanSet | None = None
+    plan_set, plan = _plan_or_set(plan, outside, split_backward)
+    plans = plan_set.plans if plan_set is not None else (plan,)
+    switches = _Switches(preserve_rng_state, force, allow_compile_mismatch, split_backward)
+    check_target(model, plan)
+    switches.check()
+    stages, notes = _checked_stages(model, plan, plans, switches)
+    if any(each.regions for each in plans):
+        _warn_use_cache(model)
+    all_policies = _resolved_policies(plans, plan_set, stages)
+    policies = list(all_policies[0])  # the first plan's, changed below for compiled stages
+    for note in notes:  # before any change: a warning turned into an error leaves no trace
+        warnings.warn(note, stacklevel=2)
+    forwards = _stage_forwards(plan, stages, policies)
+
+    # Everything is checked: from here on nothing can fail half-way.
+    engine = _engine(plan, plan_set, stages, policies, all_policies, switches)
+    installation = _install(model, engine, plan_set, forwards)
+    return Handle(model, plan_set if plan_set is not None else plan, installation)
+
+
+@dataclass(frozen=True)
+class _Switches:
+    """``apply``'s True/False switches, which travel together through its checks."""
+
+    preserve_rng_state: bool
+    force: bool
+    allow_compile_mismatch: bool
+    split_backward: bool
+
+    def check(self) -> None:
+        """UsageError for a switch that is not a bool."""
+        for name, flag in (("preserve_rng_state", self.preserve_rng_state),
+                           ("force", self.force),
+                           ("allow_compile_mismatch", self.allow_compile_mismatch),
+                           ("split_backward", self.split_backward)):
+            if not isinstance(flag, bool):
+                raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
+
+
+def _plan_or_set(plan: Plan | PlanSet, outside: str | None,
+                 split_backward: bool) -> tuple[PlanSet | None, Plan]:
+    """The plan set to run (``outside`` applied), if ``plan`` is one, and the plan whose
+    stages are installed (a set's first); UsageError for ``outside`` or
+    ``split_backward`` where they do not fit."""
     if isinstance(plan, PlanSet):
         if outside is not None and outside not in OUTSIDE:
             raise UsageError(f"outside={outside!r} is not one of {', '.join(OUTSIDE)}")
@@ -321,31 +364,37 @@ def apply(
         if split_backward:
             raise UsageError("split_backward=True runs one plan; apply a single plan, not a "
                              "plan set")
-        plan = plan_set.plans[0]
-    elif outside is not None:
+        return plan_set, plan_set.plans[0]
+    if outside is not None:
         raise UsageError("outside= is for plan sets; a single plan runs at every shape")
-    plans = plan_set.plans if plan_set is not None else (plan,)
-    check_target(model, plan)
-    for name, flag in (("preserve_rng_state", preserve_rng_state), ("force", force),
-                       ("allow_compile_mismatch", allow_compile_mismatch),
-                       ("split_backward", split_backward)):
-        if not isinstance(flag, bool):
-            raise UsageError(f"{name}={flag!r} is not a bool; pass True or False")
+    return None, plan
+
+
+def _checked_stages(model: nn.Module, plan: Plan, plans: tuple[Plan, ...],
+                    switches: _Switches) -> tuple[tuple[nn.Module, ...], tuple[str, ...]]:
+    """The plan's stage modules and the notes to issue about them, after every check that
+    the plans fit the model (UsageError where one does not); changes nothing."""
     check_free(model)
     for each in plans:
         each.validate()  # again: a frozen dataclass can still be changed behind its back
-    if split_backward:
+    if switches.split_backward:
         check_split_backward(plan)
     check_apply(model, plan)  # never checkpoint twice: see remat.runtime.existing
     check_available()
     stages = _resolve_stages(model, plan)
     check_fsdp_units(model, plan.stages, stages, plan.regions)  # again at the first pass
-    notes = check_made_for(model, plan, stages, force=force)  # the plan's model is this one
-    if not allow_compile_mismatch:
+    # the plan's model is this one
+    notes = check_made_for(model, plan, stages, force=switches.force)
+    if not switches.allow_compile_mismatch:
         for each in plans:
             _check_compiled(model, each)
-    regions = any(each.regions for each in plans)
-    if regions and kv_cache_in_training(model) and model not in _CACHE_WARNED:
+    return stages, notes
+
+
+def _warn_use_cache(model: nn.Module) -> None:
+    """Warn, once per model, that a key/value cache built in training forwards breaks
+    rebuilds (for plans with regions)."""
+    if kv_cache_in_training(model) and model not in _CACHE_WARNED:
         _CACHE_WARNED.add(model)  # once per model: profiling applies many plans to one
         # transformers: a key/value cache appended to in forward is appended to again by
         # every rebuild, so the rebuilt attention sees other keys (remat verify: hazard).
@@ -354,20 +403,29 @@ def apply(
             "the model's config has use_cache=True: a rebuild would append to the key/value "
             "cache again and compute other values; set model.config.use_cache = False for "
             "training",
-            stacklevel=2,
+            stacklevel=3,  # apply's caller
         )
+
+
+def _resolved_policies(plans: tuple[Plan, ...], plan_set: PlanSet | None,
+                       stages: tuple[nn.Module, ...]) -> list[list[StagePolicy]]:
+    """Each plan's stage policies; UsageError for a plan set with selective options on
+    compiled stages."""
     all_policies = [[resolve(opt, name) for name, opt in zip(p.stages, p.options, strict=True)]
                     for p in plans]
-    policies = list(all_policies[0])  # the first plan's, changed below for compiled stages
     if plan_set is not None and any(
             isinstance(m.__dict__.get("forward"), CompiledForward) for m in stages) and any(
             not q.is_keep for pol in all_policies for q in pol):
         raise UsageError("a plan set with selective options cannot run on compiled stages "
                          "yet; plan it for eager stages, or apply one plan")
+    return all_policies
 
-    for note in notes:  # before any change: a warning turned into an error leaves no trace
-        warnings.warn(note, stacklevel=2)
 
+def _stage_forwards(plan: Plan, stages: tuple[nn.Module, ...],
+                    policies: list[StagePolicy]) -> list[Any]:
+    """The forward each stage runs: its own, or for a selective option on a compiled stage
+    the compiled program that saves the option's ops (its policy then becomes keep, in
+    ``policies``); UsageError for a budget option on an eager stage."""
     # Note [Selective options on compiled stages] in compiled_stages.py
     forwards = [m.forward for m in stages]
     for i, module in enumerate(stages):
@@ -381,12 +439,25 @@ def apply(
             raise UsageError(
                 f"stage {plan.stages[i]!r} has option {plan.options[i]!r}, which needs the "
                 "stage compiled: call remat.compile_stages(model) first (--compile)")
+    return forwards
 
-    # Everything is checked: from here on nothing can fail half-way.
-    engine = Engine(plan, stages, policies, preserve_rng_state=preserve_rng_state,
-                    split_backward=split_backward)
+
+def _engine(plan: Plan, plan_set: PlanSet | None, stages: tuple[nn.Module, ...],
+            policies: list[StagePolicy], all_policies: list[list[StagePolicy]],
+            switches: _Switches) -> Engine:
+    """The engine that runs ``plan`` on ``stages`` (of a plan set: each plan at its
+    shapes, Note [One engine, several plans] in engine.py)."""
+    engine = Engine(plan, stages, policies, preserve_rng_state=switches.preserve_rng_state,
+                    split_backward=switches.split_backward)
     if plan_set is not None:
-        engine.add_layouts(plans, all_policies)
+        engine.add_layouts(plan_set.plans, all_policies)
+    return engine
+
+
+def _install(model: nn.Module, engine: Engine, plan_set: PlanSet | None,
+             forwards: list[Any]) -> _Installation:
+    """Wrap the stage forwards in ``engine`` and hook the model's passes; registered as
+    applied to ``model``. Nothing here can fail half-way."""
     # one forward per module, also for a module that is several stages (its calls: Note
     # [Calls of one module as stages] in engine.py)
     distinct = engine.calls_of()
@@ -407,7 +478,7 @@ def apply(
     installation = _Installation(engine, modules, previous, hooks, weakref.ref(model))
     begin.installation = installation  # a deep copy of the model copies it
     _APPLIED[model] = installation
-    return Handle(model, plan_set if plan_set is not None else plan, installation)
+    return installation
 
 
 def check_split_backward(plan: Plan) -> None:
