@@ -323,109 +323,9 @@ def _choose(model: nn.Module, trace: _Trace) -> tuple[list[str], list[str]]:
     one line for each candidate container or run that contributed nothing, and why."""
     sub = _subtree_bytes(model, trace.own_bytes)
     found = _candidates(model, trace, sub)
-    containers = found.blocks
-    singles: list[str] = []  # the singles of mixed containers whose runs are stages
-
-    def leftovers(path: str, module: nn.Module, held: bool = False) -> list[tuple[str, bool]]:
-        """A split block's child as stages: itself if it is called once and saves, else
-        the children of a container of one class (``held``) or of a module never called."""
-        kids = _children(path, module)
-        n = trace.calls.get(path, 0)
-        one_class = len({type(m) for _, m in kids}) == 1
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and one_class:
-            return [p for c, m in kids for p in leftovers(c, m, True)]
-        if n == 0:
-            return [p for c, m in kids for p in leftovers(c, m, held)]
-        return [(path, held)] if n == 1 and sub.get(path, 0) > 0 else []
-
-    def best(path: str, module: nn.Module, top: bool = True) -> list[str]:
-        """The stages inside ``path``; ``top``: not inside a block (rule 7's runs count)."""
-        if path in containers:
-            return decide(containers[path])
-        if top and path in found.segments:
-            out: list[str] = []
-            for segment in found.segments[path]:
-                if _is_run(segment, sub):
-                    out += decide(segment)
-                    continue
-                for c in segment:
-                    inside = best(c, model.get_submodule(c), top)
-                    singles.extend([] if inside else [c])
-                    out += inside
-            return out
-        return [p for c, m in _children(path, module) for p in best(c, m, top)]
-
-    def piece(path: str, module: nn.Module) -> tuple[list[tuple[str, bool]], bool]:
-        """A part of a block being split: the blocks inside it, or it as a leftover."""
-        chosen = best(path, module, False)
-        return ([(p, True) for p in chosen], True) if chosen else (leftovers(path, module),
-                                                                   False)
-
-    def contents(block: str) -> tuple[list[tuple[str, bool]], bool]:
-        """What a block splits into, and whether blocks nest inside it. A block that is a
-        container itself (EfficientNet's stages in ``features``) splits into its own blocks
-        and runs; a block of another class into the blocks inside its children."""
-        module = model.get_submodule(block)
-        if block in containers:
-            return [(p, True) for p in decide(containers[block])], True
-        if block in found.segments:
-            parts: list[tuple[str, bool]] = []
-            nested = False
-            for segment in found.segments[block]:
-                if _is_run(segment, sub):
-                    parts += [(p, True) for p in decide(segment)]
-                    nested = True
-                    continue
-                for c in segment:
-                    more, inner = piece(c, model.get_submodule(c))
-                    parts, nested = parts + more, nested or inner
-            return parts, nested
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(
-                {type(m) for m in module.children()}) == 1:
-            return leftovers(block, module), False  # a container of one called block
-        parts, nested = [], False
-        for c, m in _children(block, module):
-            more, inner = piece(c, m)
-            parts, nested = parts + more, nested or inner
-        return parts, nested
-
-    def decide(blocks: list[str]) -> list[str]:
-        # One decision for all blocks of a container, so the chain keeps one level: split
-        # them when blocks inside them (counting a container of one) hold enough memory.
-        split: list[tuple[str, bool]] = []
-        nested = False  # some block holds a container of two or more called blocks
-        for b in blocks:
-            parts, inner = contents(b)
-            split += parts
-            nested = nested or inner
-        held = sum(sub[p] for p, inner in split if inner)
-        if not nested or held < SPLIT_SHARE * sum(sub[b] for b in blocks):
-            return blocks
-        return [p for p, _ in split]
-
-    def interleaved(stages: list[str]) -> list[str]:
-        """What a container's parent calls between two of its blocks that are stages
-        (diffusers' mid-block attention between its two resnets, rule 5): stages too."""
-        chosen_set = set(stages)
-        extra: list[str] = []
-        for path, blocks in containers.items():
-            inside = [b for b in blocks if b in chosen_set]
-            if len(inside) < 2:
-                continue
-            first, last = min(inside, key=trace.start.__getitem__), max(
-                inside, key=trace.start.__getitem__)
-            parent = path.rpartition(".")[0]
-            for c, m in _children(parent, model.get_submodule(parent)):
-                if c == path:
-                    continue
-                extra += [p for p, _ in leftovers(c, m) if p not in chosen_set
-                          and not any(s.startswith(f"{p}.") for s in stages)
-                          and trace.end[first] < trace.start[p]
-                          and trace.end[p] < trace.start[last]]
-        return extra
-
-    found_stages = best("", model)
-    chosen = found_stages + interleaved(found_stages)
+    chooser = _Chooser(model, trace, sub, found)
+    found_stages = chooser.best("", model)
+    chosen = found_stages + chooser.interleaved(found_stages)
     used_flat: list[str] = []
     if len(chosen) < 2:  # no repeated blocks anywhere: the layers of flat containers (rule 8)
         for path, layers in found.flat.items():
@@ -433,6 +333,133 @@ def _choose(model: nn.Module, trace: _Trace) -> tuple[list[str], list[str]]:
                 chosen += layers
                 used_flat.append(path)
     chosen = sorted(chosen, key=trace.start.__getitem__)
+    result, why = _without_overlaps(chosen, trace, sub)
+    return result, _rejected(model, trace, sub, found, result, chooser.singles, used_flat, why)
+
+
+@dataclass
+class _Chooser:
+    """The steps of :func:`_choose` over one traced forward, which call each other: the
+    stages inside a module (:meth:`best`), one decision per container whether its blocks
+    split (:meth:`decide`), what a block splits into (:meth:`contents`), and the modules
+    called between a container's blocks (:meth:`interleaved`)."""
+
+    model: nn.Module
+    trace: _Trace
+    sub: dict[str, int]
+    found: _Candidates
+    # the singles of mixed containers whose runs are stages (``best`` adds them)
+    singles: list[str] = field(default_factory=list)
+
+    @property
+    def containers(self) -> dict[str, list[str]]:
+        return self.found.blocks
+
+    def leftovers(self, path: str, module: nn.Module,
+                  held: bool = False) -> list[tuple[str, bool]]:
+        """A split block's child as stages: itself if it is called once and saves, else
+        the children of a container of one class (``held``) or of a module never called."""
+        kids = _children(path, module)
+        n = self.trace.calls.get(path, 0)
+        one_class = len({type(m) for _, m in kids}) == 1
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and one_class:
+            return [p for c, m in kids for p in self.leftovers(c, m, True)]
+        if n == 0:
+            return [p for c, m in kids for p in self.leftovers(c, m, held)]
+        return [(path, held)] if n == 1 and self.sub.get(path, 0) > 0 else []
+
+    def best(self, path: str, module: nn.Module, top: bool = True) -> list[str]:
+        """The stages inside ``path``; ``top``: not inside a block (rule 7's runs count)."""
+        if path in self.containers:
+            return self.decide(self.containers[path])
+        if top and path in self.found.segments:
+            out: list[str] = []
+            for segment in self.found.segments[path]:
+                if _is_run(segment, self.sub):
+                    out += self.decide(segment)
+                    continue
+                for c in segment:
+                    inside = self.best(c, self.model.get_submodule(c), top)
+                    self.singles.extend([] if inside else [c])
+                    out += inside
+            return out
+        return [p for c, m in _children(path, module) for p in self.best(c, m, top)]
+
+    def piece(self, path: str, module: nn.Module) -> tuple[list[tuple[str, bool]], bool]:
+        """A part of a block being split: the blocks inside it, or it as a leftover."""
+        chosen = self.best(path, module, False)
+        return ([(p, True) for p in chosen], True) if chosen else (
+            self.leftovers(path, module), False)
+
+    def contents(self, block: str) -> tuple[list[tuple[str, bool]], bool]:
+        """What a block splits into, and whether blocks nest inside it. A block that is a
+        container itself (EfficientNet's stages in ``features``) splits into its own blocks
+        and runs; a block of another class into the blocks inside its children."""
+        module = self.model.get_submodule(block)
+        if block in self.containers:
+            return [(p, True) for p in self.decide(self.containers[block])], True
+        if block in self.found.segments:
+            parts: list[tuple[str, bool]] = []
+            nested = False
+            for segment in self.found.segments[block]:
+                if _is_run(segment, self.sub):
+                    parts += [(p, True) for p in self.decide(segment)]
+                    nested = True
+                    continue
+                for c in segment:
+                    more, inner = self.piece(c, self.model.get_submodule(c))
+                    parts, nested = parts + more, nested or inner
+            return parts, nested
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(
+                {type(m) for m in module.children()}) == 1:
+            return self.leftovers(block, module), False  # a container of one called block
+        parts, nested = [], False
+        for c, m in _children(block, module):
+            more, inner = self.piece(c, m)
+            parts, nested = parts + more, nested or inner
+        return parts, nested
+
+    def decide(self, blocks: list[str]) -> list[str]:
+        # One decision for all blocks of a container, so the chain keeps one level: split
+        # them when blocks inside them (counting a container of one) hold enough memory.
+        split: list[tuple[str, bool]] = []
+        nested = False  # some block holds a container of two or more called blocks
+        for b in blocks:
+            parts, inner = self.contents(b)
+            split += parts
+            nested = nested or inner
+        held = sum(self.sub[p] for p, inner in split if inner)
+        if not nested or held < SPLIT_SHARE * sum(self.sub[b] for b in blocks):
+            return blocks
+        return [p for p, _ in split]
+
+    def interleaved(self, stages: list[str]) -> list[str]:
+        """What a container's parent calls between two of its blocks that are stages
+        (diffusers' mid-block attention between its two resnets, rule 5): stages too."""
+        trace = self.trace
+        chosen_set = set(stages)
+        extra: list[str] = []
+        for path, blocks in self.containers.items():
+            inside = [b for b in blocks if b in chosen_set]
+            if len(inside) < 2:
+                continue
+            first, last = min(inside, key=trace.start.__getitem__), max(
+                inside, key=trace.start.__getitem__)
+            parent = path.rpartition(".")[0]
+            for c, m in _children(parent, self.model.get_submodule(parent)):
+                if c == path:
+                    continue
+                extra += [p for p, _ in self.leftovers(c, m) if p not in chosen_set
+                          and not any(s.startswith(f"{p}.") for s in stages)
+                          and trace.end[first] < trace.start[p]
+                          and trace.end[p] < trace.start[last]]
+        return extra
+
+
+def _without_overlaps(chosen: list[str], trace: _Trace,
+                      sub: dict[str, int]) -> tuple[list[str], dict[str, str]]:
+    """``chosen`` (in call order) less the lighter of each two stages whose calls overlap,
+    and why each dropped one went."""
     # Calls of modules that are not nested can still overlap (one module called from
     # inside another it does not own); keep the heavier of two overlapping stages.
     result: list[str] = []
@@ -445,7 +472,7 @@ def _choose(model: nn.Module, trace: _Trace) -> tuple[list[str], list[str]]:
             result[-1] = heavy
             continue
         result.append(path)
-    return result, _rejected(model, trace, sub, found, result, singles, used_flat, why)
+    return result, why
 
 
 #: At most this many lines of rejected candidates (``Chain.rejected``), then a count.
