@@ -30,6 +30,7 @@ that chunk's first backward, and its micro-batches in flight. Torch-free.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -564,49 +565,91 @@ def plan_pipeline(problems: Sequence[Problem], budget: int, schedule: str,
         buffers = [ScheduleBuffers()] * n
     if len(buffers) != n:
         raise UsageError("give one ScheduleBuffers per stage")
+    run = _PipelineRun(schedule, p, microbatches, chunks, send_s, tuple(buffers))
+    ladders = _candidates(problems, budget, run)
+    picks = _Picks(run, ladders, [_rank_fits(ladders, budget, run, r) for r in range(p)])
+    chosen = descend([len(c) for c in picks.choices], picks.time_of)
+    plans = [plan for plan, _, _ in picks.picked(chosen)]
+    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s, buffers,
+                                chunks)
+
+
+@dataclass(frozen=True)
+class _PipelineRun:
+    """The schedule plan_pipeline plans for, and each stage's buffers."""
+
+    schedule: str
+    ranks: int
+    microbatches: int
+    chunks: int
+    send_s: float
+    buffers: tuple[ScheduleBuffers, ...]
+
+    def stages(self, r: int) -> list[int]:
+        """Rank ``r``'s virtual stages, in chunk order."""
+        return [c * self.ranks + r for c in range(self.chunks)]
+
+
+_Ladders = list[list[tuple[Plan, RankCost, _Chunk]]]
+
+
+def _candidates(problems: Sequence[Problem], budget: int, run: _PipelineRun) -> _Ladders:
+    """Each stage's candidates with their figures: its ladder, and with one stage a rank,
+    first the rank's fastest plan that fits where the capped tables find one."""
+    buffers = run.buffers
     ladders = [[(plan, *_figures(plan, problem, buffers[s])) for plan in _ladder(problem)]
                for s, problem in enumerate(problems)]
-    if chunks == 1:
+    if run.chunks == 1:
         # one stage a rank: its fastest plan that fits is exact (Note [Capping what a plan
         # keeps]), and with the forwards plan-independent no slower plan shortens the step
         for r, problem in enumerate(problems):
-            exact = _capped_rank_plan(problem, budget, schedule, r, p, microbatches,
-                                      buffers[r])[0]
+            exact = _capped_rank_plan(problem, budget, run.schedule, r, run.ranks,
+                                      run.microbatches, buffers[r])[0]
             if exact is not None:
                 ladders[r].insert(0, (exact, *_figures(exact, problem, buffers[r])))
-    choices = []
-    for r in range(p):
-        stages = [c * p + r for c in range(chunks)]
-        order = schedule_order(schedule, r, p, microbatches, chunks)
+    return ladders
 
-        def peak_of(figures: list[_Chunk], order: list[tuple[str, int, int]] = order) -> int:
-            return _walk(figures, order)
 
-        found = rank_choices([ladders[s] for s in stages], budget, peak_of)
-        if not found:
-            count = in_flight(schedule, r, p, microbatches, chunks)
-            kept = sum(buffers[s].persistent_bytes + microbatches * buffers[s].output_bytes
-                       for s in stages)
-            raise CheckFailed(
-                f"no plan of pipeline rank {r} fits {budget} bytes with "
-                f"{count} micro-batch{'es' if count != 1 else ''} in flight"
-                + (f" and the {kept} bytes the stage keeps for {microbatches} micro-batches "
-                   "(receive buffers, outputs)" if kept else "")
-                + "; raise the budget, or use fewer or smaller micro-batches")
-        choices.append(found)
+def _rank_fits(ladders: _Ladders, budget: int, run: _PipelineRun, r: int
+               ) -> list[tuple[int, ...]]:
+    """Rank ``r``'s combinations of its chunks' candidates that fit ``budget``
+    (:func:`rank_choices`); CheckFailed where none does."""
+    stages = run.stages(r)
+    order = schedule_order(run.schedule, r, run.ranks, run.microbatches, run.chunks)
+    found = rank_choices([ladders[s] for s in stages], budget,
+                         functools.partial(_walk, order=order))
+    if not found:
+        count = in_flight(run.schedule, r, run.ranks, run.microbatches, run.chunks)
+        kept = sum(run.buffers[s].persistent_bytes
+                   + run.microbatches * run.buffers[s].output_bytes for s in stages)
+        raise CheckFailed(
+            f"no plan of pipeline rank {r} fits {budget} bytes with "
+            f"{count} micro-batch{'es' if count != 1 else ''} in flight"
+            + (f" and the {kept} bytes the stage keeps for {run.microbatches} micro-batches "
+               "(receive buffers, outputs)" if kept else "")
+            + "; raise the budget, or use fewer or smaller micro-batches")
+    return found
 
-    def picked(choice: Sequence[int]) -> list[tuple[Plan, RankCost, _Chunk]]:
-        out: list[tuple[Plan, RankCost, _Chunk]] = [ladders[0][0]] * n
+
+@dataclass(frozen=True)
+class _Picks:
+    """The ranks' fitting combinations (``choices[r]``) and the stages' candidates."""
+
+    run: _PipelineRun
+    ladders: _Ladders
+    choices: list[list[tuple[int, ...]]]
+
+    def picked(self, choice: Sequence[int]) -> list[tuple[Plan, RankCost, _Chunk]]:
+        """Every stage's candidate under ``choice``, one combination a rank."""
+        p = self.run.ranks
+        out: list[tuple[Plan, RankCost, _Chunk]] = [self.ladders[0][0]] * len(self.ladders)
         for r, k in enumerate(choice):
-            for c, i in enumerate(choices[r][k]):
-                out[c * p + r] = ladders[c * p + r][i]
+            for c, i in enumerate(self.choices[r][k]):
+                out[c * p + r] = self.ladders[c * p + r][i]
         return out
 
-    def time_of(choice: Sequence[int]) -> float:
-        return step_time([cost for _, cost, _ in picked(choice)], schedule, microbatches,
-                         send_s, chunks)
-
-    chosen = descend([len(c) for c in choices], time_of)
-    plans = [plan for plan, _, _ in picked(chosen)]
-    return plans, pipeline_step(plans, problems, schedule, microbatches, send_s, buffers,
-                                chunks)
+    def time_of(self, choice: Sequence[int]) -> float:
+        """The pipeline's step time under ``choice``."""
+        run = self.run
+        return step_time([cost for _, cost, _ in self.picked(choice)], run.schedule,
+                         run.microbatches, run.send_s, run.chunks)
