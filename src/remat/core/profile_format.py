@@ -151,10 +151,22 @@ class StageProfile(StageRecord):
     # 0 on the last stage and before a chain break). None: the profile's region_link_s,
     # the average link. Written only when set.
     link_s: float | None = None
+    # Of link_saved_bytes, what the model's code before the stage made and merely held
+    # until the forward returned (no code saved it: a vision tower's last hidden state in
+    # the model's output while the text tower runs), where no region may span that code
+    # (break_before); the problem lets it go at the forward's return (Note [What the code
+    # between stages holds to the return] in remat.profiling.assemble). Written only when set.
+    link_at_return_bytes: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         where = self.where
+        object.__setattr__(self, "link_at_return_bytes",
+                           self.nbytes(self.link_at_return_bytes, "link_at_return_bytes"))
+        if self.link_at_return_bytes > self.link_saved_bytes:
+            raise UsageError(f"{where} link_at_return_bytes={self.link_at_return_bytes} is "
+                             f"more than its link_saved_bytes={self.link_saved_bytes}; "
+                             "regenerate it with remat profile")
         if self.link_s is not None:
             object.__setattr__(self, "link_s", fields.seconds(self.link_s, f"{where} link_s"))
         if self.comms is not None and not isinstance(self.comms, StageComms):
@@ -234,6 +246,8 @@ class StageProfile(StageRecord):
             ),
             **({"comms": self.comms.to_dict()} if self.comms is not None else {}),
             **({"link_s": self.link_s} if self.link_s is not None else {}),
+            **({"link_at_return_bytes": self.link_at_return_bytes}
+               if self.link_at_return_bytes else {}),
         }
 
     @classmethod
@@ -289,6 +303,7 @@ _OPTIONAL_STAGE_KEYS = (
     "time_spread",
     "comms",
     "link_s",
+    "link_at_return_bytes",
 )
 
 

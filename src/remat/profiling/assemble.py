@@ -129,7 +129,48 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
         return max(0, rise)
     let_go = not (m.nosave.kept_outside[i - 1] or before.saves_output
                   or m.nosave.output_held_through[i - 1] is not None)
+    if let_go and m.nosave.output_saved_after and m.nosave.output_saved_after[i - 1]:
+        # Note [Two tensors at one boundary]: the problem holds the larger of the two
+        # to the stage's backward as its input; the code keeps the other
+        return max(0, rise - after.boundary_bytes
+                   + min(before.new_output_bytes, after.boundary_bytes))
     return max(0, rise - after.boundary_bytes + (before.new_output_bytes if let_go else 0))
+
+
+# Note [Two tensors at one boundary]
+# The problem has one tensor per boundary, x_i, the larger of what stage i - 1 returns and
+# what stage i is passed (remat.core.solve.from_profile._links). Where the code between
+# makes the next input apart and saves the previous output for its own backward (SigLIP
+# norms its vision tower's last hidden state, 401,408 bytes, and its text tower starts
+# from token embeddings, 131,072), both are alive to that code's backward, after the
+# stage's: the boundary held as the stage's input counts the larger, and the code's saved
+# bytes the smaller. Counting the previous output there in full had every text stage of
+# hf:siglip over by the difference, 270,336 bytes.
+
+
+# Note [What the code between stages holds to the return]
+# The code between two stages may make tensors that only the model's own code holds, to
+# its return or past it, with no backward needing them: SigLIP's vision tower's last
+# hidden state, in the model's output while the text tower runs (its attention-pooling
+# head saves a reshaped copy, not it). The link's rise counts it, so it was part of what
+# that code keeps (``link_saved_bytes``), to the next stage's backward: every text stage's
+# backward of hf:siglip was over by its 401,408 bytes. The no-save pass lists what the
+# code before each stage made and still holds at the stage's call; of it, what no code
+# offered to save, no stage's call got, and is gone once loss_fn has returned is
+# ``link_at_return_bytes``. Where no region may span that code (``break_before``: it is
+# never replayed in a rebuild) the problem lets it go with what the pre-chain held to
+# the return (``Problem.pre_chain_at_return_bytes``: charged from the forward's start, an
+# upper bound before the link, and gone after the post-chain's forward); elsewhere it is
+# left in ``link_saved_bytes`` (a rebuild replaying that code would make it again).
+
+
+def link_at_return_bytes(m: Measurements, i: int) -> int:
+    """Of ``link_saved_bytes(m, i)``, what the code before stage ``i`` merely held until
+    the forward returned, where no region may span that code (Note [What the code between
+    stages holds to the return])."""
+    if i == 0 or m.breaks[i] is None or not m.nosave.link_at_return_bytes:
+        return 0
+    return min(m.nosave.link_at_return_bytes[i], link_saved_bytes(m, i))
 
 
 def link_backward_bytes(m: Measurements, i: int) -> int:
@@ -287,6 +328,7 @@ def _stage_profile(m: Measurements, i: int, grads: Sequence[int], t: _Times) -> 
         call_args=m.nosave.call_args[i] if m.nosave.call_args else (),
         link_saved_bytes=link_saved_bytes(m, i),
         link_backward_bytes=link_backward_bytes(m, i),
+        link_at_return_bytes=link_at_return_bytes(m, i),
         selective_bwd_transient_bytes=replay,
         input_kept_by_option=(dict.fromkeys(input_kept, True) if saved_before
                               else input_kept),
@@ -333,8 +375,11 @@ def fixed_bytes(
     # the model's forward lets go of at its return])
     at_return = min(m.nosave.pre_chain_at_return_bytes,
                     max(0, pre_chain - args_at_return - m.pre_chain_casts))
+    # and what the code between stages merely held to the return (Note [What the code
+    # between stages holds to the return])
+    links_at_return = sum(link_at_return_bytes(m, i) for i in range(len(m.names)))
     residue = (spans.stage_backward[-1].entry_bytes - chain_end - held_output - post_grads
-               + args_at_return + at_return)
+               + args_at_return + at_return + links_at_return)
     return FixedBytes(
         **m.counts,
         pre_chain_bytes=max(0, pre_chain),

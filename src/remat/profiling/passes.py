@@ -106,6 +106,16 @@ class ForwardPass:
     # once the model's forward has returned (FixedBytes.pre_chain_at_return_bytes; Note
     # [What the model's forward lets go of at its return] in remat.profiling.assemble)
     pre_chain_at_return_bytes: int = 0
+    # No-save pass, per stage: what the code between the previous stage's return and its
+    # call made and still held at the call, that no code offered to save, no stage was
+    # passed, and is gone once loss_fn has returned (a vision tower's last hidden state,
+    # kept in the model's output while the text tower runs; Note [What the code between
+    # stages holds to the return] in remat.profiling.assemble)
+    link_at_return_bytes: tuple[int, ...] = ()
+    # Per stage: the model's code just after it offered to save its output (a norm of a
+    # vision tower's last hidden state, while the next stage's input is made apart);
+    # read from the no-save pass only.
+    output_saved_after: tuple[bool, ...] = ()
 
 
 def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
@@ -147,10 +157,16 @@ class _Offers:
         # what it asked autograd to save
         self.offered: list[weakref.ref[torch.UntypedStorage]] = []
         self.inputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
+        self.outputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
+        # per stage: the code just after it offered to save its output
+        self.output_saved_after = [False] * n
         # storage id -> [the storage, bytes, marked]: what the step had made and still held
         # when stage 0 was called (no-save pass), marked where some stage's call got it or
         # some code offered to save it; told by identity, as a freed storage's id is reused
         self.before_chain: dict[int, list[Any]] = {}
+        # per stage i > 0, the same for what the code just before it made since stage
+        # i - 1 returned (no-save pass)
+        self.made_in_link: list[dict[int, list[Any]]] = [{} for _ in range(n)]
         # per stage: the stage inputs the model's code just before it offered to save
         self.link_saves: list[set[int]] = [set() for _ in range(n)]
         # what the code since the last stage returned offered to save, and per stage whether
@@ -158,9 +174,10 @@ class _Offers:
         self.link_offered: list[weakref.ref[torch.UntypedStorage]] = []
 
     def mark(self, storage: torch.UntypedStorage) -> None:
-        entry = self.before_chain.get(id(storage))
-        if entry is not None and entry[0]() is storage:
-            entry[2] = True
+        for made in (self.before_chain, *self.made_in_link):
+            entry = made.get(id(storage))
+            if entry is not None and entry[0]() is storage:
+                entry[2] = True
 
     def drop(self, t: torch.Tensor) -> None:
         # a tensor without one storage is neither an input nor an output
@@ -171,6 +188,10 @@ class _Offers:
                 self.offered.append(weakref.ref(storage))
             elif len(self.order) < self.n:  # the code before the next stage, order[-1] + 1
                 self.link_offered.append(weakref.ref(storage))
+                last = self.order[-1] if self.order else None
+                out = None if last is None else self.outputs[last]
+                if out is not None and out() is storage:
+                    self.output_saved_after[last] = True  # type: ignore[index]
                 for j, ref in enumerate(self.inputs):
                     if ref is not None and ref() is storage:
                         self.link_saves[len(self.order)].add(j)
@@ -198,13 +219,13 @@ class _Recorder:
         n = self.n = len(self.modules)
         self.found: list[StageForward | None] = [None] * n
         self.entries: dict[int, tuple[int, torch.Tensor | None]] = {}
-        self.outputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
         self.kept = [False] * n
         # Saved tensors need no classifying here: the live bytes are the same either way.
         self.tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
         # the saved-tensor hook's lists, shared (changed in place only)
         self.offers = offers = _Offers(n)
         self.inputs = offers.inputs
+        self.outputs = offers.outputs
         # the last stage at whose return each stage's input / output was alive
         self.input_seen = [-1] * n
         self.output_seen = [-1] * n
@@ -224,12 +245,15 @@ class _Recorder:
         self.args_at_return = 0
         self.args_by_stage: tuple[tuple[CallArg, ...], ...] = ()
         self.chain_start = 0  # the tracker's serial when stage 0 was called
+        self.stage_end = [0] * n  # the tracker's serial when each stage returned
+        self.link_at_return: tuple[int, ...] = ()
         self.step_start = 0  # the tracker's serial when loss_fn was called
         self.before_chain = offers.before_chain
         self.pre_chain_at_return = 0
         self.link_saves = offers.link_saves
         self.link_offered = offers.link_offered
         self.input_saved_before = [False] * n
+        self.output_saved_after = offers.output_saved_after
 
     def alive(self, j: int) -> bool:
         ref = self.outputs[j]
@@ -274,6 +298,14 @@ class _Recorder:
             self.before_chain.update((id(o), [ref, nbytes, False])
                                      for ref, nbytes in tracker.live_since(self.step_start)
                                      if (o := ref()) is not None)
+            for ref in self.link_offered:
+                if (o := ref()) is not None:
+                    self.offers.mark(o)
+        if i > 0 and not self.save:  # what the code since stage i - 1 returned still holds
+            self.offers.made_in_link[i].update(
+                (id(o), [ref, nbytes, False])
+                for ref, nbytes in tracker.live_since(self.stage_end[i - 1])
+                if (o := ref()) is not None)
             for ref in self.link_offered:
                 if (o := ref()) is not None:
                     self.offers.mark(o)
@@ -334,6 +366,7 @@ class _Recorder:
             self.inputs[i] = weakref.ref(x.untyped_storage())
         if not self.save:
             self.seen(i)
+            self.stage_end[i] = self.tracker.serial
 
     def run(self, model: nn.Module, batch: Any,
             loss_fn: Callable[[nn.Module, Any], Any]) -> int:
@@ -350,6 +383,10 @@ class _Recorder:
                     loss = loss_fn(model, batch)
                 # the forward has returned; nothing is saved in this pass
                 self.args_gone()
+                self.link_at_return = tuple(
+                    sum(nbytes for ref, nbytes, marked in made.values()
+                        if not marked and ref() is None)
+                    for made in self.offers.made_in_link)
             loss_storage = (loss.untyped_storage().nbytes()
                             if isinstance(loss, torch.Tensor) else 0)
             if self.save:  # what the graph holds counts, so before it goes
@@ -416,6 +453,8 @@ class _Recorder:
             args_at_return_bytes=self.args_at_return,
             call_args=self.args_by_stage,
             pre_chain_at_return_bytes=self.pre_chain_at_return,
+            link_at_return_bytes=self.link_at_return,
+            output_saved_after=tuple(self.output_saved_after),
         )
 
 

@@ -68,6 +68,10 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     link = min(profile.region_link_s or 0.0, profile.region_overhead_s)
     # Note [The first input at the start]: the caller holds x_0 to stage 0's backward
     caller_holds = [_caller_holds_first_input(profile, i) for i in range(len(stages))]
+    # Note [What the code between stages holds to the return] (remat/profiling/assemble.py):
+    # let go at the return with what the pre-chain held there, not held to the backward
+    to_return = ([0] * len(stages) if profile.fixed.post_chain_backward_bytes is None
+                 else [s.link_at_return_bytes for s in stages])
     costs = []
     for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
         by_option = {
@@ -84,7 +88,9 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
                     # What the code before the stage keeps goes where the stage's does:
                     # held at the top level, dropped inside a region (not at a region's
                     # first stage, where it stays outside the region: docs/cost-model.md).
-                    "saved_bytes": {o: b + s.link_saved_bytes for o, b in s.saved_bytes.items()},
+                    "saved_bytes": {o: b + s.link_saved_bytes - to_return[i]
+                                    for o, b in s.saved_bytes.items()},
+                    "link_saved_bytes": s.link_saved_bytes - to_return[i],
                     # measured link by link where the profile did, else the average
                     "link_s": (0.0 if i + 1 == len(stages) else link if s.link_s is None
                                else s.link_s),
@@ -116,6 +122,10 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         # what the code before the chain made and only the model's code held, which the
         # simulator lets go of itself (Note [What the forward lets go of at its return])
         backward += at_return
+        # what the code between stages held to the return, likewise (a part of the
+        # pre-chain's bytes, from the forward's start: an upper bound before its link)
+        at_return += sum(to_return)
+        backward += sum(to_return)
     parts = (
         sum(s.grad_bytes for s in stages)
         + fixed.pre_chain_grads_bytes
@@ -130,7 +140,8 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         optimizer_step_bytes=fixed.optimizer_step_bytes,
         optimizer_state_bytes=fixed.optimizer_state_bytes,
         # Note [The first input at the start]
-        pre_chain_bytes=fixed.pre_chain_bytes - fixed.first_input_at_start_bytes,
+        pre_chain_bytes=fixed.pre_chain_bytes - fixed.first_input_at_start_bytes
+        + sum(to_return),
         # The loss (and what autograd keeps with it), alive through the chain's backward to
         # the pre-chain's; the post-chain's figures, measured from the chain's end, have it.
         backward_residue_bytes=fixed.backward_residue_bytes,
