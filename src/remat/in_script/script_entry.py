@@ -37,6 +37,7 @@ from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.units import format_bytes
 from remat.in_script.plan_cache import (
+    CacheEntry,
     cache_folder,
     changed_fields,
     load_entry,
@@ -191,20 +192,74 @@ def auto_checkpoint(
     and ``UsageError`` for bad input, both with the model as it was.
     """
     began = time.perf_counter()
+    request = _checked(model, budget, batch=batch, batches=batches, shapes=shapes,
+                       outside=outside, loss_fn=loss_fn, optimizer=optimizer, stages=stages,
+                       repeats=repeats, reserve_bytes=reserve_bytes)
+    folder = cache_folder(cache)
+    fields = _fields(model, request.batch, optimizer, request.dims)
+    path = None if folder is None else slot_path(folder, request.slot())
+    entry = None if path is None else load_entry(path)
+    why = "the plan cache is off" if path is None else "no plan cached for this model"
+    if entry is not None:
+        cached = _apply_cached(model, entry, fields)
+        if not isinstance(cached, str):
+            return _result(cached[1], cached[0], "cache", None, began, path, reserve_bytes)
+        why = cached
+    plan = _planned(request)
+    if path is not None:
+        save_entry(path, fields, plan)  # before apply: a bad folder changes nothing
+    handle = apply(model, plan)
+    return _result(handle, plan, "profiled", why, began, path, reserve_bytes)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """``auto_checkpoint``'s inputs, checked: what to plan for, and how."""
+
+    model: nn.Module
+    batch: Any  # the example batch (with a range: the one its shapes are made from)
+    ranged: bool  # shapes= or batches= given: a plan set for the range ``dims``
+    dims: ShapeRange | None
+    outside: str
+    loss: LossFn | None
+    optimizer: str
+    budget: Budget
+    stages: list[str] | tuple[str, ...] | None
+    repeats: int
+    reserve_bytes: int
+
+    def slot(self) -> dict[str, Any]:
+        """What names the request's slot in the plan cache (Note [The plan cache])."""
+        return {"model": type(self.model).__name__,
+                "stages": None if self.stages is None else list(self.stages),
+                "budget": str(self.budget), "optimizer": self.optimizer,
+                **({"shapes": "range", "outside": self.outside} if self.ranged else {}),
+                **({"reserve": self.reserve_bytes} if self.reserve_bytes else {})}
+
+
+def _checked(
+    model: nn.Module,
+    budget: Budget | str | int | float,
+    *,
+    batch: Any,
+    batches: Sequence[Any] | None,
+    shapes: str | Mapping[str, Any] | None,
+    outside: str,
+    loss_fn: LossFn | None,
+    optimizer: str,
+    stages: list[str] | tuple[str, ...] | None,
+    repeats: int,
+    reserve_bytes: int,
+) -> _Request:
+    """``auto_checkpoint``'s arguments checked, each in turn: a UsageError for the first
+    that is wrong, before anything is profiled."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     check_free(model)
     ranged = shapes is not None or batches is not None
     if outside not in OUTSIDE:
         raise UsageError(f"outside={outside!r} is not one of {', '.join(OUTSIDE)}")
-    if batches is not None and (isinstance(batches, (torch.Tensor, Mapping, str))
-                                or not isinstance(batches, Sequence) or not batches):
-        raise UsageError("batches must be a list of real batches of different shapes")
-    if batch is None:
-        if not batches:
-            raise UsageError("give batch= (the example batch loss_fn(model, batch) takes), "
-                             "or batches= / shapes= for a range of shapes")
-        batch = batches[0]
+    batch = _example_batch(batch, batches)
     check_batch(batch)
     refuse_meta(model, batch, fake=False)
     dims = None
@@ -213,7 +268,7 @@ def auto_checkpoint(
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise UsageError(f"optimizer={optimizer!r} is unknown; use one of "
                          f"{', '.join(OPTIMIZERS)}")
-    budget = _read_budget(budget)
+    read = _read_budget(budget)
     if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or (
             reserve_bytes < 0):
         raise UsageError(f"reserve_bytes={reserve_bytes!r} must be a whole number of bytes "
@@ -222,40 +277,51 @@ def auto_checkpoint(
             isinstance(s, str) for s in stages)):
         raise UsageError(f"stages={stages!r} is not a list of module paths")
     loss = _loss_for(model, batch, loss_fn)
-    folder = cache_folder(cache)
-    fields = _fields(model, batch, optimizer, dims)
-    slot = {"model": type(model).__name__, "stages": None if stages is None else list(stages),
-            "budget": str(budget), "optimizer": optimizer,
-            **({"shapes": "range", "outside": outside} if ranged else {}),
-            **({"reserve": reserve_bytes} if reserve_bytes else {})}
-    path = None if folder is None else slot_path(folder, slot)
-    entry = None if path is None else load_entry(path)
-    why = "the plan cache is off" if path is None else "no plan cached for this model"
-    if entry is not None:
-        changed = changed_fields(entry.fields, fields)
-        if entry.plan is not None and not changed:
-            try:
-                handle = apply(model, entry.plan)
-            except UsageError as err:  # the stages moved though the fields agree
-                why = f"the cached plan did not apply ({err})"
-            else:
-                return _result(handle, entry.plan, "cache", None, began, path, reserve_bytes)
-        else:
-            why = ("the cached entry was unreadable" if entry.plan is None
-                   else "; ".join(changed))
-    plan: Plan | PlanSet
-    if dims is not None:
-        ranged_profile = profile_shapes(model, batch, loss, dims, stages=stages,
-                                        optimizer=optimizer, repeats=repeats)
-        plan = plan_set(ranged_profile, _reserved(budget, ranged_profile, reserve_bytes),
-                        outside=outside)
-    else:
-        prof = profile(model, batch, loss, stages, optimizer, repeats=repeats)
-        plan = make_plan(prof, _reserved(budget, prof, reserve_bytes))
-    if path is not None:
-        save_entry(path, fields, plan)  # before apply: a bad folder changes nothing
-    handle = apply(model, plan)
-    return _result(handle, plan, "profiled", why, began, path, reserve_bytes)
+    return _Request(model, batch, ranged, dims, outside, loss, optimizer, read, stages,
+                    repeats, reserve_bytes)
+
+
+def _example_batch(batch: Any, batches: Sequence[Any] | None) -> Any:
+    """``batch``, or the first of ``batches``; UsageError for ``batches`` that are not a
+    list of batches, or neither given."""
+    if batches is not None and (isinstance(batches, (torch.Tensor, Mapping, str))
+                                or not isinstance(batches, Sequence) or not batches):
+        raise UsageError("batches must be a list of real batches of different shapes")
+    if batch is None:
+        if not batches:
+            raise UsageError("give batch= (the example batch loss_fn(model, batch) takes), "
+                             "or batches= / shapes= for a range of shapes")
+        batch = batches[0]
+    return batch
+
+
+def _apply_cached(model: nn.Module, entry: CacheEntry, fields: dict[str, Any]
+                  ) -> tuple[Plan | PlanSet, Handle] | str:
+    """The cached plan and its handle, applied where the entry's fields still hold; else
+    why it profiles instead."""
+    changed = changed_fields(entry.fields, fields)
+    if entry.plan is not None and not changed:
+        try:
+            return entry.plan, apply(model, entry.plan)
+        except UsageError as err:  # the stages moved though the fields agree
+            return f"the cached plan did not apply ({err})"
+    return ("the cached entry was unreadable" if entry.plan is None
+            else "; ".join(changed))
+
+
+def _planned(request: _Request) -> Plan | PlanSet:
+    """Profile the model and plan it under the budget: a plan set for a range."""
+    model, batch = request.model, request.batch
+    if request.dims is not None:
+        ranged_profile = profile_shapes(model, batch, request.loss, request.dims,
+                                        stages=request.stages, optimizer=request.optimizer,
+                                        repeats=request.repeats)
+        return plan_set(ranged_profile,
+                        _reserved(request.budget, ranged_profile, request.reserve_bytes),
+                        outside=request.outside)
+    prof = profile(model, batch, request.loss, request.stages, request.optimizer,
+                   repeats=request.repeats)
+    return make_plan(prof, _reserved(request.budget, prof, request.reserve_bytes))
 
 
 def _read_budget(budget: object) -> Budget:
