@@ -229,6 +229,11 @@ HF_SIZES: dict[str, dict[str, Any]] = {
     # process passed 7 GB without a row in 17 min (run R5, stopped by hand); at width 48
     # a plain step peaks at 235 MiB
     "hiera": {"hidden_size": 48},
+    # at the defaults (batch 4) 28.22 of the 50.08 MiB a plain step peaks at are
+    # parameters, gradients and AdamW state, so no plan reaches 75% (the least 79%, run R3);
+    # at batch 16, as contrastive training runs, the activations are the larger part
+    "clip": {"batch_size": 16},
+    "metaclip_2": {"batch_size": 16},
 }
 
 
