@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat.core.errors import UsageError, UserCodeError
-from remat.core.plan_format import KEEP, Plan
+from remat.core.plan_format import Plan
 from remat.runtime.identity import check_made_for
 from remat.runtime.install import (
     _APPLIED,
@@ -77,8 +77,9 @@ def _container_index(model: nn.Module, path: str) -> tuple[str, int]:
 
 
 def _check_regions(model: nn.Module, plan: Plan, stages: Sequence[nn.Module]) -> None:
-    for name, option in zip(plan.stages, plan.options, strict=True):
-        if option != KEEP:
+    for i, name in enumerate(plan.stages):
+        option = plan.option(i)
+        if not option.is_keep:
             raise UsageError(
                 f"stage {name!r} has option {option!r}; traced regions run keep only, so use "
                 "remat.apply for selective options and offload"
