@@ -301,7 +301,7 @@ from typing import NamedTuple
 
 from remat.core.errors import UsageError
 from remat.core.plan_format import KEEP, Option, Plan, Region
-from remat.core.solve.problem import Problem
+from remat.core.solve.problem import Problem, StageCost
 from remat.core.stage_record import HeldRead
 
 ARGS = ("args", "before the chain")  # Note [Arguments a checkpoint frame holds]
@@ -425,8 +425,20 @@ class _Walker:
         self.p = problem
         self.options = options
         stages = problem.stages
+        off = [Option(o).is_offload for o in options]
+        self._init_live_set(problem)
+        self._init_casts(stages)
+        self._init_reads(stages)
+        self._init_args(problem, options)
+        self._init_timeline(stages)
+        self._init_option_figures(stages, options, off)
+        self._init_fsdp(problem, reshard_after_rebuild)
+        self._init_transfers(problem, off)
+
+    def _init_live_set(self, problem: Problem) -> None:
+        """The boundaries' holders, the named blocks alive and the pending gradients."""
         n = problem.n
-        self.a = [s.boundary_bytes for s in stages] + [problem.output_bytes]
+        self.a = [s.boundary_bytes for s in problem.stages] + [problem.output_bytes]
         # Who holds each boundary: how many (the current activation, its stage, regions
         # starting there), and whether the current activation and the stage are among them.
         # Counts and flags rather than a set per boundary: at ten thousand stages, that
@@ -439,12 +451,18 @@ class _Walker:
         # events (their figures are measured from the chain's end with these alive)
         self.held_to_post: list[tuple[bool, int]] = []
         self.pending = 0  # gradients pending where backward is (StageCost.pending_grad_bytes)
+
+    def _init_casts(self, stages: Sequence[StageCost]) -> None:
         # Note [Autocast's cast cache]: what each stage's casts leave in the cache, and the
         # keys of the casts held now, to the forward's end or to the current rebuild's
         self.cast = [s.cast_cache_bytes for s in stages]
         self.unsaved = [s.cast_unsaved_bytes for s in stages]
         self.any_casts = any(self.cast)
         self.casts_held: list[Hashable] = []
+
+    def _init_reads(self, stages: Sequence[StageCost]) -> None:
+        """Tensors read from before a region, made inside one for later stages, or saved
+        by the code before a stage."""
         # tensors held by whoever needs them, counted once: a read tensor (by its id: regions
         # reading it from before them, readers of one a region made), a link (("link", start):
         # the regions starting there) -> how many hold it
@@ -469,16 +487,22 @@ class _Walker:
         # that code runs with grad (before a taped stage, or before a region opening
         # there) to the stage's backward; whether the stage holds them now
         self.link_keeps = [tuple(r.made_after for r in s.reads if r.saved) for s in stages]
-        self.link_kept = [False] * n
+        self.link_kept = [False] * len(stages)
+
+    def _init_args(self, problem: Problem, options: Sequence[str]) -> None:
         # Note [Arguments a checkpoint frame holds]: per stage, the (key, bytes) of the
         # arguments from before the chain a frame over it holds; those the model holds to
         # its return; per stage whether its selective frame holds its own now
         self.args = problem.args_at_return_bytes
         self.stage_args, self.model_args = _call_args(problem)
-        self.args_held = [False] * n
+        self.args_held = [False] * problem.n
         self.frames = [bool(self.stage_args[i]) and Option(o).is_selective
                        for i, o in enumerate(options)]
         self.open_args: dict[Region, list[tuple[Hashable, int]]] = {}
+
+    def _init_timeline(self, stages: Sequence[StageCost]) -> None:
+        """What each stage holds for backward, the events so far and the times summed."""
+        n = len(stages)
         self.saved: list[int | None] = [None] * n  # what each stage holds for its backward
         self.grad: list[int | None] = [None] * (n + 1)  # the gradient of each boundary
         self.grads_made = [False] * n  # each stage's parameter gradients, once created
@@ -490,7 +514,10 @@ class _Walker:
         self.rebuilt_in_full: set[int] = set()  # selective stages whose rebuild stopped early
         self.names = [s.name for s in stages]
         self.forward_labels = [f"forward {s.name}" for s in stages]
-        off = [Option(o).is_offload for o in options]
+
+    def _init_option_figures(self, stages: Sequence[StageCost], options: Sequence[str],
+                             off: Sequence[bool]) -> None:
+        """Each stage's bytes under its option, read once (``off``: offloaded)."""
         self.save = [0 if f else s.saved_bytes[o]
                      for s, o, f in zip(stages, options, off, strict=True)]
         # Offloaded copies leave as they are packed: a taped forward peaks like no saving.
@@ -508,8 +535,10 @@ class _Walker:
             else s.saved_bytes[KEEP] + s.bwd_transient(o)
             for s, o, f in zip(stages, options, off, strict=True)
         ]
+
+    def _init_fsdp(self, problem: Problem, reshard_after_rebuild: bool) -> None:
         # FSDP2 units (Note [FSDP2 units])
-        self.u = [s.unit_bytes for s in stages]
+        self.u = [s.unit_bytes for s in problem.stages]
         self.fsdp = any(self.u) or problem.root_unit_bytes > 0
         self.copies = problem.collective_copies
         self.reshard_after_rebuild = reshard_after_rebuild and self.fsdp
@@ -517,12 +546,15 @@ class _Walker:
         self.pre_backward_done: set[int] = set()
         self.forward_flat = 0  # the last forward all-gather's flat buffer
         self.reduce_input = 0  # the last reduce-scatter's input
-        self.transfer_s: list[float | None] = [None] * n
+
+    def _init_transfers(self, problem: Problem, off: Sequence[bool]) -> None:
+        """Per stage, an offloaded one's transfer time to the host and back (else None)."""
+        self.transfer_s: list[float | None] = [None] * problem.n
         if any(off):
             bandwidth = problem.offload_bandwidth_bytes_per_s
             assert bandwidth is not None
             self.transfer_s = [2 * s.offload_bytes / bandwidth if f else None
-                               for s, f in zip(stages, off, strict=True)]
+                               for s, f in zip(problem.stages, off, strict=True)]
 
     # -- the live set ------------------------------------------------------------------------
 
@@ -1011,6 +1043,23 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     The plan must name the problem's stages in order, and each option must be available
     for its stage (measured selective bytes; offload only with a host link).
     """
+    _check_plan(plan, problem)
+    w = _Walker(problem, plan.options, plan.reshard_after_rebuild)
+    _forward_pre_chain(w)
+    top = plan_tree(plan)
+    w.forward_level(top)
+    kept = _forward_post_chain(w)
+    _backward_post_chain(w)
+    w.backward_level(top)
+    _backward_pre_chain(w)
+    w.event("optimizer step", problem.optimizer_step_bytes)
+    _check_all_let_go(w)
+    return _simulation(w, kept)
+
+
+def _check_plan(plan: Plan, problem: Problem) -> None:
+    """The plan names the problem's stages in order, with options each stage has, and no
+    region across a chain break."""
     names = problem.stage_names
     if len(plan.stages) != len(names):
         raise UsageError(
@@ -1032,8 +1081,11 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
                 f"region {r} spans a chain break before stage {names[b]!r} "
                 f"({problem.stages[b].break_before}); end the region at stage {b}"
             )
-    p = problem
-    w = _Walker(problem, plan.options, plan.reshard_after_rebuild)
+
+
+def _forward_pre_chain(w: _Walker) -> None:
+    """What is alive from the step's start, to the pre-chain's forward event."""
+    p = w.p
     w.add("params", p.params_bytes)
     w.add("optimizer", p.optimizer_state_bytes)
     w.add("input", p.inputs_bytes)
@@ -1044,13 +1096,16 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.forward_flat = p.root_unit_bytes  # the root's all-gather, kept to the first unit's
     w.live += w.forward_flat
     w.event("forward pre-chain", w.forward_flat if p.collective_copies else 0)
-    top = plan_tree(plan)
-    w.forward_level(top)
+
+
+def _forward_post_chain(w: _Walker) -> int:
+    """The post-chain's forward and the model's return; what the step keeps from its
+    forward to its backward (``Simulation.kept_bytes``)."""
+    p = w.p
     # the loss the caller holds from the post-chain's forward to backward is kept too (the
     # residue, its gradient included: an upper bound)
     kept = (w.live - p.params_bytes - p.optimizer_state_bytes - p.inputs_bytes
             + p.backward_residue_bytes)
-    n = p.n
     w.event("forward post-chain", p.post_chain_bytes)
     w.casts_cleared()  # the loss_fn's autocast region exits (Note [Autocast's cast cache])
     # the model's forward has returned: what only its code held of the pre-chain's goes
@@ -1060,7 +1115,13 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         w.live -= nbytes
     w.end_forward()
     if w.fsdp:
-        w.prefetch(n - 1)  # the root's pre-backward
+        w.prefetch(p.n - 1)  # the root's pre-backward
+    return kept
+
+
+def _backward_post_chain(w: _Walker) -> None:
+    """The post-chain's backward, to the chain output's gradient."""
+    p, n = w.p, w.p.n
     # Gradients nobody claims, from the first backward event on (an upper bound).
     w.add(("param grads", "unattributed"), p.unattributed_grads_bytes)
     # The chain output x_n (or its gradient, the same size) plus the post-chain's peak.
@@ -1083,7 +1144,11 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
     w.release_current(n)
     w.grad[n] = w.a[n]
     w.live += w.a[n]
-    w.backward_level(top)
+
+
+def _backward_pre_chain(w: _Walker) -> None:
+    """The pre-chain's backward, then the root unit's post-backward under FSDP2."""
+    p = w.p
     w.pending_at(-1)
     w.add(("param grads", "pre-chain"), p.pre_chain_grads_bytes)
     w.event("backward pre-chain")
@@ -1098,7 +1163,10 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         w.event("reduce-scatter root", root + (root if p.collective_copies else 0))
         w.reduce_input = 0
         assert not w.unsharded, w.unsharded
-    w.event("optimizer step", p.optimizer_step_bytes)
+
+
+def _check_all_let_go(w: _Walker) -> None:
+    """At the step's end only parameters, optimizer state, input and gradients remain."""
     grads = {("param grads", "unattributed"), ("param grads", "post-chain"),
              ("param grads", "pre-chain")}
     assert not any(w.holders) and not any(w.current) and not any(w.by_stage)
@@ -1107,6 +1175,11 @@ def simulate(plan: Plan, problem: Problem) -> Simulation:
         "params", "optimizer", "input", *grads}, (w.holders, w.blocks)
     assert all(s is None for s in w.saved) and all(g is None for g in w.grad)
     assert all(w.grads_made)
+
+
+def _simulation(w: _Walker, kept: int) -> Simulation:
+    """The walked step as a :class:`Simulation`."""
+    p = w.p
     peak_bytes = max(w.lives)
     peak = w.lives.index(peak_bytes)  # the first event at the peak
     time = StepTime(
