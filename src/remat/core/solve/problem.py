@@ -327,6 +327,20 @@ class Problem(JsonArtifact):
     pre_chain_at_return_bytes: int = 0
 
     def __post_init__(self) -> None:
+        stages = self._check_stages()
+        self._check_fixed_bytes(stages)
+        self._check_grads_total(stages)
+        self._check_times()
+        self._check_step_fields()
+        self._check_pre_chain_parts()
+        self._check_flags()
+
+    def _set_bytes(self, name: str) -> None:
+        """Field ``name`` as a byte count (sizes given as text are parsed)."""
+        object.__setattr__(self, name, _bytes(getattr(self, name), name))
+
+    def _check_stages(self) -> tuple[StageCost, ...]:
+        """The stages as a tuple of distinct StageCosts, each output the next one's input."""
         stages = tuple(self.stages)
         if not stages:
             raise UsageError("the problem has no stages; give at least one stage")
@@ -348,9 +362,13 @@ class Problem(JsonArtifact):
                     f"{b.name!r} has boundary_bytes={b.boundary_bytes}; one stage's output is "
                     "the next one's input, so give them the same size"
                 )
+        return stages
+
+    def _check_fixed_bytes(self, stages: tuple[StageCost, ...]) -> None:
+        """The fixed byte counts; ``pre_chain_bytes`` may go below zero by the first input."""
         for name in _FIXED_BYTES:
             if name != "pre_chain_bytes":
-                object.__setattr__(self, name, _bytes(getattr(self, name), name))
+                self._set_bytes(name)
         # below zero by at most x_0: the first input was alive at the step's start (Note
         # [The first input at the start] in from_profile.py)
         pre, first = self.pre_chain_bytes, stages[0].boundary_bytes
@@ -364,8 +382,9 @@ class Problem(JsonArtifact):
             pre = _bytes(pre, "pre_chain_bytes")
         object.__setattr__(self, "pre_chain_bytes", pre)
         if self.post_chain_backward_bytes is not None:
-            backward = _bytes(self.post_chain_backward_bytes, "post_chain_backward_bytes")
-            object.__setattr__(self, "post_chain_backward_bytes", backward)
+            self._set_bytes("post_chain_backward_bytes")
+
+    def _check_grads_total(self, stages: tuple[StageCost, ...]) -> None:
         parts = (sum(s.grad_bytes for s in stages) + self.pre_chain_grads_bytes
                  + self.post_chain_grads_bytes)
         if parts > self.grads_bytes:
@@ -374,6 +393,8 @@ class Problem(JsonArtifact):
                 f"add up to {parts} bytes, more than grads_bytes={self.grads_bytes}, the total "
                 "of all parameter gradients; give grads_bytes of at least their sum"
             )
+
+    def _check_times(self) -> None:
         for name in ("region_overhead_s", "outside_chain_s"):
             object.__setattr__(self, name, fields.seconds(getattr(self, name), name))
         bandwidth = self.offload_bandwidth_bytes_per_s
@@ -384,22 +405,20 @@ class Problem(JsonArtifact):
                     "device has no host link"
                 )
             object.__setattr__(self, "offload_bandwidth_bytes_per_s", float(bandwidth))
+
+    def _check_step_fields(self) -> None:
+        """The measured peak, ``early_stop``, and the byte counts of FSDP's root unit, the
+        backward's residue and the pre-chain's parts let go of at the forward's end."""
         if self.measured_no_checkpoint_peak_bytes is not None:
-            value = _bytes(self.measured_no_checkpoint_peak_bytes,
-                           "measured_no_checkpoint_peak_bytes")
-            object.__setattr__(self, "measured_no_checkpoint_peak_bytes", value)
+            self._set_bytes("measured_no_checkpoint_peak_bytes")
         if not isinstance(self.early_stop, bool):
             raise UsageError(f"early_stop={self.early_stop!r} must be true or false")
-        object.__setattr__(self, "root_unit_bytes", _bytes(self.root_unit_bytes,
-                                                           "root_unit_bytes"))
-        object.__setattr__(self, "backward_residue_bytes",
-                           _bytes(self.backward_residue_bytes, "backward_residue_bytes"))
-        object.__setattr__(self, "pre_chain_cast_bytes",
-                           _bytes(self.pre_chain_cast_bytes, "pre_chain_cast_bytes"))
-        object.__setattr__(self, "args_at_return_bytes",
-                           _bytes(self.args_at_return_bytes, "args_at_return_bytes"))
-        object.__setattr__(self, "pre_chain_at_return_bytes",
-                           _bytes(self.pre_chain_at_return_bytes, "pre_chain_at_return_bytes"))
+        for name in ("root_unit_bytes", "backward_residue_bytes", "pre_chain_cast_bytes",
+                     "args_at_return_bytes", "pre_chain_at_return_bytes"):
+            self._set_bytes(name)
+
+    def _check_pre_chain_parts(self) -> None:
+        """What goes at the forward's return is a part of ``pre_chain_bytes``."""
         if self.pre_chain_at_return_bytes and self.post_chain_backward_bytes is None:
             raise UsageError(f"pre_chain_at_return_bytes={self.pre_chain_at_return_bytes} needs "
                              "post_chain_backward_bytes, measured after the forward returned; "
@@ -411,6 +430,8 @@ class Problem(JsonArtifact):
                              f"pre_chain_at_return_bytes={self.pre_chain_at_return_bytes} are "
                              f"more than pre_chain_bytes={self.pre_chain_bytes}; they are "
                              "parts of them")
+
+    def _check_flags(self) -> None:
         if not isinstance(self.collective_copies, bool):
             raise UsageError(f"collective_copies={self.collective_copies!r} must be true or false")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
