@@ -61,71 +61,14 @@ __all__ = ["no_checkpoint_plan", "predict_no_checkpoint_peak", "problem_from_pro
 def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
     """The chain problem a profile describes (one StageCost per profiled stage)."""
     stages = profile.stages
-    links = _links(profile)
     held_through, output_held = held_outside(profile)
-    # Note [Links inside a region] (remat/profiling/optimes.py): a region over t stages
-    # costs region_overhead_s and the t - 1 links inside it (StageCost.link_s).
-    link = min(profile.region_link_s or 0.0, profile.region_overhead_s)
-    # Note [The first input at the start]: the caller holds x_0 to stage 0's backward
-    caller_holds = [_caller_holds_first_input(profile, i) for i in range(len(stages))]
     # Note [What the code between stages holds to the return] (remat/profiling/assemble.py):
     # let go at the return with what the pre-chain held there, not held to the backward
     to_return = ([0] * len(stages) if profile.fixed.post_chain_backward_bytes is None
                  else [s.link_at_return_bytes for s in stages])
-    costs = []
-    for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
-        by_option = {
-            o: b
-            for o, b in s.selective_bwd_transient_bytes.items()
-            if o in s.saved_bytes and b != s.bwd_transient_bytes
-        }
-        costs.append(
-            StageCost(
-                **{
-                    **shared_fields(s),
-                    "boundary_bytes": links[i - 1] if i > 0 else s.boundary_bytes,
-                    "output_bytes": links[i] if i < len(links) else s.output_bytes,
-                    # What the code before the stage keeps goes where the stage's does:
-                    # held at the top level, dropped inside a region (not at a region's
-                    # first stage, where it stays outside the region: docs/cost-model.md).
-                    "saved_bytes": {o: b + s.link_saved_bytes - to_return[i]
-                                    for o, b in s.saved_bytes.items()},
-                    "link_saved_bytes": s.link_saved_bytes - to_return[i],
-                    # measured link by link where the profile did, else the average
-                    "link_s": (0.0 if i + 1 == len(stages) else link if s.link_s is None
-                               else s.link_s),
-                    "extra_bwd_s": {o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
-                    **({"saves_input": True,
-                        "input_kept_by_option": dict.fromkeys(s.input_kept_by_option, True)}
-                       if caller_holds[i] else {}),
-                },
-                bwd_transient_by_option=by_option,
-                held_through=held_through[i],
-                output_held_through=out_held[0] if out_held else None,
-                output_held_bytes=out_held[1] if out_held else 0,
-            )
-        )
+    costs = _stage_costs(profile, held_through, output_held, to_return)
     fixed = profile.fixed
-    backward = fixed.post_chain_backward_bytes
-    at_return = 0 if backward is None else min(
-        fixed.pre_chain_at_return_bytes,
-        max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes
-            - fixed.pre_chain_cast_bytes - fixed.args_at_return_bytes))
-    if backward is not None:
-        backward += let_go_at_return(profile, held_through, output_held)
-        # the casts autocast's cache let go of at the forward's end, which the simulator
-        # now lets go of itself (Note [Autocast's cast cache] in simulator.py)
-        backward += sum(s.cast_unsaved_bytes for s in stages)
-        # the stages' arguments from before the chain the model let go of at its return,
-        # which the simulator lets go of itself (Note [Arguments a checkpoint frame holds])
-        backward += fixed.args_at_return_bytes
-        # what the code before the chain made and only the model's code held, which the
-        # simulator lets go of itself (Note [What the forward lets go of at its return])
-        backward += at_return
-        # what the code between stages held to the return, likewise (a part of the
-        # pre-chain's bytes, from the forward's start: an upper bound before its link)
-        at_return += sum(to_return)
-        backward += sum(to_return)
+    backward, at_return = _post_chain_backward(profile, held_through, output_held, to_return)
     parts = (
         sum(s.grad_bytes for s in stages)
         + fixed.pre_chain_grads_bytes
@@ -162,6 +105,84 @@ def problem_from_profile(profile: Profile, *, slots: int = 500) -> Problem:
         slots=slots,
         description=profile.model,
     )
+
+
+def _stage_costs(profile: Profile, held_through: list[int | None],
+                 output_held: list[tuple[int, int] | None], to_return: list[int]
+                 ) -> list[StageCost]:
+    """One StageCost per profiled stage (``to_return``: per stage, what the code before it
+    held to the forward's return)."""
+    stages = profile.stages
+    links = _links(profile)
+    # Note [Links inside a region] (remat/profiling/optimes.py): a region over t stages
+    # costs region_overhead_s and the t - 1 links inside it (StageCost.link_s).
+    link = min(profile.region_link_s or 0.0, profile.region_overhead_s)
+    # Note [The first input at the start]: the caller holds x_0 to stage 0's backward
+    caller_holds = [_caller_holds_first_input(profile, i) for i in range(len(stages))]
+    costs = []
+    for i, (s, out_held) in enumerate(zip(stages, output_held, strict=True)):
+        by_option = {
+            o: b
+            for o, b in s.selective_bwd_transient_bytes.items()
+            if o in s.saved_bytes and b != s.bwd_transient_bytes
+        }
+        costs.append(
+            StageCost(
+                **{
+                    **shared_fields(s),
+                    "boundary_bytes": links[i - 1] if i > 0 else s.boundary_bytes,
+                    "output_bytes": links[i] if i < len(links) else s.output_bytes,
+                    # What the code before the stage keeps goes where the stage's does:
+                    # held at the top level, dropped inside a region (not at a region's
+                    # first stage, where it stays outside the region: docs/cost-model.md).
+                    "saved_bytes": {o: b + s.link_saved_bytes - to_return[i]
+                                    for o, b in s.saved_bytes.items()},
+                    "link_saved_bytes": s.link_saved_bytes - to_return[i],
+                    # measured link by link where the profile did, else the average
+                    "link_s": (0.0 if i + 1 == len(stages) else link if s.link_s is None
+                               else s.link_s),
+                    "extra_bwd_s": {o: t for o, t in s.extra_bwd_s.items() if o in s.saved_bytes},
+                    **({"saves_input": True,
+                        "input_kept_by_option": dict.fromkeys(s.input_kept_by_option, True)}
+                       if caller_holds[i] else {}),
+                },
+                bwd_transient_by_option=by_option,
+                held_through=held_through[i],
+                output_held_through=out_held[0] if out_held else None,
+                output_held_bytes=out_held[1] if out_held else 0,
+            )
+        )
+    return costs
+
+
+def _post_chain_backward(profile: Profile, held_through: list[int | None],
+                         output_held: list[tuple[int, int] | None], to_return: list[int]
+                         ) -> tuple[int | None, int]:
+    """The post-chain's backward figure with what the simulator lets go of itself added
+    back (None where the profile has none), and the problem's
+    ``pre_chain_at_return_bytes``."""
+    stages, fixed = profile.stages, profile.fixed
+    backward = fixed.post_chain_backward_bytes
+    at_return = 0 if backward is None else min(
+        fixed.pre_chain_at_return_bytes,
+        max(0, fixed.pre_chain_bytes - fixed.first_input_at_start_bytes
+            - fixed.pre_chain_cast_bytes - fixed.args_at_return_bytes))
+    if backward is not None:
+        backward += let_go_at_return(profile, held_through, output_held)
+        # the casts autocast's cache let go of at the forward's end, which the simulator
+        # now lets go of itself (Note [Autocast's cast cache] in simulator.py)
+        backward += sum(s.cast_unsaved_bytes for s in stages)
+        # the stages' arguments from before the chain the model let go of at its return,
+        # which the simulator lets go of itself (Note [Arguments a checkpoint frame holds])
+        backward += fixed.args_at_return_bytes
+        # what the code before the chain made and only the model's code held, which the
+        # simulator lets go of itself (Note [What the forward lets go of at its return])
+        backward += at_return
+        # what the code between stages held to the return, likewise (a part of the
+        # pre-chain's bytes, from the forward's start: an upper bound before its link)
+        at_return += sum(to_return)
+        backward += sum(to_return)
+    return backward, at_return
 
 
 def _caller_holds_first_input(profile: Profile, i: int) -> bool:
