@@ -129,12 +129,12 @@ def link_saved_bytes(m: Measurements, i: int) -> int:
         return max(0, rise)
     let_go = not (m.nosave.kept_outside[i - 1] or before.saves_output
                   or m.nosave.output_held_through[i - 1] is not None)
+    back = before.new_output_bytes if let_go else 0
     if let_go and m.nosave.output_saved_after and m.nosave.output_saved_after[i - 1]:
         # Note [Two tensors at one boundary]: the problem holds the larger of the two
         # to the stage's backward as its input; the code keeps the other
-        return max(0, rise - after.boundary_bytes
-                   + min(before.new_output_bytes, after.boundary_bytes))
-    return max(0, rise - after.boundary_bytes + (before.new_output_bytes if let_go else 0))
+        back = min(back, after.boundary_bytes)
+    return max(0, rise - after.boundary_bytes + back)
 
 
 # Note [Two tensors at one boundary]

@@ -118,6 +118,11 @@ class ForwardPass:
     output_saved_after: tuple[bool, ...] = ()
 
 
+def _gone_unmarked(made: dict[int, list[Any]]) -> int:
+    """The bytes of what ``made`` lists that is gone now and was never marked."""
+    return sum(nbytes for ref, nbytes, marked in made.values() if not marked and ref() is None)
+
+
 def _mutated_bytes(module: nn.Module, versions: list[tuple[torch.Tensor, int]]) -> int:
     """Bytes of the buffers the runtime clones around a rebuild of ``module`` (the rule of
     ``remat.runtime.engine``: those whose version changed, and a norm's running statistics
@@ -160,12 +165,11 @@ class _Offers:
         self.outputs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * n
         # per stage: the code just after it offered to save its output
         self.output_saved_after = [False] * n
-        # storage id -> [the storage, bytes, marked]: what the step had made and still held
-        # when stage 0 was called (no-save pass), marked where some stage's call got it or
-        # some code offered to save it; told by identity, as a freed storage's id is reused
-        self.before_chain: dict[int, list[Any]] = {}
-        # per stage i > 0, the same for what the code just before it made since stage
-        # i - 1 returned (no-save pass)
+        # per stage, storage id -> [the storage, bytes, marked]: what the code just before
+        # it made (since stage i - 1 returned; for stage 0, since loss_fn was called: the
+        # pre-chain) and still held at its call (no-save pass), marked where some stage's
+        # call got it or some code offered to save it; told by identity, as a freed
+        # storage's id is reused
         self.made_in_link: list[dict[int, list[Any]]] = [{} for _ in range(n)]
         # per stage: the stage inputs the model's code just before it offered to save
         self.link_saves: list[set[int]] = [set() for _ in range(n)]
@@ -174,7 +178,7 @@ class _Offers:
         self.link_offered: list[weakref.ref[torch.UntypedStorage]] = []
 
     def mark(self, storage: torch.UntypedStorage) -> None:
-        for made in (self.before_chain, *self.made_in_link):
+        for made in self.made_in_link:
             entry = made.get(id(storage))
             if entry is not None and entry[0]() is storage:
                 entry[2] = True
@@ -248,7 +252,6 @@ class _Recorder:
         self.stage_end = [0] * n  # the tracker's serial when each stage returned
         self.link_at_return: tuple[int, ...] = ()
         self.step_start = 0  # the tracker's serial when loss_fn was called
-        self.before_chain = offers.before_chain
         self.pre_chain_at_return = 0
         self.link_saves = offers.link_saves
         self.link_offered = offers.link_offered
@@ -283,9 +286,7 @@ class _Recorder:
         for j in range(self.n - 1):
             self.kept[j] = self.kept[j] or self.alive(j)
         self.seen(self.n - 1, at=self.n)
-        self.pre_chain_at_return = sum(
-            nbytes for ref, nbytes, marked in self.before_chain.values()
-            if not marked and ref() is None)
+        self.pre_chain_at_return = _gone_unmarked(self.offers.made_in_link[0])
 
     def pre(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         tracker = self.tracker
@@ -294,19 +295,12 @@ class _Recorder:
             with contextlib.suppress(RuntimeError, NotImplementedError, TypeError):
                 if any(ref() is x.untyped_storage() for ref in self.link_offered):
                     self.input_saved_before[i] = True
-        if i == 0 and not self.save:  # what the pre-chain made and still holds, and offered to save
-            self.before_chain.update((id(o), [ref, nbytes, False])
-                                     for ref, nbytes in tracker.live_since(self.step_start)
-                                     if (o := ref()) is not None)
-            for ref in self.link_offered:
-                if (o := ref()) is not None:
-                    self.offers.mark(o)
-        if i > 0 and not self.save:  # what the code since stage i - 1 returned still holds
+        if not self.save:  # what the code just before the stage made and still holds
+            since = self.step_start if i == 0 else self.stage_end[i - 1]
             self.offers.made_in_link[i].update(
                 (id(o), [ref, nbytes, False])
-                for ref, nbytes in tracker.live_since(self.stage_end[i - 1])
-                if (o := ref()) is not None)
-            for ref in self.link_offered:
+                for ref, nbytes in tracker.live_since(since) if (o := ref()) is not None)
+            for ref in self.link_offered:  # and of it, what that code offered to save
                 if (o := ref()) is not None:
                     self.offers.mark(o)
         self.link_offered.clear()
@@ -383,10 +377,8 @@ class _Recorder:
                     loss = loss_fn(model, batch)
                 # the forward has returned; nothing is saved in this pass
                 self.args_gone()
-                self.link_at_return = tuple(
-                    sum(nbytes for ref, nbytes, marked in made.values()
-                        if not marked and ref() is None)
-                    for made in self.offers.made_in_link)
+                # (the pre-chain's, gone at the model's return, is pre_chain_at_return)
+                self.link_at_return = (0, *map(_gone_unmarked, self.offers.made_in_link[1:]))
             loss_storage = (loss.untyped_storage().nbytes()
                             if isinstance(loss, torch.Tensor) else 0)
             if self.save:  # what the graph holds counts, so before it goes

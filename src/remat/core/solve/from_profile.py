@@ -175,13 +175,12 @@ def _post_chain_backward(profile: Profile, held_through: list[int | None],
         # the stages' arguments from before the chain the model let go of at its return,
         # which the simulator lets go of itself (Note [Arguments a checkpoint frame holds])
         backward += fixed.args_at_return_bytes
-        # what the code before the chain made and only the model's code held, which the
-        # simulator lets go of itself (Note [What the forward lets go of at its return])
-        backward += at_return
-        # what the code between stages held to the return, likewise (a part of the
-        # pre-chain's bytes, from the forward's start: an upper bound before its link)
+        # what the code before the chain made and only the model's code held, and what the
+        # code between stages held to the return (a part of the pre-chain's bytes, from
+        # the forward's start: an upper bound before its link), which the simulator lets
+        # go of itself (Note [What the forward lets go of at its return])
         at_return += sum(to_return)
-        backward += sum(to_return)
+        backward += at_return
     return backward, at_return
 
 
