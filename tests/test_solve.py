@@ -166,10 +166,16 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
     a = [draw(small) for _ in range(n + 1)]
     offload = draw(st.booleans())
     selective = [draw(st.booleans()) for _ in range(n)]
+    # a second selective option, whose backward is also that of the stage rebuilt in full
+    # (Note [A selective stage rebuilt in full] in the simulator)
+    nothing = [sel and draw(st.booleans()) for sel in selective]
 
     def count() -> int:
-        return _LEVELS[n] * math.prod(1 + sel + offload for sel in selective)
+        return _LEVELS[n] * math.prod(1 + sel + no + offload
+                                      for sel, no in zip(selective, nothing, strict=True))
 
+    while count() > _MAX_PLANS and any(nothing):
+        nothing[max(i for i, no in enumerate(nothing) if no)] = False
     while count() > _MAX_PLANS and any(selective):
         selective[max(i for i, sel in enumerate(selective) if sel)] = False
     if count() > _MAX_PLANS:
@@ -180,11 +186,19 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
         saved: dict[str, int] = {"keep": keep}
         extra: dict[str, float] = {}
         by_option: dict[str, int] = {}
+        taped: dict[str, int] = {}  # a taped forward's own transient
         if selective[i]:
             saved["selective:save-matmuls"] = draw(st.integers(0, keep))
             extra["selective:save-matmuls"] = float(draw(st.integers(0, 2)))
             if draw(st.booleans()):  # its replay needs another backward transient than keep
                 by_option["selective:save-matmuls"] = draw(st.integers(0, 6))
+            if draw(st.booleans()):  # its frame saves nothing as it goes: another peak
+                taped["selective:save-matmuls"] = draw(st.integers(0, 8))
+        if selective[i] and nothing[i]:
+            saved["selective:save-nothing"] = draw(st.integers(0, saved["selective:save-matmuls"]))
+            extra["selective:save-nothing"] = float(draw(st.integers(0, 3)))
+            by_option["selective:save-nothing"] = draw(st.integers(0, 6))
+            taped["selective:save-nothing"] = draw(st.integers(0, 8))
         if offload and draw(st.booleans()):
             saved["offload"] = draw(st.integers(0, 12))  # else keep + input
         stages.append(StageCost(
@@ -198,6 +212,7 @@ def chains(draw: st.DrawFn, max_n: int = 5, breaks: bool = False, reads: bool = 
             saves_input=draw(st.booleans()),
             break_before="glue" if breaks and i > 0 and draw(st.booleans()) else None,
             bwd_transient_by_option=by_option,
+            fwd_transient_by_option=taped,
             pending_grad_bytes=draw(st.integers(0, 3)),
             reads=tuple(
                 HeldRead(10 * i + t, made, draw(st.integers(1, 6)), boundary=draw(st.booleans()),

@@ -132,6 +132,11 @@ class StageProfile(StageRecord):
     # replay included) where the simulator charges keep's saved bytes; measured with the
     # option on. Written only when set.
     selective_bwd_transient_bytes: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # option -> the forward transient (peak over exit) of the stage run with grad under
+    # that selective option, measured with the option on: its checkpoint frame saves
+    # nothing as it goes, so its ops' outputs stay alive as in a forward that saves
+    # nothing, not as keep's. Written only when set.
+    selective_fwd_transient_bytes: Mapping[str, int] = field(default_factory=dict, hash=False)
     # The stage module's class, parameter shapes and dtypes (remat.core.model_identity), which
     # plans made from the profile record so apply can check the model. Written only when set.
     identity: StageIdentity | None = None
@@ -174,14 +179,12 @@ class StageProfile(StageRecord):
         for flag in ("output_kept_outside", "saves_output", "gets_previous_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise UsageError(f"{where} {flag} must be true or false")
-        if not isinstance(self.selective_bwd_transient_bytes, Mapping):
-            raise UsageError(f"{where} selective_bwd_transient_bytes must map options "
-                             "to bytes")
-        replay = {
-            str(k): self.nbytes(v, f"selective_bwd_transient_bytes[{k!r}]")
-            for k, v in self.selective_bwd_transient_bytes.items()
-        }
-        object.__setattr__(self, "selective_bwd_transient_bytes", MappingProxyType(replay))
+        for name in ("selective_bwd_transient_bytes", "selective_fwd_transient_bytes"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise UsageError(f"{where} {name} must map options to bytes")
+            by_option = {str(k): self.nbytes(v, f"{name}[{k!r}]")
+                         for k, v in getattr(self, name).items()}
+            object.__setattr__(self, name, MappingProxyType(by_option))
         if self.identity is not None and not isinstance(self.identity, StageIdentity):
             raise UsageError(f"{where} identity must be a StageIdentity or null")
         if not isinstance(self.time_spread, Mapping):
@@ -223,6 +226,11 @@ class StageProfile(StageRecord):
             **(
                 {"selective_bwd_transient_bytes": dict(self.selective_bwd_transient_bytes)}
                 if self.selective_bwd_transient_bytes
+                else {}
+            ),
+            **(
+                {"selective_fwd_transient_bytes": dict(self.selective_fwd_transient_bytes)}
+                if self.selective_fwd_transient_bytes
                 else {}
             ),
             **({"input_kept_by_option": dict(self.input_kept_by_option)}
@@ -291,6 +299,7 @@ _OPTIONAL_STAGE_KEYS = (
     "output_held_through",
     "gets_previous_output",
     "selective_bwd_transient_bytes",
+    "selective_fwd_transient_bytes",
     "input_kept_by_option",
     "reads",
     "pending_grad_bytes",

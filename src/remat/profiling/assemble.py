@@ -263,6 +263,21 @@ def _replay_bytes(
     return replay
 
 
+def _taped_forward_bytes(m: Measurements, i: int, offered: Sequence[str], clones: int
+                         ) -> dict[str, int]:
+    """Under a selective option the stage's checkpoint frame saves nothing as its forward
+    goes (its cache keeps the policy's outputs): the forward peaks over its exit as its
+    own pass measured, or as the pass that saves nothing where the stage runs none of the
+    option's ops. Keep's figure, with everything saved alive, was short by up to the
+    block's saved bytes (Note [A selective stage's forward] in the simulator)."""
+    taped = {}
+    for option in offered:
+        measured = option in m.measured_in and i in m.measured_in[option]
+        span = m.selective[option].stages[i] if measured else m.nosave.stages[i]
+        taped[option] = span.peak_bytes - span.exit_bytes + clones
+    return taped
+
+
 @dataclass(frozen=True)
 class _Times:
     """The stages' pooled times: which stage each is identical to, each option's extra
@@ -330,6 +345,7 @@ def _stage_profile(m: Measurements, i: int, grads: Sequence[int], t: _Times) -> 
         link_backward_bytes=link_backward_bytes(m, i),
         link_at_return_bytes=link_at_return_bytes(m, i),
         selective_bwd_transient_bytes=replay,
+        selective_fwd_transient_bytes=_taped_forward_bytes(m, i, offered, clones),
         input_kept_by_option=(dict.fromkeys(input_kept, True) if saved_before
                               else input_kept),
         input_held_through=m.nosave.input_held_through[i],

@@ -71,7 +71,7 @@ def merge_twin_options(profile: Profile, m: Measurements) -> Profile:
         lead = {twin: g[0] for g in groups[i] for twin in g}  # option -> its first twin
         order = [o for g in groups[i] for o in g]
         times = {o: pooled[lead[o]][i] for o in order}
-        replay = s.selective_bwd_transient_bytes
+        replay, taped = s.selective_bwd_transient_bytes, s.selective_fwd_transient_bytes
         stages.append(replace(
             s,
             saved_bytes={KEEP: s.saved_bytes[KEEP],
@@ -79,6 +79,8 @@ def merge_twin_options(profile: Profile, m: Measurements) -> Profile:
             extra_bwd_s={o: times[o].median for o in order},
             selective_bwd_transient_bytes={
                 o: replay[lead[o]] for o in order if lead[o] in replay},
+            selective_fwd_transient_bytes={
+                o: taped[lead[o]] for o in order if lead[o] in taped},
             time_spread={
                 **{k: v for k, v in s.time_spread.items()
                    if not k.startswith("extra_bwd_s.")},

@@ -68,7 +68,7 @@ def subproblem(k: int, e: int, h: int, best: Any, seg0: Any, seg1: Any, segp0: A
             elif c == 0 or (c == 1 and not k + 1 < e) or (c == 2 and kind == OFF):
                 continue
             runs = c != 2 or kind == KEEP
-            need = bwd[k, j, h]
+            need = bwd[k, j, h, 1 if runs else 0]
             if runs:
                 f = -(-(fwd_base[k, j, h] + g) // q)
                 if f > need:

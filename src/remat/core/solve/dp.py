@@ -178,6 +178,7 @@ class _OptionFigures(NamedTuple):
     forward: int  # forward with grad, beyond input and output
     save: int  # kept on device from forward to backward
     dev_bwd: int  # saved bytes on device during its backward
+    dev_open: int  # ... when a region's rebuild stopped before it (rebuilt in full)
     t_top: float  # extra time at the top level
     t_run: float  # extra time inside a region, run in its rebuild
     t_open: float  # ... not run in its rebuild (early stop)
@@ -189,12 +190,14 @@ def _option_figures(s: StageCost, o: Option, kind: int, bw: float | None) -> _Op
         assert bw is not None
         t = 2 * s.offload_bytes / bw + s.extra_bwd_s.get(o, 0.0)
         return _OptionFigures(s.nosave_peak_extra_bytes, 0, s.offload_bytes,
-                              t, s.rebuild_s + t, t)
+                              s.offload_bytes, t, s.rebuild_s + t, t)
     t = s.extra_bwd_s.get(o, 0.0)
+    full = s.full_rebuild_option(o)  # Note [A selective stage rebuilt in full]
     return _OptionFigures(
-        s.saved_bytes[o] + s.fwd_transient_bytes, s.saved_bytes[o],
+        s.saved_bytes[o] + s.fwd_transient(o), s.saved_bytes[o],
         # bwd() adds keep's transient; a selective option's own replaces it
         s.saved_bytes[KEEP_OPTION] + s.bwd_transient(o) - s.bwd_transient_bytes,
+        s.saved_bytes[KEEP_OPTION] + s.bwd_transient(full) - s.bwd_transient_bytes,
         t, s.rebuild_s + t,
         s.rebuild_s)  # a selective stage not run: rebuilt in full
 
@@ -273,6 +276,7 @@ class Model:
         self.tf: list[list[int]] = [[f.forward for f in row] for row in rows]
         self.save: list[list[int]] = [[f.save for f in row] for row in rows]
         self.dev_bwd: list[list[int]] = [[f.dev_bwd for f in row] for row in rows]
+        self.dev_open: list[list[int]] = [[f.dev_open for f in row] for row in rows]
         self.t_top: list[list[float]] = [[f.t_top for f in row] for row in rows]
         self.t_run: list[list[float]] = [[f.t_run for f in row] for row in rows]
         self.t_open: list[list[float]] = [[f.t_open for f in row] for row in rows]
@@ -380,11 +384,13 @@ class Model:
     def hold_open(self, k: int, h: int) -> int:
         return _ceil(self.inp(k, h), self.q)
 
-    def bwd(self, k: int, j: int, h: int) -> int:
-        """Backward of stage ``k`` (Note [Gradients by position]: ``T(k + 1)`` alive)."""
+    def bwd(self, k: int, j: int, h: int, runs: bool = True) -> int:
+        """Backward of stage ``k`` (Note [Gradients by position]: ``T(k + 1)`` alive);
+        ``runs`` false: its region's rebuild stopped before it."""
         held = self.inp(k, h) if self.keeps[k][j] else 0
         st = self.problem.stages[k]
-        local = held + self.dev_bwd[k][j] + self.a[k + 1] + self.a[k] + st.bwd_transient_bytes
+        dev = self.dev_bwd[k][j] if runs else self.dev_open[k][j]
+        local = held + dev + self.a[k + 1] + self.a[k] + st.bwd_transient_bytes
         return _ceil(local + self.sg[k + 1], self.q)
 
     def grads_during(self, e: int | None) -> int:
@@ -507,7 +513,7 @@ def _seg_value(t: Tables, k: int, e: int, h: int, m: int, c: Choice) -> float:
     if c.kind == "stage":
         j = c.arg
         runs = c.rest != "AO" or model.kinds[k][j] == KEEP
-        if m < model.bwd(k, j, h) or (runs and m < model.fwd(k, j, h, e)):
+        if m < model.bwd(k, j, h, runs) or (runs and m < model.fwd(k, j, h, e)):
             return INF
         if runs:
             return model.t_run[k][j] + t.rest(c.rest, k + 1, e, m - model.hold(k, j, h))
@@ -628,7 +634,7 @@ def numpy_tables(model: Model, max_slots: int) -> Tables:
         for j, kind in enumerate(model.kinds[k]):
             for c in stage_choices(model, k, e, j):
                 runs = c.rest != "AO" or kind == KEEP
-                need = max(model.bwd(k, j, h), model.fwd(k, j, h, e) if runs else 0)
+                need = max(model.bwd(k, j, h, runs), model.fwd(k, j, h, e) if runs else 0)
                 if runs:
                     v = model.t_run[k][j] + rest(c.rest, k + 1, e, model.hold(k, j, h))
                 else:

@@ -133,7 +133,7 @@ def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
     kinds = np.full((n, width), -1, dtype=np.int64)
     t_run = np.zeros((n, width))
     t_open = np.zeros((n, width))
-    bwd = np.zeros((n, width, 2), dtype=np.int64)
+    bwd = np.zeros((n, width, 2, 2), dtype=np.int64)  # [..., runs]
     fwd_base = np.zeros((n, width, 2), dtype=np.int64)
     hold = np.zeros((n, width, 2), dtype=np.int64)
     hold_open = np.zeros((n, 2), dtype=np.int64)
@@ -147,7 +147,8 @@ def _numba_tables(model: Model, max_slots: int, threads: int | None) -> Tables:
             t_run[k, j] = model.t_run[k][j]
             t_open[k, j] = model.t_open[k][j]
             for h in (0, 1):
-                bwd[k, j, h] = model.bwd(k, j, h)
+                bwd[k, j, h, 0] = model.bwd(k, j, h, runs=False)
+                bwd[k, j, h, 1] = model.bwd(k, j, h)
                 hold[k, j, h] = model.hold(k, j, h)
                 # fwd(k, j, h, e) = ceil((this + a_e + T(e)) / q)
                 fwd_base[k, j, h] = model.inp(k, h) + model.a[k + 1] + model.tf[k][j]

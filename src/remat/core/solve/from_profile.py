@@ -126,6 +126,8 @@ def _stage_costs(profile: Profile, held_through: list[int | None],
             for o, b in s.selective_bwd_transient_bytes.items()
             if o in s.saved_bytes and b != s.bwd_transient_bytes
         }
+        taped = {o: b for o, b in s.selective_fwd_transient_bytes.items()
+                 if o in s.saved_bytes and b != s.fwd_transient_bytes}
         costs.append(
             StageCost(
                 **{
@@ -147,6 +149,7 @@ def _stage_costs(profile: Profile, held_through: list[int | None],
                        if caller_holds[i] else {}),
                 },
                 bwd_transient_by_option=by_option,
+                fwd_transient_by_option=taped,
                 held_through=held_through[i],
                 output_held_through=out_held[0] if out_held else None,
                 output_held_bytes=out_held[1] if out_held else 0,

@@ -61,7 +61,7 @@ class _LeastPeaks:
             j = c.arg
             runs = c.rest != "AO" or model.kinds[k][j] == KEEP
             held = model.hold(k, j, h) if runs else model.hold_open(k, h)
-            need = max(model.bwd(k, j, h), model.fwd(k, j, h, e) if runs else 0)
+            need = max(model.bwd(k, j, h, runs), model.fwd(k, j, h, e) if runs else 0)
             return max(need, held + self.rest_req(c.rest, k + 1, e))
         stop = c.arg
         runs = c.rest != "AO"

@@ -63,6 +63,10 @@ class StageCost(StageRecord):
     # block ending in a ReLU makes its output again). Same convention: beyond keep's saved
     # bytes, which the backward of a selective stage holds too.
     bwd_transient_by_option: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # A selective option's forward transient where it differs from keep's
+    # (``fwd_transient_bytes``), beyond its own saved bytes: its checkpoint frame saves
+    # nothing as the forward goes, so that forward peaks as one that saves nothing does.
+    fwd_transient_by_option: Mapping[str, int] = field(default_factory=dict, hash=False)
     # The last stage (by index) whose forward still finds this stage's input referenced by
     # the model's own code beyond what the chain holds (a skip list, a caller's frame);
     # n or more: through the chain's end. None: nothing. Only the top-level forward: the
@@ -106,18 +110,8 @@ class StageCost(StageRecord):
                     f"{where} has extra_bwd_s for {option!r} but no saved_bytes for it; "
                     "add saved_bytes for that option or drop the entry"
                 )
-        if not isinstance(self.bwd_transient_by_option, Mapping):
-            raise UsageError(f"{where} bwd_transient_by_option must map options to bytes")
-        by_option: dict[str, int] = {}
-        for text, nbytes in self.bwd_transient_by_option.items():
-            option = self.option(text, "bwd_transient_by_option")
-            if not (option.is_selective and option in self.saved_bytes):
-                raise UsageError(
-                    f"{where} has bwd_transient_by_option for {option!r}, which is not one of "
-                    "its measured selective options; drop the entry"
-                )
-            by_option[option] = self.nbytes(nbytes, f"bwd_transient_by_option[{option!r}]")
-        object.__setattr__(self, "bwd_transient_by_option", MappingProxyType(by_option))
+        for name in ("bwd_transient_by_option", "fwd_transient_by_option"):
+            self._check_by_option(name)
         for name in ("held_through", "output_held_through"):
             fields.stage_index(getattr(self, name), f"{where} {name}")
         if any(self.link_saved_bytes > nbytes for nbytes in self.saved_bytes.values()):
@@ -125,9 +119,40 @@ class StageCost(StageRecord):
                              "one of its saved_bytes, which include it; give at most the "
                              "smallest")
 
+    def _check_by_option(self, name: str) -> None:
+        """Field ``name`` maps measured selective options to bytes."""
+        where = self.where
+        if not isinstance(getattr(self, name), Mapping):
+            raise UsageError(f"{where} {name} must map options to bytes")
+        by_option: dict[str, int] = {}
+        for text, nbytes in getattr(self, name).items():
+            option = self.option(text, name)
+            if not (option.is_selective and option in self.saved_bytes):
+                raise UsageError(
+                    f"{where} has {name} for {option!r}, which is not one of its measured "
+                    "selective options; drop the entry"
+                )
+            by_option[option] = self.nbytes(nbytes, f"{name}[{option!r}]")
+        object.__setattr__(self, name, MappingProxyType(by_option))
+
     def bwd_transient(self, option: str) -> int:
         """The backward transient under ``option`` (keep's unless measured apart)."""
         return self.bwd_transient_by_option.get(option, self.bwd_transient_bytes)
+
+    def fwd_transient(self, option: str) -> int:
+        """The transient of a forward with grad under ``option``, beyond its saved bytes
+        (keep's unless measured apart)."""
+        return self.fwd_transient_by_option.get(option, self.fwd_transient_bytes)
+
+    def full_rebuild_option(self, option: str) -> str:
+        """The option whose measured backward is this stage's under ``option`` when its
+        region's rebuild stopped before it (a selective stage rebuilt in full at its
+        backward, Note [What a rebuild starts with] in the simulator): save-nothing's where
+        measured, else ``option``'s own."""
+        nothing = Option.selective("save-nothing")
+        if Option(option).is_selective and nothing in self.saved_bytes:
+            return nothing
+        return option
 
     @property
     def selective_options(self) -> tuple[Option, ...]:
@@ -175,6 +200,8 @@ class StageCost(StageRecord):
             **({"break_before": self.break_before} if self.break_before is not None else {}),
             **({"bwd_transient_by_option": dict(self.bwd_transient_by_option)}
                if self.bwd_transient_by_option else {}),
+            **({"fwd_transient_by_option": dict(self.fwd_transient_by_option)}
+               if self.fwd_transient_by_option else {}),
             **({"input_kept_by_option": dict(self.input_kept_by_option)}
                if self.input_kept_by_option else {}),
             **({"reads": [r.to_dict() for r in self.reads]} if self.reads else {}),
@@ -227,7 +254,7 @@ _STAGE_KEYS = (
     "reads", "pending_grad_bytes", "held_through", "output_held_through", "output_held_bytes",
     "link_saved_bytes", "unit_bytes", "reduce_bytes", "input_kept_by_option", "link_s",
     "gather_s", "rebuild_grad_bytes", "cast_cache_bytes", "cast_unsaved_bytes", "call_args",
-    "link_backward_bytes",
+    "link_backward_bytes", "fwd_transient_by_option",
 )
 _FIXED_BYTES_V1 = (
     "params_bytes",
