@@ -44,7 +44,7 @@ def ranged() -> Any:
 def test_a_range_profile_is_exact_in_bytes_at_a_shape_the_fit_never_saw(ranged: Any) -> None:
     model, batch, loss, prof = ranged
     fit = prof.shapes
-    assert fit is not None and str(fit.dims) == RANGE and fit.inputs == {"seq": (0, 1)}
+    assert fit is not None and str(fit.dims) == RANGE and fit.inputs == {"seq": (0, 1, 0)}
     seen = {*fit.byte_points, *fit.time_points}
     assert (40,) not in seen and 40 not in fit.rungs[0]
     report = check_fit(model, _cut(batch, 16), loss, prof, (40,), repeats=1)
@@ -232,3 +232,30 @@ def test_auto_over_a_range_measures_each_bucket_within_the_budget_with_equal_gra
         assert row["measured_peak_bytes"] <= budget and row["grads_equal"]
     measured = {tuple(r["shape"]) for r in report["rows"]}
     assert (8,) in measured and (32,) in measured  # the range's ends are buckets' ends
+
+
+def _next_token(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A causal LM loss as scripts write it: the model sees all but the last token."""
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             ids[:, 1:].reshape(-1))
+
+
+def test_a_plan_set_follows_a_dimension_the_model_receives_one_shorter() -> None:
+    model, (ids, _), _ = _model()
+    shifted = torch.cat([ids, ids[:, :1]], dim=1)  # 65 tokens: the model sees up to 64
+    prof = profile_shapes(model, shifted[:, :17], _next_token, "seq=9..65:8", repeats=1)
+    assert prof.shapes is not None and prof.shapes.inputs == {"seq": (0, 1, -1)}
+    chosen = plan_set(prof, "80%")
+    assert PlanSet.from_dict(chosen.to_dict()).inputs == chosen.inputs
+    handle = remat.apply(model, chosen)
+    try:
+        for seq in (9, 33, 65):
+            step = measure_step(model, shifted[:, :seq], _next_token,
+                                torch.optim.SGD(model.parameters(), lr=0.0))
+            assert handle.running == chosen.plans[chosen.choose((seq,))], seq
+            assert step.peak_bytes <= chosen.budget_bytes, seq
+        with pytest.raises(UsageError, match=r"seq=12 is outside the plan set's range"):
+            _next_token(model, shifted[:, :12])  # the model sees 11: the batch's 12
+    finally:
+        handle.remove()

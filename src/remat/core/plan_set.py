@@ -24,8 +24,9 @@ simulator, not by an argument about monotonicity. Shapes outside the range (or o
 step) get what ``outside`` says: ``error`` (a UsageError naming the shape and the range)
 or ``conservative``: the plan of least predicted peak at the range's largest shape, with
 one warning. The runtime reads the shape off the forward's inputs (``inputs``: per
-dimension, a tensor's position among the tensors of the forward's args then kwargs, and
-an axis) and picks the bucket's plan at each forward (:mod:`remat.runtime.install`).
+dimension, a tensor's position among the tensors of the forward's args then kwargs, an
+axis, and that axis's offset from the dimension) and picks the bucket's plan at each
+forward (:mod:`remat.runtime.install`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from remat.core.plan_format import Plan
 from remat.core.planner import made_for
 from remat.core.profile_format import Profile
 from remat.core.shape_profiles import at_shape
-from remat.core.shapes import Shape, ShapeFit, ShapeRange
+from remat.core.shapes import InputKey, Shape, ShapeFit, ShapeRange, input_key, input_key_list
 from remat.core.solve import minimum_budget, solve
 from remat.core.solve.budget import Budget
 from remat.core.solve.from_profile import problem_from_profile
@@ -74,7 +75,7 @@ class PlanSet(JsonArtifact):
     dims: ShapeRange
     plans: tuple[Plan, ...]
     buckets: tuple[tuple[Box, ...], ...]
-    inputs: Mapping[str, tuple[int, int]] = field(hash=False)
+    inputs: Mapping[str, InputKey] = field(hash=False)
     budget_bytes: int
     conservative: int  # the plan outside shapes get with outside="conservative"
     outside: str = "error"
@@ -105,7 +106,7 @@ class PlanSet(JsonArtifact):
             tuple(tuple((int(a), int(b)) for a, b in box) for box in boxes)
             for boxes in buckets))
         object.__setattr__(self, "inputs", MappingProxyType(
-            {k: (int(v[0]), int(v[1])) for k, v in self.inputs.items()}))
+            {k: input_key(v) for k, v in self.inputs.items()}))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PlanSet:
         return self  # immutable (a copy of a model with the set applied shares it)
@@ -149,7 +150,7 @@ class PlanSet(JsonArtifact):
             "dims": self.dims.to_dict(),
             "plans": [p.to_dict() for p in self.plans],
             "buckets": [[[list(r) for r in box] for box in boxes] for boxes in self.buckets],
-            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "inputs": {k: input_key_list(v) for k, v in self.inputs.items()},
             "budget_bytes": self.budget_bytes,
             "conservative": self.conservative,
             "outside": self.outside,

@@ -62,6 +62,24 @@ _NAME = re.compile(r"^(batch|seq|side|height|width|axis[1-9])$")
 _DIM = re.compile(r"^\s*([A-Za-z0-9_]+)\s*=\s*(\d+)\s*(?:\.\.\s*(\d+))?\s*(?::\s*(\d+))?\s*$")
 
 Shape = tuple[int, ...]
+#: Where the runtime reads one dimension: a tensor's position among the tensors of the
+#: forward's args then kwargs, an axis, and the offset of that axis's size from the
+#: dimension's value (``loss_fn`` calling ``model(ids[:, :-1])``: -1).
+InputKey = tuple[int, int, int]
+
+
+def input_key(value: Sequence[int]) -> InputKey:
+    """``[tensor, axis]`` or ``[tensor, axis, offset]`` (files written before offsets: 0)."""
+    if len(value) not in (2, 3):
+        raise UsageError(f"an input key is [tensor, axis] or [tensor, axis, offset], got "
+                         f"{list(value)!r}; profile the range again")
+    tensor, axis, *rest = (int(v) for v in value)
+    return tensor, axis, rest[0] if rest else 0
+
+
+def input_key_list(key: InputKey) -> list[int]:
+    """The key as written: the offset only where it is not 0."""
+    return list(key) if key[2] else list(key[:2])
 
 
 @dataclass(frozen=True)
@@ -382,8 +400,8 @@ class ShapeFit:
     """How a profile's figures change over a :class:`ShapeRange` (Note [Shape-aware
     profiles]): exact byte polynomials and time fits; the profile's own figures are those
     at ``at``. ``inputs`` says, per dimension, which tensor of the model's forward (its
-    position among the tensors of args then kwargs) and which axis carries it: the runtime
-    reads the shape there (docs/shapes.md)."""
+    position among the tensors of args then kwargs), which axis carries it and at what
+    offset (:data:`InputKey`): the runtime reads the shape there (docs/shapes.md)."""
 
     dims: ShapeRange
     at: Shape
@@ -392,7 +410,7 @@ class ShapeFit:
     bytes: Mapping[str, tuple[Fraction, ...]] = field(hash=False)
     times: Mapping[str, tuple[float, ...]] = field(hash=False)
     checks: tuple[FitCheck, ...] = ()
-    inputs: Mapping[str, tuple[int, int]] = field(default_factory=dict, hash=False)
+    inputs: Mapping[str, InputKey] = field(default_factory=dict, hash=False)
     # Note [Figures that are maxima]: the ladder's values per dimension, and each stepped
     # figure's value at every ladder shape (in itertools.product order)
     rungs: tuple[tuple[int, ...], ...] = ()
@@ -405,7 +423,7 @@ class ShapeFit:
         object.__setattr__(self, "bytes", MappingProxyType(dict(self.bytes)))
         object.__setattr__(self, "times", MappingProxyType(dict(self.times)))
         object.__setattr__(self, "inputs", MappingProxyType(
-            {k: (int(v[0]), int(v[1])) for k, v in self.inputs.items()}))
+            {k: input_key(v) for k, v in self.inputs.items()}))
         object.__setattr__(self, "at", tuple(self.at))
         if not self.dims.holds(self.at):
             raise UsageError(f"a shape fit at {self.at} outside its range {self.dims}")
@@ -427,7 +445,7 @@ class ShapeFit:
             "bytes": {k: [_fraction_text(c) for c in v] for k, v in self.bytes.items()},
             "times": {k: list(v) for k, v in self.times.items()},
             "checks": [c.to_dict() for c in self.checks],
-            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "inputs": {k: input_key_list(v) for k, v in self.inputs.items()},
             "rungs": [list(r) for r in self.rungs],
             "steps": {k: list(v) for k, v in self.steps.items()},
         }

@@ -24,6 +24,7 @@ from remat.core.profile_format import Profile, numeric_paths
 from remat.core.shape_profiles import at_shape, figure_kind, fit_profile
 from remat.core.shapes import (
     Dim,
+    InputKey,
     Shape,
     ShapeRange,
     byte_grid,
@@ -159,26 +160,37 @@ class _Inputs:
             self.shapes = [tuple(t.shape) for t in tensors_of((args, kwargs))]
 
 
+def _offsets(seen: Mapping[Shape, list[tuple[int, ...]]], j: int, k: int, a: int
+             ) -> set[int]:
+    """How far axis ``a`` of the forward's ``k``-th tensor is from dimension ``j``, over the
+    profiled shapes (one value: it follows the dimension)."""
+    return {seen[s][k][a] - s[j] for s in seen if k < len(seen[s]) and a < len(seen[s][k])}
+
+
 def _forward_keys(dims: ShapeRange, seen: Mapping[Shape, list[tuple[int, ...]]]
-                  ) -> dict[str, tuple[int, int]]:
+                  ) -> dict[str, InputKey]:
     """Per dimension, the first (tensor, axis) of the forward's inputs whose size is the
-    dimension's value at every profiled shape: what the runtime reads."""
+    dimension's value at every profiled shape, or else its value plus one offset at every
+    shape where the dimension took two values or more (``loss_fn`` calling
+    ``model(ids[:, :-1])``: -1): what the runtime reads."""
     shapes = list(seen)
     first = seen[shapes[0]]
-    out = {}
+    out: dict[str, InputKey] = {}
     for j, d in enumerate(dims.dims):
-        for k, shape in enumerate(first):
-            axis = next((a for a in range(len(shape)) if all(
-                k < len(seen[s]) and a < len(seen[s][k]) and seen[s][k][a] == s[j]
-                for s in shapes)), None)
-            if axis is not None:
-                out[d.name] = (k, axis)
-                break
-        else:
+        axes = [(k, a) for k, shape in enumerate(first) for a in range(len(shape))]
+        found = {(k, a): _offsets(seen, j, k, a) for k, a in axes}
+        follows = [(k, a, next(iter(off))) for (k, a), off in found.items() if len(off) == 1
+                   and all(k < len(seen[s]) and a < len(seen[s][k]) for s in shapes)]
+        varies = len({s[j] for s in shapes}) > 1
+        key = next((key for key in follows if key[2] == 0), None)
+        if key is None and varies:
+            key = next(iter(follows), None)
+        if key is None:
             raise UsageError(
                 f"no tensor the model's forward receives has an axis that follows dimension "
                 f"{d.name} across the shapes profiled; a plan set chooses its plan from the "
                 "forward's inputs, so give the dimensions the model itself receives")
+        out[d.name] = key
     return out
 
 

@@ -51,7 +51,8 @@ class ShapeHook(EngineCallable):
             return
         tensors = list(tensors_of((args, kwargs)))
         try:
-            shape = tuple(int(tensors[k].shape[axis]) for k, axis in self.keys)
+            shape = tuple(int(tensors[k].shape[axis]) - offset
+                          for k, axis, offset in self.keys)
         except IndexError:
             raise UsageError(
                 f"the plan set reads the batch's {', '.join(self.plan_set.dims.names)} off "
