@@ -127,3 +127,21 @@ def test_dims_name_only_what_the_profiler_knows() -> None:
     with pytest.raises(UsageError, match="whole number"):
         Dim("seq", 0, 8)
     assert Dim("axis2", 4, 8).degree == 2 and Dim("batch", 1, 4).degree == 1
+
+
+def test_a_polynomial_not_whole_at_a_profiled_shape_is_a_figure_that_does_not_fit() -> None:
+    from remat.core.errors import CheckFailed
+    from remat.core.shape_profiles import _fits
+    from remat.core.shapes import byte_grid, eval_bytes, fit_bytes, parse_shapes
+
+    dims = parse_shapes("seq=17..65")  # step 1, as a range inferred from 17, 41 and 65
+    grid = byte_grid(dims)
+    # a maximum that doubles between the grid's shapes (17, 25, 33): the quadratic through
+    # them is not whole at 32
+    assert grid == ((17,), (25,), (33,))
+    values = [{"peak": 1000 * 2 ** k} for k in range(3)]
+    fitted = fit_bytes(dims, grid, values)
+    with pytest.raises(CheckFailed, match="not a whole number"):
+        eval_bytes(dims, fitted["peak"], (32,))
+    assert not _fits(dims, fitted, values[0], "peak", (32,), 4000)  # stepped, not refused
+    assert _fits(dims, fitted, values[0], "peak", grid[1], values[1]["peak"])
