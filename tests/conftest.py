@@ -90,6 +90,29 @@ def planned_peak(model: nn.Module, batch: Any, loss_fn: Any, plan: Any) -> int:
         handle.remove()
 
 
+def stage_maxima(model: nn.Module, batch: Any, loss_fn: Any, plan: Any, phase: Any
+                 ) -> dict[str, int]:
+    """The most the tracker saw live, per stage of ``plan``, while that stage's ops ran in
+    ``phase`` (a ``remat.measure.records.Phase``) of one step of ``model`` with ``plan``
+    applied (and removed after)."""
+    import remat
+    from remat.measure import measure_step
+
+    handle = remat.apply(model, plan)
+    try:
+        step = measure_step(model, batch, loss_fn, timeline=True)
+    finally:
+        handle.remove()
+    assert step.timeline is not None
+    found: dict[str, int] = {}
+    for event in step.timeline:
+        for name in plan.stages:
+            if event.phase is phase and (
+                    event.module_path == name or event.module_path.startswith(name + ".")):
+                found[name] = max(found.get(name, 0), event.live_bytes)
+    return found
+
+
 def start_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
     """``mp.spawn(fn, args, nprocs)``, the processes forked from a server that imported
     torch and remat once (a clean interpreter as spawn's is: it holds nothing the test

@@ -17,11 +17,10 @@ import torch
 from torch import nn
 
 import remat
-from conftest import planned_peak
+from conftest import planned_peak, stage_maxima
 from remat.core.plan_format import Plan, Region
 from remat.core.planner import to_problem
 from remat.core.solve.simulator import simulate
-from remat.measure import measure_step
 from remat.measure.records import Phase
 
 B, S, WIDE, NARROW, V = 4, 32, 64, 16, 20
@@ -91,23 +90,6 @@ def test_the_profile_measures_what_the_code_between_holds_to_the_return(towers) 
     assert [s.link_at_return_bytes for s in profile.stages] == [0, 0, B * S * WIDE * 4, 0, 0]
 
 
-def _backward_maxima(model: nn.Module, batch: object, plan: Plan) -> dict[str, int]:
-    applied = remat.apply(model, plan) if plan.regions else None
-    try:
-        step = measure_step(model, batch, loss_fn, timeline=True)
-    finally:
-        if applied is not None:
-            applied.remove()
-    assert step.timeline is not None
-    found: dict[str, int] = {}
-    for event in step.timeline:
-        for name in plan.stages:
-            if event.phase is Phase.BACKWARD and (
-                    event.module_path == name or event.module_path.startswith(name + ".")):
-                found[name] = max(found.get(name, 0), event.live_bytes)
-    return found
-
-
 @pytest.mark.parametrize("regions", [(), ((0, 2),), ((3, 5),), ((0, 1), (1, 2), (2, 3))],
                          ids=["none", "wide", "narrow", "per-stage"])
 def test_the_narrow_towers_later_stages_are_predicted_to_the_byte(towers, regions) -> None:
@@ -115,7 +97,7 @@ def test_the_narrow_towers_later_stages_are_predicted_to_the_byte(towers, region
     plan = Plan(profile.stage_names, regions=tuple(Region(*r) for r in regions))
     sim = simulate(plan, to_problem(profile))
     events = dict(sim.events)
-    measured = _backward_maxima(model, batch, plan)
+    measured = stage_maxima(model, batch, loss_fn, plan, Phase.BACKWARD)
     for name in ("narrow.1", "narrow.2"):  # (narrow.0's backward charges its input's
         # gradient at the boundary's one size, the wide tower's: over by the difference)
         assert events[f"backward {name}"] == measured[name], name

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import remat
-from conftest import planned_peak
+from conftest import planned_peak, stage_maxima
 from remat.core.plan_format import Plan, Region
 from remat.core.solve import Problem, simulate
 from remat.core.solve.from_profile import problem_from_profile
-from remat.measure import measure_step
 from remat.measure.records import Phase
 from test_mixed_precision import _gpt
 
@@ -37,24 +36,6 @@ def gpt(request: pytest.FixtureRequest) -> tuple[Any, Any, Any, Problem]:
     return model, batch, loss_fn, problem_from_profile(profile)
 
 
-def _forward_maxima(model: torch.nn.Module, batch: Any, loss_fn: Any, plan: Plan
-                    ) -> dict[str, int]:
-    """The most the tracker saw live while each stage's forward ran."""
-    handle = remat.apply(model, plan)
-    try:
-        step = measure_step(model, batch, loss_fn, timeline=True)
-    finally:
-        handle.remove()
-    assert step.timeline is not None
-    found: dict[str, int] = {}
-    for event in step.timeline:
-        for name in plan.stages:
-            if event.phase is Phase.FORWARD and (
-                    event.module_path == name or event.module_path.startswith(name + ".")):
-                found[name] = max(found.get(name, 0), event.live_bytes)
-    return found
-
-
 def _without(problem: Problem, name: str) -> Problem:
     """``problem`` with every stage's ``name`` mapping emptied (keep's figure charged)."""
     return dataclasses.replace(problem, stages=tuple(
@@ -65,7 +46,7 @@ def test_a_selective_stages_forward_is_predicted_to_the_byte(gpt) -> None:
     model, batch, loss_fn, problem = gpt
     plan = Plan(problem.stage_names, (), (NOTHING, MATMULS, "keep"))
     events = dict(simulate(plan, problem).events)
-    measured = _forward_maxima(model, batch, loss_fn, plan)
+    measured = stage_maxima(model, batch, loss_fn, plan, Phase.FORWARD)
     assert {name: events[f"forward {name}"] for name in plan.stages} == measured
     # keep's transient charged to a save-nothing block: short by most of its activations
     short = dict(simulate(plan, _without(problem, "fwd_transient_by_option")).events)
