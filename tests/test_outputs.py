@@ -72,14 +72,17 @@ def exits_in_loss(batch_size: int = 4) -> Any:
 
 
 def ctrl_c(batch_size: int = 4) -> Any:
-    """A loss that gets a real SIGINT, as Ctrl-C sends, on its third call."""
+    """A loss that gets a real SIGINT, as Ctrl-C sends, on its third call. The signal is
+    raised in the calling thread: ``os.kill`` lets the kernel hand a process-wide signal to
+    any thread (torch's pool included), and on a loaded machine that thread could run its
+    handler after the profile had finished and main had put its handler back."""
     model, batch, loss = tiny(batch_size)
     calls = [0]
 
     def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
         return loss(m, b)
 
     return model, batch, loss_fn
