@@ -50,6 +50,10 @@ def test_a_range_profile_is_exact_in_bytes_at_a_shape_the_fit_never_saw(ranged: 
     report = check_fit(model, _cut(batch, 16), loss, prof, (40,), repeats=1)
     assert report.byte_fields > 50
     assert report.polynomial_exact, report.bytes_wrong
+    # the peaks (no-save and selective forward transients) are maxima of per-op totals,
+    # each fitted exactly (Note [Maxima fitted term by term]): every figure to the byte
+    assert "stages.0.nosave_transient_bytes" in fit.envelopes
+    assert report.bytes_wrong == ()
     assert report.stepped_under == 0, report.bytes_wrong  # a stepped figure is never under
     # the polynomial figures are most of them: sums of tensors, exact at every shape
     assert len(report.stepped) < report.byte_fields / 2

@@ -145,3 +145,45 @@ def test_a_polynomial_not_whole_at_a_profiled_shape_is_a_figure_that_does_not_fi
         eval_bytes(dims, fitted["peak"], (32,))
     assert not _fits(dims, fitted, values[0], "peak", (32,), 4000)  # stepped, not refused
     assert _fits(dims, fitted, values[0], "peak", grid[1], values[1]["peak"])
+
+
+@pytest.mark.parametrize("text", ["seq=16..256:8", "batch=1..6,seq=8..96:8", "side=8..40:4"])
+def test_a_maximum_fitted_term_by_term_equals_brute_force_at_every_shape(text: str) -> None:
+    """Note [Maxima fitted term by term]: terms that cross (a linear one largest at short
+    shapes, a quadratic one at long ones) and terms never the largest; the envelope fitted
+    from the grid alone is the maximum at every lattice shape, and keeps only terms that
+    are the largest somewhere."""
+    from remat.core.shapes import eval_envelope, fit_envelope
+
+    dims = parse_shapes(text)
+    grid = byte_grid(dims)
+    rng = random.Random(text)
+    for _ in range(5):
+        polys = [_poly(rng, dims) for _ in range(6)]
+        polys.append({e: Fraction(0) for e in monomials(dims)})  # a floor (max(0, ...))
+        below = {e: c - 1 if sum(e) == 0 else c for e, c in polys[0].items()}
+        polys.append(below)  # always 1 under the first: never the largest
+        terms_at = [[int(_value(p, s)) for p in polys] for s in grid]
+        fitted = fit_envelope(dims, grid, terms_at)
+        for shape in dims.lattice():
+            want = max(int(_value(p, shape)) for p in polys)
+            assert eval_envelope(dims, fitted, shape) == want, shape
+        assert len(fitted) < len(polys)  # the term 1 under the first is dropped
+        largest_somewhere = {
+            max(range(len(polys)), key=lambda i: (_value(polys[i], s), -i))
+            for s in dims.lattice()}
+        assert len(fitted) >= len(largest_somewhere)
+
+
+def test_a_shape_fit_with_maxima_survives_its_json() -> None:
+    dims = parse_shapes("seq=8..64:8")
+    # 100 + s, largest at short sequences; s * s / 2 at long ones
+    terms = ((Fraction(100), Fraction(1), Fraction(0)), (Fraction(0), Fraction(0), Fraction(1, 2)))
+    fit = ShapeFit(dims=dims, at=(64,), byte_points=byte_grid(dims), time_points=((8,), (64,)),
+                   bytes={}, times={}, envelopes={"stages.0.nosave_transient_bytes": terms})
+    again = ShapeFit.from_dict(fit.to_dict())
+    assert again.to_dict() == fit.to_dict()
+    path = "stages.0.nosave_transient_bytes"
+    assert again.byte_value(path, (8,)) == 108 and again.byte_value(path, (64,)) == 2048
+    older = {k: v for k, v in fit.to_dict().items() if k != "envelopes"}
+    assert ShapeFit.from_dict(older).envelopes == {}  # a profile written before maxima

@@ -73,7 +73,8 @@ def _fit_lines(prof: Profile) -> list[str]:
     assert fit is not None
     lines = [
         f"bytes: {len(fit.bytes)} figures grow as exact polynomials (degree 1 in batch, 2 in "
-        f"the others), {len(fit.steps)} are maxima read off a ladder of "
+        f"the others), {len(fit.envelopes)} are maxima of exact polynomials (peaks, fitted "
+        f"op by op), {len(fit.steps)} are maxima read off a ladder of "
         f"{len(_ladder_shapes(fit))} shapes (exact there, never under between: "
         "docs/shapes.md), the rest do not change with the shape",
     ]

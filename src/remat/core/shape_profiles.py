@@ -12,9 +12,11 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from fractions import Fraction
 from typing import Any
 
 from remat.core.errors import CheckFailed, UsageError
+from remat.core.maxima import Maximum
 from remat.core.profile_format import Profile, numeric_paths, set_path
 from remat.core.shapes import (
     FitCheck,
@@ -23,8 +25,10 @@ from remat.core.shapes import (
     ShapeRange,
     byte_grid,
     eval_bytes,
+    eval_envelope,
     eval_steps,
     fit_bytes,
+    fit_envelope,
     fit_times,
     ladder,
 )
@@ -123,8 +127,8 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
                          "of the byte grid, the ladder and the timed shapes")
     at = max(timed, key=lambda s: (sum(s), s))
     profiles = _call_args_alike(profiles)
-    base = profiles[at]
     data = {s: p.to_dict() for s, p in profiles.items()}
+    base = Profile.from_dict(_plain(data[at]))  # no Maximum reaches the planners
     skeleton = _skeleton(data[at])
     for shape, d in data.items():
         if _skeleton(d) != skeleton:
@@ -146,11 +150,14 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
     fitted = fit_bytes(dims, grid, [{p: int(numbers[s][p]) for p in byte_paths} for s in grid])
     polynomial: dict[str, Any] = {}
     steps: dict[str, tuple[int, ...]] = {}
+    envelopes: dict[str, tuple[tuple[Fraction, ...], ...]] = {}
     for path in byte_paths:
         if all(_fits(dims, fitted, numbers[grid[0]], path, s, int(found[path]))
                for s, found in numbers.items()):
             if path in fitted:
                 polynomial[path] = fitted[path]
+        elif (terms := _envelope(dims, grid, numbers, path)) is not None:
+            envelopes[path] = terms
         else:
             steps[path] = tuple(int(numbers[s][path]) for s in rung_shapes)
     checks = []
@@ -167,8 +174,36 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
                                           for s in timed])
     fit = ShapeFit(dims=dims, at=at, byte_points=grid, time_points=tuple(timed),
                    bytes=polynomial, times=times, checks=tuple(checks), inputs=inputs,
-                   rungs=rungs, steps=steps)
+                   rungs=rungs, steps=steps, envelopes=envelopes)
     return replace(base, shapes=fit)
+
+
+def _plain(node: Any) -> Any:
+    """A ``to_dict()`` tree with every :class:`Maximum` as the plain int it is."""
+    if isinstance(node, Mapping):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return int(node) if isinstance(node, Maximum) else node
+
+
+def _envelope(dims: ShapeRange, grid: Sequence[Shape], numbers: Mapping[Shape, Mapping[str, Any]],
+              path: str) -> tuple[tuple[Fraction, ...], ...] | None:
+    """``path``'s terms fitted one by one (Note [Maxima fitted term by term]) where the grid
+    gives it as a maximum of as many terms at every shape and the fit equals every
+    profile; else None (the figure is stepped)."""
+    at_grid = [numbers[s][path] for s in grid]
+    if not all(isinstance(v, Maximum) for v in at_grid) or len(
+            {len(v.terms) for v in at_grid}) != 1:
+        return None
+    terms = fit_envelope(dims, grid, [v.terms for v in at_grid])
+    try:
+        if any(eval_envelope(dims, terms, s) != int(found[path])
+               for s, found in numbers.items()):
+            return None
+    except CheckFailed:  # a term not whole at a profiled shape
+        return None
+    return terms
 
 
 def _fits(dims: ShapeRange, coefficients: Mapping[str, Any], constant: Mapping[str, float],
@@ -214,7 +249,7 @@ def at_shape(profile: Profile, shape: Sequence[int]) -> Profile:
     if shape == fit.at:
         return profile
     data = profile.to_dict()
-    for path in (*fit.bytes, *fit.steps):
+    for path in (*fit.bytes, *fit.steps, *fit.envelopes):
         set_path(data, path, fit.byte_value(path, shape))
     for path in fit.times:
         set_path(data, path, fit.time_value(path, shape))

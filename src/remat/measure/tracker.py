@@ -497,6 +497,19 @@ class LiveMemoryTracker:
     def timeline(self) -> tuple[Event, ...] | None:
         return tuple(self._events) if self._record_timeline else None
 
+    @property
+    def events_recorded(self) -> int:
+        """How many events the timeline holds so far (a mark for :meth:`lives_since`)."""
+        return len(self._events)
+
+    def lives_since(self, mark: int) -> tuple[int, ...] | None:
+        """The live total after each event recorded from ``mark`` on; None without a
+        timeline or where it ran past ``max_events`` (the peak's terms are not all known)."""
+        if not self._record_timeline or self._truncated:
+            return None
+        with self._lock:
+            return tuple(e.live_bytes for e in self._events[mark:])
+
     def report(self) -> MemoryReport:
         with self._lock:
             return MemoryReport(

@@ -79,6 +79,7 @@ from typing import Any
 
 from torch import nn
 
+from remat.core.maxima import largest
 from remat.core.plan_format import KEEP, Option
 from remat.core.profile_format import FixedBytes, StageProfile
 from remat.profiling._tensors import storage_bytes
@@ -259,7 +260,7 @@ def _replay_bytes(
         spans = m.selective_backward.get(option if measured else NOTHING)
         if spans is not None:
             rise = spans[i].peak_bytes - spans[i].entry_bytes
-            replay[option] = max(0, rise + saved[option] - saved[KEEP] - input_grad)
+            replay[option] = largest(0, rise + saved[option] - saved[KEEP] - input_grad)
     return replay
 
 
@@ -403,7 +404,7 @@ def fixed_bytes(
         # itself, a parameter), counted there already (Note [The first input at the start]
         # in remat.core.solve.from_profile)
         first_input_at_start_bytes=min(first_boundary_bytes, max(0, -pre_chain)),
-        post_chain_bytes=max(
+        post_chain_bytes=largest(
             0,
             spans.post_forward.peak_bytes - chain_end,
             spans.post_backward.peak_bytes - chain_end,
@@ -412,8 +413,8 @@ def fixed_bytes(
         post_chain_grads_bytes=post_grads,
         optimizer_step_bytes=spans.optimizer.rise_bytes,
         backward_residue_bytes=max(loss_bytes, residue),
-        post_chain_forward_bytes=max(0, spans.post_forward.peak_bytes - chain_end),
-        post_chain_backward_bytes=max(0, spans.post_backward.peak_bytes - chain_end),
+        post_chain_forward_bytes=largest(0, spans.post_forward.peak_bytes - chain_end),
+        post_chain_backward_bytes=largest(0, spans.post_backward.peak_bytes - chain_end),
         args_at_return_bytes=args_at_return,
         pre_chain_at_return_bytes=at_return,
     )

@@ -43,7 +43,8 @@ __all__ = ["calibrated"]
 def _shortfall(profile: Profile, plan: Plan, spans: Sequence[Span]) -> list[int]:
     """Per stage: measured backward peak minus the simulator's, at least 0."""
     at = dict(simulate(plan, problem_from_profile(profile)).events)
-    return [max(0, span.peak_bytes - at[f"backward {s.name}"])
+    # int(): a shortfall is no peak over the ops (remat.core.maxima), whatever its parts
+    return [max(0, int(span.peak_bytes) - int(at[f"backward {s.name}"]))
             for s, span in zip(profile.stages, spans, strict=True)]
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
+from remat.core.maxima import is_collecting, largest, maximum_of
 from remat.core.plan_format import Plan
 from remat.core.stage_record import CallArg
 from remat.measure import LiveMemoryTracker
@@ -71,7 +72,7 @@ class StageForward:
     @property
     def over_io_bytes(self) -> int:
         """Peak above what was live when it was called plus its output."""
-        return max(0, self.peak_bytes - self.entry_bytes - self.new_output_bytes)
+        return largest(0, self.peak_bytes - self.entry_bytes - self.new_output_bytes)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,11 @@ class _Recorder:
         self.entries: dict[int, tuple[int, torch.Tensor | None]] = {}
         self.kept = [False] * n
         # Saved tensors need no classifying here: the live bytes are the same either way.
-        self.tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False)
+        # While a range of shapes is profiled, each stage's peak keeps every live total
+        # it is the largest of (remat.core.maxima): the tracker records them.
+        self.tracker = LiveMemoryTracker(device=device, track_saved=False, cuda_stats=False,
+                                         timeline=is_collecting())
+        self.marks: dict[int, int] = {}
         # the saved-tensor hook's lists, shared (changed in place only)
         self.offers = offers = _Offers(n)
         self.inputs = offers.inputs
@@ -309,6 +314,7 @@ class _Recorder:
             self.kept[j] = self.kept[j] or self.alive(j)
         tracker.reset_peak()
         self.entries[i] = (tracker.live_bytes, x)
+        self.marks[i] = tracker.events_recorded
         if i == 0:
             self.chain_start = tracker.serial
         if not self.save:
@@ -331,6 +337,15 @@ class _Recorder:
         self.offered.clear()
         self.versions[i] = [(b, b._version) for b in self.modules[i].buffers()]
 
+    def _peak(self, i: int, entry: int, peak: int, live: int) -> int:
+        """Stage ``i``'s peak: the largest of the live totals since its call, with them as
+        its terms while a range is profiled (where they account for the peak exactly)."""
+        mark = self.marks.pop(i, None)
+        lives = None if mark is None else self.tracker.lives_since(mark)
+        if lives is None or max(entry, live, *lives) != peak:
+            return peak
+        return maximum_of((entry, *lives, live))
+
     def post(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         live, peak = self.tracker.live_bytes, self.tracker.peak_bytes
         entry, x = self.entries.pop(i)
@@ -338,7 +353,7 @@ class _Recorder:
         self.found[i] = StageForward(
             entry_bytes=entry,
             exit_bytes=live,
-            peak_bytes=max(peak, live),
+            peak_bytes=self._peak(i, entry, max(peak, live), live),
             boundary_bytes=storage_bytes(x),
             output_bytes=storage_bytes(y),
             output_is_new=y is not None and not same_storage(x, y),

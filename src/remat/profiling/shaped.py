@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from remat.core.errors import UsageError
+from remat.core.maxima import collecting
 from remat.core.profile_format import Profile, numeric_paths
 from remat.core.shape_profiles import at_shape, figure_kind, fit_profile
 from remat.core.shapes import (
@@ -91,18 +92,24 @@ def batch_axes(batch: Any, dims: ShapeRange) -> Axes:
 
 def resize(batch: Any, axes: Axes, sizes: Mapping[str, int]) -> Any:
     """``batch`` with each dimension's axes at ``sizes``: the content repeated (or cut)
-    along them, so ids, masks and labels keep their values."""
+    along them, so ids, masks and labels keep their values. A tensor with a varying axis is
+    a fresh contiguous one at every size, its sample's own too: a view of a longer batch
+    there would hold the longer storage and take a copy in the loss where the other sizes
+    take none, a profile unlike the rest."""
     by_tensor: dict[int, list[tuple[int, int]]] = {}
     for name, pairs in axes.items():
         for k, axis in pairs:
             by_tensor.setdefault(k, []).append((axis, int(sizes[name])))
 
     def one(t: torch.Tensor, k: int) -> torch.Tensor:
-        for axis, n in by_tensor.get(k, ()):
+        if k not in by_tensor:
+            return t
+        given = t
+        for axis, n in by_tensor[k]:
             if t.shape[axis] != n:
                 index = torch.arange(n, device=t.device) % t.shape[axis]
                 t = t.index_select(axis, index)
-        return t
+        return t.clone(memory_format=torch.contiguous_format) if t is given else t
 
     return _rebuild(batch, one, [0])
 
@@ -241,8 +248,9 @@ def profile_shapes(
         inputs = _Inputs()
         hook = model.register_forward_pre_hook(inputs, with_kwargs=True)
         try:
-            found[shape] = profile(model, sized, loss_fn, names, optimizer,
-                                   repeats=repeats, _timed=shape in timed)
+            with collecting():  # peaks keep their terms (Note [Maxima fitted term by term])
+                found[shape] = profile(model, sized, loss_fn, names, optimizer,
+                                       repeats=repeats, _timed=shape in timed)
         finally:
             hook.remove()
         names = list(found[shape].stage_names)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.core.errors import RematError, UsageError
+from remat.core.maxima import largest, maximum_of
 from remat.measure import Event, Phase, StepMemory
 
 __all__ = ["Span", "StageNotRun", "StepSpans", "rebuild_starts", "split_step"]
@@ -29,7 +30,7 @@ class Span:
     @property
     def rise_bytes(self) -> int:
         """How far the span rose above what was live when it began."""
-        return max(0, self.peak_bytes - self.entry_bytes)
+        return largest(0, self.peak_bytes - self.entry_bytes)
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,16 @@ def _inside(path: str, stage: str) -> bool:
     return path == stage or path.startswith(stage + ".")
 
 
-def _span(events: Sequence[Event], start: int, stop: int, before: int) -> Span:
-    """Events ``start..stop-1``; ``before`` is the live total when ``start`` began."""
+def _span(events: Sequence[Event], start: int, stop: int, before: int,
+          terms: bool = False) -> Span:
+    """Events ``start..stop-1``; ``before`` is the live total when ``start`` began. With
+    ``terms``, the peak keeps every live total while a range is profiled
+    (remat.core.maxima)."""
     if stop <= start:
         return Span(before, before, before)
     lives = [e.live_bytes for e in events[start:stop]]
-    return Span(before, max(before, *lives), lives[-1])
+    return Span(before, maximum_of((before, *lives)) if terms else max(before, *lives),
+                lives[-1])
 
 
 class _Timeline:
@@ -112,12 +117,12 @@ class _Timeline:
                 )
         return [(first[i], last[i]) for i in range(len(stages))]
 
-    def span(self, start: int, stop: int) -> Span:
+    def span(self, start: int, stop: int, terms: bool = False) -> Span:
         """Events ``start..stop-1``, from the live total when ``start`` began."""
-        return _span(self.events, start, stop, self.live_before(start))
+        return _span(self.events, start, stop, self.live_before(start), terms)
 
-    def spans(self, win: list[tuple[int, int]]) -> tuple[Span, ...]:
-        return tuple(self.span(a, b) for a, b in win)
+    def spans(self, win: list[tuple[int, int]], terms: bool = False) -> tuple[Span, ...]:
+        return tuple(self.span(a, b, terms) for a, b in win)
 
     def ops(self, lo: int, hi: int) -> frozenset[str]:
         return frozenset(e.name for e in self.events[lo:hi]
@@ -145,9 +150,11 @@ def split_step(step: StepMemory, stages: Sequence[str]) -> StepSpans:
         start_bytes=step.start_bytes,
         pre_forward=_span(events, 0, first_fwd, step.start_bytes),
         stage_forward=t.spans(fwd),
-        post_forward=t.span(last_fwd, bwd_start),
-        post_backward=t.span(bwd_start, first_bwd),
-        stage_backward=t.spans(bwd),
+        # the post-chain's peaks are maxima over the head's and the loss's ops (the
+        # logits' several copies at short sequences, another op's at long ones)
+        post_forward=t.span(last_fwd, bwd_start, terms=True),
+        post_backward=t.span(bwd_start, first_bwd, terms=True),
+        stage_backward=t.spans(bwd, terms=True),  # transients: maxima over the ops
         pre_backward=t.span(last_bwd, opt_start),
         optimizer=t.span(opt_start, n_events),
         pre_modules=t.modules(0, first_fwd),
