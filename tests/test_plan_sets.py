@@ -6,6 +6,7 @@ the range refused or run conservatively as the user chose."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,34 @@ def test_every_shape_runs_within_the_budget_and_trains_as_the_plain_model(
         handle.remove()
 
 
+def test_a_batch_between_the_steps_runs_the_plan_above_it_within_the_budget(
+        ranged: Any, tmp_path: Path) -> None:
+    """Note [Shapes between the steps]: a collator without pad_to_multiple_of gives lengths
+    off the range's step; each was priced under the plan of the lattice shape above it, and
+    its measured step stays within the budget and the plan's predicted peak."""
+    model, batch, loss, prof = ranged
+    chosen = plan_set(prof, "80%")
+    assert chosen.between == 57 - 8  # every whole length from 8 to 64 off the step
+    assert any("between the steps" in line for line in chosen.describe())
+    path = tmp_path / "set.json"
+    chosen.save(path)
+    assert PlanSet.load(path).between == chosen.between
+    older = {k: v for k, v in chosen.to_dict().items() if k != "between"}
+    assert PlanSet.from_dict(older).between == 0  # written before: off-step is outside
+    handle = remat.apply(model, chosen)
+    try:
+        for seq in (9, 15, 37, 63):
+            k = chosen.choose((seq,))
+            assert k == chosen.choose((-(-seq // 8) * 8,)) and k is not None
+            step = measure_step(model, _cut(batch, seq), loss,
+                                torch.optim.SGD(model.parameters(), lr=0.0))
+            assert handle.running == chosen.plans[k]
+            assert step.peak_bytes <= chosen.budget_bytes, seq
+            assert step.peak_bytes <= chosen.plans[k].predicted_peak_bytes, seq
+    finally:
+        handle.remove()
+
+
 def test_two_forwards_of_different_shapes_before_one_backward_rebuild_each_its_own_plan(
         ranged: Any) -> None:
     model, batch, loss, prof = ranged
@@ -132,21 +161,30 @@ def test_a_batch_outside_the_range_is_refused_or_runs_the_least_memory_plan(
     chosen = plan_set(prof, "80%")
     remat.apply(model, chosen)
     try:
+        with pytest.raises(UsageError, match=r"seq=4 is outside the plan set's range "
+                           r"seq=8\.\.64:8, where no plan"):
+            loss(model, _cut(batch, 4))
+        model.eval()  # eval forwards run no plan: any shape
+        with torch.no_grad():
+            loss(model, _cut(batch, 4))
+        model.train()
+    finally:
+        remat.remove(model)
+    # a set whose shapes between the steps were not priced (Note [Shapes between the steps])
+    unpriced = dataclasses.replace(chosen, between=0)
+    remat.apply(model, unpriced)
+    try:
         with pytest.raises(UsageError, match=r"seq=12 is outside the plan set's range seq=8\.\."
                            r".* \(between its ends, but not on its steps: seq in steps of 8"):
             loss(model, _cut(batch, 12))
-        model.eval()  # eval forwards run no plan: any shape
-        with torch.no_grad():
-            loss(model, _cut(batch, 12))
-        model.train()
     finally:
         remat.remove(model)
     handle = remat.apply(model, chosen, outside="conservative")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loss(model, _cut(batch, 12)).backward()
-            loss(model, _cut(batch, 20)).backward()
+            loss(model, _cut(batch, 4)).backward()
+            loss(model, _cut(batch, 6)).backward()
         said = [w for w in caught if "outside the plan set's range" in str(w.message)]
         assert len(said) == 1  # once
         assert handle.running == chosen.plans[chosen.conservative]
@@ -259,7 +297,7 @@ def test_a_plan_set_follows_a_dimension_the_model_receives_one_shorter() -> None
                                 torch.optim.SGD(model.parameters(), lr=0.0))
             assert handle.running == chosen.plans[chosen.choose((seq,))], seq
             assert step.peak_bytes <= chosen.budget_bytes, seq
-        with pytest.raises(UsageError, match=r"seq=12 is outside the plan set's range"):
-            _next_token(model, shifted[:, :12])  # the model sees 11: the batch's 12
+        with pytest.raises(UsageError, match=r"seq=5 is outside the plan set's range"):
+            _next_token(model, shifted[:, :5])  # the model sees 4: the batch's 5
     finally:
         handle.remove()

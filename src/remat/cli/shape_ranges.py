@@ -140,8 +140,11 @@ def plan_range(args: argparse.Namespace, source: Profile | None) -> int:
     console.print(
         f"every one of the {chosen.shapes} shapes is predicted within the budget by the plan "
         f"that runs it; each plan is within {chosen.slowest_ratio - 1:.1%} of its shape's "
-        f"best predicted time (solved at {chosen.solved} shapes); a batch outside the range: "
-        f"{chosen.outside}; planned in {chosen.solve_time_s:.1f} s")
+        f"best predicted time (solved at {chosen.solved} shapes); "
+        + (f"the {chosen.between} shapes between the steps run the plan of the shape above "
+           "them, each predicted within the budget; " if chosen.between else "")
+        + f"a batch outside the range: {chosen.outside}; planned in "
+        f"{chosen.solve_time_s:.1f} s")
     console.print("step: the plan's predicted step time over no checkpointing, at the shape "
                   "it was solved for")
     write_json(chosen.to_dict(), args.json)

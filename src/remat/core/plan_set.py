@@ -21,12 +21,26 @@ and a budget, and chooses:
 
 So every lattice shape is predicted within the budget by the plan that runs it, by the
 simulator, not by an argument about monotonicity. Shapes outside the range (or off its
-step) get what ``outside`` says: ``error`` (a UsageError naming the shape and the range)
-or ``conservative``: the plan of least predicted peak at the range's largest shape, with
-one warning. The runtime reads the shape off the forward's inputs (``inputs``: per
-dimension, a tensor's position among the tensors of the forward's args then kwargs, an
-axis, and that axis's offset from the dimension) and picks the bucket's plan at each
-forward (:mod:`remat.runtime.install`).
+step, Note [Shapes between the steps]) get what ``outside`` says: ``error`` (a
+UsageError naming the shape and the range) or ``conservative``: the plan of least
+predicted peak at the range's largest shape, with one warning. The runtime reads the
+shape off the forward's inputs (``inputs``: per dimension, a tensor's position among the
+tensors of the forward's args then kwargs, an axis, and that axis's offset from the
+dimension) and picks the bucket's plan at each forward (:mod:`remat.runtime.install`).
+
+Note [Shapes between the steps]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A range's step is the lattice it is planned on; a collator without ``pad_to_multiple_of``
+still hands over lengths between the steps (37 in ``seq=32..1024:8``). Such a shape runs
+the plan of the lattice shape above it in every dimension (where a rounding collator would
+have put it), and only where that was predicted: :func:`plan_set` prices every shape
+between the steps (at most ``BETWEEN_LIMIT``) under that plan, from the profile at the
+shape itself (the byte polynomials and the maxima fitted term by term are exact there too;
+a stepped figure reads its ladder cell). If each is within the budget, the set says so
+(``between``: how many were priced) and runs them; if one is over, a figure is not a whole
+number there, or there are too many, ``between`` is 0 and such shapes are outside, as
+before. Only memory is checked there: a shape between the steps runs a plan at most one
+step's worth slower than its own best.
 """
 
 from __future__ import annotations
@@ -60,6 +74,8 @@ OUTSIDE = ("error", "conservative")
 SOLVED_SHAPES = 256
 #: The most lattice shapes a plan set prices; a larger range needs a coarser step.
 LATTICE_LIMIT = 8192
+#: The most shapes between the steps a plan set prices (Note [Shapes between the steps]).
+BETWEEN_LIMIT = 16384
 
 Box = tuple[tuple[int, int], ...]  # per dimension, the least and largest value
 
@@ -83,6 +99,9 @@ class PlanSet(JsonArtifact):
     solved: int = 0  # of them, solved for their own optimal plan
     slowest_ratio: float = 1.0  # the most a shape's plan is over its shape's best time
     solve_time_s: float = 0.0
+    # shapes between the steps priced within the budget, each under the plan of the
+    # lattice shape above it; 0: such shapes are outside (Note [Shapes between the steps])
+    between: int = 0
 
     def __post_init__(self) -> None:
         if self.outside not in OUTSIDE:
@@ -119,7 +138,9 @@ class PlanSet(JsonArtifact):
         """The index of the plan ``shape`` runs, or None outside the range."""
         shape = tuple(shape)
         if not self.dims.holds(shape):
-            return None
+            if not (self.between and self.dims.spans(shape)):
+                return None
+            shape = self.dims.up(shape)
         for k, boxes in enumerate(self.buckets):
             for box in boxes:
                 if all(lo <= v <= hi for v, (lo, hi) in zip(shape, box, strict=True)):
@@ -143,6 +164,9 @@ class PlanSet(JsonArtifact):
             lines.append(f"plan {k}: {where}{more}: regions {regions}"
                          + (f", options {' '.join(options)}" if options else "")
                          + (f", predicted peak up to {peak} bytes" if peak else ""))
+        if self.between:
+            lines.append(f"between the steps: each of the {self.between} shapes runs the plan "
+                         "of the shape above it, predicted within the budget")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,15 +182,17 @@ class PlanSet(JsonArtifact):
             "solved": self.solved,
             "slowest_ratio": self.slowest_ratio,
             "solve_time_s": self.solve_time_s,
+            "between": self.between,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanSet:
         keys = {"dims", "plans", "buckets", "inputs", "budget_bytes", "conservative",
                 "outside", "shapes", "solved", "slowest_ratio", "solve_time_s"}
-        if not isinstance(data, Mapping) or set(data) != keys:
+        if not isinstance(data, Mapping) or not keys <= set(data) <= keys | {"between"}:
             raise UsageError("a plan set must have exactly the keys "
-                             f"{', '.join(sorted(keys))}; write it with remat plan --shapes")
+                             f"{', '.join(sorted(keys))} (and between, optional); write it "
+                             "with remat plan --shapes")
         try:
             return cls(
                 dims=ShapeRange.from_dict(data["dims"]),
@@ -176,6 +202,7 @@ class PlanSet(JsonArtifact):
                 inputs={k: tuple(v) for k, v in data["inputs"].items()},
                 **{k: data[k] for k in ("budget_bytes", "conservative", "outside", "shapes",
                                         "solved", "slowest_ratio", "solve_time_s")},
+                between=data.get("between", 0),
             )
         except (TypeError, ValueError) as err:
             raise UsageError(f"the plan set could not be read ({err}); write it again with "
@@ -295,12 +322,39 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
     used = [k for k in chosen if runs[k]]
     out_plans = [_bucket_plan(at, priced, k, runs[k]) for k in used]
     conservative = min(range(len(used)), key=lambda j: priced.prices[used[j]][dims.hi][0])
+    plan_of = {x: j for j, k in enumerate(used) for x in runs[k]}
+    between, peaks = _between(profile, at, plan_of, out_plans)
+    out_plans = [replace(p, predicted_peak_bytes=max(p.predicted_peak_bytes or 0, peaks[j]))
+                 if j in peaks else p for j, p in enumerate(out_plans)]
     return PlanSet(
         dims=dims, plans=tuple(out_plans), buckets=tuple(_boxes(runs[k]) for k in used),
         inputs=fit.inputs, budget_bytes=at.limit, conservative=conservative, outside=outside,
         shapes=len(lattice), solved=len(solved_at), slowest_ratio=slowest,
-        solve_time_s=time.perf_counter() - began,
+        solve_time_s=time.perf_counter() - began, between=between,
     )
+
+
+def _between(profile: Profile, at: _Lattice, plan_of: Mapping[Shape, int],
+             plans: Sequence[Plan]) -> tuple[int, dict[int, int]]:
+    """How many shapes between the steps were priced within the budget under the plan of
+    the lattice shape above each, and each plan's peak there; ``(0, {})`` where one was
+    not (Note [Shapes between the steps])."""
+    dims = at.dims
+    count = dims.box_size - dims.size
+    if not count or count > BETWEEN_LIMIT:
+        return 0, {}
+    peaks: dict[int, int] = {}
+    for x in dims.between():
+        j = plan_of[dims.up(x)]
+        try:
+            problem = problem_from_profile(at_shape(profile, x, between=True))
+        except (CheckFailed, UsageError):  # a figure not whole (or not a figure) there
+            return 0, {}
+        peak = simulate(plans[j], problem).peak_bytes
+        if peak > at.limit:
+            return 0, {}
+        peaks[j] = max(peaks.get(j, 0), peak)
+    return count, peaks
 
 
 def _checked_range(profile: Profile, within: float, outside: str) -> ShapeFit:

@@ -237,14 +237,18 @@ def _fit_of(profile: Profile) -> ShapeFit:
     return profile.shapes
 
 
-def at_shape(profile: Profile, shape: Sequence[int]) -> Profile:
+def at_shape(profile: Profile, shape: Sequence[int], *, between: bool = False) -> Profile:
     """``profile`` (one carrying a :class:`ShapeFit`) at ``shape``: every byte figure from
     its polynomial, every time from its fit, the no-checkpoint peak predicted again; the
     measured peak and timed rounds only at the shape measured. At the profile's own shape
-    the measured figures stay (the fits pass through them or near them)."""
+    the measured figures stay (the fits pass through them or near them).
+
+    ``between``: also a shape between the range's ends off its steps (Note [Shapes between
+    the steps] in remat.core.plan_set); raises :class:`CheckFailed` where a polynomial is
+    not whole there."""
     fit = _fit_of(profile)
     shape = tuple(shape)
-    if not fit.dims.holds(shape):
+    if not (fit.dims.spans(shape) if between else fit.dims.holds(shape)):
         raise UsageError(f"shape {shape} is not in the profile's range {fit.dims}")
     if shape == fit.at:
         return profile

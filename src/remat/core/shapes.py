@@ -188,6 +188,27 @@ class ShapeRange:
         return len(shape) == len(self.dims) and all(
             d.holds(v) for d, v in zip(self.dims, shape, strict=True))
 
+    def spans(self, shape: Sequence[int]) -> bool:
+        """``shape`` lies between the range's ends, on its steps or not."""
+        return len(shape) == len(self.dims) and all(
+            d.lo <= v <= d.hi for d, v in zip(self.dims, shape, strict=True))
+
+    @property
+    def box_size(self) -> int:
+        """How many whole-number shapes lie between the ends, on the steps or not."""
+        return math.prod(d.hi - d.lo + 1 for d in self.dims)
+
+    def between(self) -> Iterator[Shape]:
+        """Every whole-number shape between the ends that is off the lattice."""
+        return (s for s in itertools.product(*(range(d.lo, d.hi + 1) for d in self.dims))
+                if not self.holds(s))
+
+    def up(self, shape: Sequence[int]) -> Shape:
+        """The lattice shape at or above ``shape`` in every dimension (``shape`` between
+        the ends): where a padding collator that rounds up would put it."""
+        return tuple(d.lo + -(-(v - d.lo) // d.step) * d.step
+                     for d, v in zip(self.dims, shape, strict=True))
+
     def shape_text(self, shape: Sequence[int]) -> str:
         return ",".join(f"{d.name}={v}" for d, v in zip(self.dims, shape, strict=True))
 
