@@ -17,8 +17,11 @@ The budget is per-layer checkpointing's measured peak of a whole training step a
 ``--seq-hi`` (so all three fit there). Memory: one pass over all steps per configuration
 (and the plain model, for reference) with remat's live-storage tracker around each whole
 step, as ``measure_step`` counts it (parameters, gradients, optimizer state, the batch,
-activations). Time: separate untracked passes, ``--runs`` runs, each running p, a, s in
-a rotating order, each from identical initial weights; the total wall time of the steps.
+activations). Time: untracked passes, ``--runs`` runs; in each, the three configurations
+train from identical initial weights *step by step interleaved* (batch k's step of p, a
+and s, in an order that rotates every step), each configuration's total the sum of its
+step times. The machine's speed moves by 2x within minutes; whole passes one after the
+other (the first recorded runs) let that move into the ratios, steps side by side do not.
 Losses of every pass are compared bitwise with the plain model's, step by step.
 
 Run from the repository root::
@@ -189,22 +192,29 @@ def tracked_pass(name: str, init: nn.Module, plan_a: Plan, plans: PlanSet,
     return out
 
 
-def timed_pass(name: str, init: nn.Module, plan_a: Plan, plans: PlanSet,
-               batches: list[Any], lr: float) -> dict[str, Any]:
-    model, _ = setup(name, init, plan_a, plans)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, times = [], []
+def timed_interleaved(init: nn.Module, plan_a: Plan, plans: PlanSet, batches: list[Any],
+                      lr: float, first: int) -> dict[str, dict[str, Any]]:
+    """Every configuration trained over ``batches`` at once, step by step: batch k's step
+    of each, in ``CONFIGS`` order rotated by ``first + k``; per configuration the sum of
+    its step times (the loss's ``item()`` included), the step times and the losses."""
+    runs = {}
+    for name in CONFIGS:
+        model, _ = setup(name, init, plan_a, plans)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=lr), [], [])
     gc.collect()
-    began = time.perf_counter()
-    for batch in batches:
-        t = time.perf_counter()
-        loss = hf_loss(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-        losses.append(loss.item())
-    return {"total_s": time.perf_counter() - began, "step_s": times, "losses": losses}
+    for k, batch in enumerate(batches):
+        shift = (first + k) % len(CONFIGS)
+        for name in CONFIGS[shift:] + CONFIGS[:shift]:
+            model, opt, times, losses = runs[name]
+            t = time.perf_counter()
+            loss = hf_loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            times.append(time.perf_counter() - t)
+    return {name: {"total_s": sum(times), "step_s": times, "losses": losses}
+            for name, (_, _, times, losses) in runs.items()}
 
 
 def predictions(prof: Any, plan_a: Plan, plans: PlanSet, shapes: list[int]
@@ -299,14 +309,13 @@ def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
             f"({tracked[name]['seconds']:.0f} s)")
     reference = tracked["plain"]["losses"]
 
-    # time: interleaved untracked runs, rotating order, identical initial weights
+    # time: untracked runs, the configurations interleaved step by step, identical
+    # initial weights
     runs = []
     for r in range(cfg["runs"]):
+        got = timed_interleaved(init, plan_a, plans, batches, cfg["lr"], r)
+        log(f"run {r + 1}: " + ", ".join(f"{n} {got[n]['total_s']:.2f} s" for n in CONFIGS))
         order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
-        got = {}
-        for name in order:
-            got[name] = timed_pass(name, init, plan_a, plans, batches, cfg["lr"])
-            log(f"run {r + 1} {name}: {got[name]['total_s']:.2f} s")
         runs.append({"order": "".join(order), **{n: got[n] for n in CONFIGS}})
 
     # --- figures ---
@@ -433,7 +442,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"- torch {res['torch']}, transformers {res['transformers']}, Python {res['python']}, "
         f"remat at commit {res['commit']}",
         f"- date: {res['date']}",
-        f"- runs: {len(tm['runs'])} timed runs (each p, a, s in a rotating order) after one "
+        f"- runs: {len(tm['runs'])} timed runs (p, a and s interleaved step by step, the "
+        "order rotating every step; 'order' is the first step's) after one "
         "tracked pass per configuration",
         "",
         "## The run",
@@ -492,7 +502,7 @@ def markdown(res: dict[str, Any]) -> str:
                        f"{o['measured'] - budget} |")
     out += [
         "",
-        "## Time: total wall time of the steps (untracked)",
+        "## Time: the steps' summed wall time (untracked, interleaved step by step)",
         "",
         "| run | order | p (s) | a (s) | s (s) | s / a | s / p | s/a <= "
         f"{TARGET} | losses bitwise = plain's (p, a, s) |",
