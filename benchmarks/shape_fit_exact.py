@@ -69,7 +69,7 @@ def _case(name: str, options: dict[str, Any], shapes: str,
                      "differ": len(wrong),
                      "differ_not_stepped": sorted(p for p in wrong if p not in fit.steps),
                      "most_over": max(wrong.values(), default=0),
-                     "most_under": max((-d for d in wrong.values()), default=0)})
+                     "most_under": max(0, max((-d for d in wrong.values()), default=0))})
     return {"model": name, "range": shapes, "profile_s": took, "polynomial": len(fit.bytes),
             "maxima": len(fit.envelopes),
             "terms": sum(len(t) for t in fit.envelopes.values()),
