@@ -370,6 +370,8 @@ def _exact_coefficients(dims: ShapeRange, points: Sequence[Shape], ys: Sequence[
 
 #: shapes evaluated at once while the terms that are never the largest are found
 _LATTICE_BLOCK = 4096
+#: the largest lattice searched for them; a larger one keeps every term (sound, slower)
+_PRUNED_LATTICE = 65536
 
 
 def fit_envelope(dims: ShapeRange, points: Sequence[Shape],
@@ -380,7 +382,8 @@ def fit_envelope(dims: ShapeRange, points: Sequence[Shape],
 
     Which terms can be dropped is found in floating point with a margin of 16 bytes plus a
     millionth: keeping a term that is never the largest changes no value, so the margin
-    errs only towards keeping."""
+    errs only towards keeping. A lattice of more than ``_PRUNED_LATTICE`` shapes is not
+    searched: every distinct term is kept."""
     import numpy as np
 
     width = len(terms_at[0])
@@ -388,7 +391,7 @@ def fit_envelope(dims: ShapeRange, points: Sequence[Shape],
         raise UsageError("fit_envelope needs every term at every grid shape")
     columns = list(dict.fromkeys(tuple(t[i] for t in terms_at) for i in range(width)))
     keep = range(len(columns))
-    if len(columns) > 1:
+    if len(columns) > 1 and dims.size <= _PRUNED_LATTICE:
         exponents = monomials(dims)
         basis = np.array([[float(_term(p, e)) for e in exponents] for p in points])
         values = np.array(columns, dtype=float).T  # grid shapes x terms
