@@ -4,6 +4,7 @@ the exact byte polynomials against brute force, stepped maxima, the time fits.""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from fractions import Fraction
 
@@ -187,3 +188,49 @@ def test_a_shape_fit_with_maxima_survives_its_json() -> None:
     assert again.byte_value(path, (8,)) == 108 and again.byte_value(path, (64,)) == 2048
     older = {k: v for k, v in fit.to_dict().items() if k != "envelopes"}
     assert ShapeFit.from_dict(older).envelopes == {}  # a profile written before maxima
+
+
+@pytest.mark.parametrize("text", ["seq=8..64:8", "batch=1..6,seq=8..96:8"])
+def test_every_figure_at_once_equals_each_figure_in_rationals(text: str) -> None:
+    """ShapeFit.byte_values (integer arithmetic over a common denominator, what a plan set
+    reads at hundreds of shapes) gives every polynomial, stepped figure and maximum what
+    the rational polynomial and byte_value give, and refuses a shape where a figure is not
+    whole as eval_bytes does."""
+    from remat.core.errors import CheckFailed
+
+    dims = parse_shapes(text)
+    rng = random.Random(text)
+    polys = {f"stages.{k}.saved_bytes.keep": _poly(rng, dims, denominator=k + 1)
+             for k in range(3)}
+    grid = byte_grid(dims)
+    # whole at every lattice shape: fitted through whole values, scaled by the denominator
+    values = [{p: int(_value(poly, x) * (k + 1)) for k, (p, poly) in enumerate(polys.items())}
+              for x in grid]
+    for row, x in zip(values, grid, strict=True):  # whole everywhere, coefficients in halves
+        row["stages.1.saved_bytes.keep"] = x[-1] * (x[-1] + 1) // 2
+    fitted = fit_bytes(dims, grid, values)
+    assert any(c.denominator == 2 for c in fitted["stages.1.saved_bytes.keep"])
+    terms = tuple(tuple(_poly(rng, dims).values()) for _ in range(3))
+    rungs = ladder(dims)
+    fit = ShapeFit(dims=dims, at=dims.hi, byte_points=grid, time_points=(dims.lo, dims.hi),
+                   bytes=fitted, times={}, rungs=rungs,
+                   steps={"stages.0.bwd_transient_bytes": tuple(
+                       range(len(list(itertools.product(*rungs)))))},
+                   envelopes={"stages.0.nosave_transient_bytes": terms})
+    for x in itertools.islice(dims.lattice(), 0, None, 7):
+        got = fit.byte_values(x)
+        assert set(got) == {*fitted, "stages.0.bwd_transient_bytes",
+                            "stages.0.nosave_transient_bytes"}
+        for path, value in got.items():
+            assert value == fit.byte_value(path, x), (path, x)
+        for path, coefficients in fitted.items():
+            exact = sum((c * math.prod(v ** e for v, e in zip(x, es, strict=True))
+                         for c, es in zip(coefficients, monomials(dims), strict=True)),
+                        Fraction(0))
+            assert Fraction(got[path]) == exact, (path, x)
+        assert got["stages.1.saved_bytes.keep"] == x[-1] * (x[-1] + 1) // 2
+    half = ShapeFit(dims=dims, at=dims.hi, byte_points=grid, time_points=(dims.lo, dims.hi),
+                    bytes={"p": (Fraction(1, 2),) + (Fraction(0),) * (len(monomials(dims)) - 1)},
+                    times={})
+    with pytest.raises(CheckFailed, match="not a whole number"):
+        half.byte_values(dims.lo)

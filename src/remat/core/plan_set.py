@@ -57,7 +57,7 @@ from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan
 from remat.core.planner import made_for
 from remat.core.profile_format import Profile
-from remat.core.shape_profiles import at_shape
+from remat.core.shape_profiles import Resized
 from remat.core.shapes import InputKey, Shape, ShapeFit, ShapeRange, input_key, input_key_list
 from remat.core.solve import minimum_budget, solve
 from remat.core.solve.budget import Budget
@@ -273,6 +273,7 @@ class _Lattice:
     profiles: Mapping[Shape, Profile]
     problems: Mapping[Shape, Problem]
     limit: int  # the budget, bytes
+    resized: Resized  # the profile at any shape of the range, between the steps too
 
     def solve(self, x: Shape) -> Plan:
         """The optimal plan at ``x``; where none fits, the whole range's :func:`_too_small`."""
@@ -323,7 +324,7 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
     out_plans = [_bucket_plan(at, priced, k, runs[k]) for k in used]
     conservative = min(range(len(used)), key=lambda j: priced.prices[used[j]][dims.hi][0])
     plan_of = {x: j for j, k in enumerate(used) for x in runs[k]}
-    between, peaks = _between(profile, at, plan_of, out_plans)
+    between, peaks = _between(at, plan_of, out_plans)
     out_plans = [replace(p, predicted_peak_bytes=max(p.predicted_peak_bytes or 0, peaks[j]))
                  if j in peaks else p for j, p in enumerate(out_plans)]
     return PlanSet(
@@ -334,8 +335,8 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
     )
 
 
-def _between(profile: Profile, at: _Lattice, plan_of: Mapping[Shape, int],
-             plans: Sequence[Plan]) -> tuple[int, dict[int, int]]:
+def _between(at: _Lattice, plan_of: Mapping[Shape, int], plans: Sequence[Plan]
+             ) -> tuple[int, dict[int, int]]:
     """How many shapes between the steps were priced within the budget under the plan of
     the lattice shape above each, and each plan's peak there; ``(0, {})`` where one was
     not (Note [Shapes between the steps])."""
@@ -347,7 +348,7 @@ def _between(profile: Profile, at: _Lattice, plan_of: Mapping[Shape, int],
     for x in dims.between():
         j = plan_of[dims.up(x)]
         try:
-            problem = problem_from_profile(at_shape(profile, x, between=True))
+            problem = problem_from_profile(at.resized.at(x, between=True, peak=False))
         except (CheckFailed, UsageError):  # a figure not whole (or not a figure) there
             return 0, {}
         peak = simulate(plans[j], problem).peak_bytes
@@ -378,10 +379,11 @@ def _checked_range(profile: Profile, within: float, outside: str) -> ShapeFit:
 def _lattice(profile: Profile, dims: ShapeRange, budget: Budget | str | int | float) -> _Lattice:
     """The profile and problem at every lattice shape, and the budget in bytes."""
     lattice = list(dims.lattice())
-    profiles = {x: at_shape(profile, x) for x in lattice}
+    resized = Resized(profile)
+    profiles = {x: resized.at(x) for x in lattice}
     problems = {x: problem_from_profile(p) for x, p in profiles.items()}
     limit = Budget.parse(budget).bytes(problem_from_profile(profile))
-    return _Lattice(dims, lattice, profiles, problems, limit)
+    return _Lattice(dims, lattice, profiles, problems, limit, resized)
 
 
 def _candidates(at: _Lattice, solved_at: list[Shape]) -> tuple[_Priced, dict[Shape, float]]:

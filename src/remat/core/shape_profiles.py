@@ -34,7 +34,7 @@ from remat.core.shapes import (
 )
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 
-__all__ = ["at_shape", "figure_kind", "fit_profile", "shape_of"]
+__all__ = ["Resized", "at_shape", "figure_kind", "fit_profile", "shape_of"]
 
 # Figures not carried across shapes: bookkeeping, the peaks (measured only at the shape
 # measured, predicted again by the simulator), the timed rounds and spreads (the timing of
@@ -246,23 +246,51 @@ def at_shape(profile: Profile, shape: Sequence[int], *, between: bool = False) -
     ``between``: also a shape between the range's ends off its steps (Note [Shapes between
     the steps] in remat.core.plan_set); raises :class:`CheckFailed` where a polynomial is
     not whole there."""
-    fit = _fit_of(profile)
-    shape = tuple(shape)
-    if not (fit.dims.spans(shape) if between else fit.dims.holds(shape)):
-        raise UsageError(f"shape {shape} is not in the profile's range {fit.dims}")
-    if shape == fit.at:
-        return profile
-    data = profile.to_dict()
-    for path in (*fit.bytes, *fit.steps, *fit.envelopes):
-        set_path(data, path, fit.byte_value(path, shape))
-    for path in fit.times:
-        set_path(data, path, fit.time_value(path, shape))
-    data["measured_peak_bytes"] = None
-    for key in ("timed_rounds", "batch_shapes", "shapes"):
-        data.pop(key, None)
-    for stage in data["stages"]:
-        stage.pop("time_spread", None)
-    if "batch" in fit.dims.names:
-        data["batch_size"] = shape[fit.dims.names.index("batch")]
-    found = Profile.from_dict(data)
-    return replace(found, predicted_peak_bytes=predict_no_checkpoint_peak(found))
+    return Resized(profile).at(shape, between=between)
+
+
+class Resized:
+    """:func:`at_shape` for one profile at many shapes: the profile's figures are read
+    once, not once per shape (a plan set prices hundreds of shapes)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.fit = _fit_of(profile)
+        base = profile.to_dict()
+        base["measured_peak_bytes"] = None
+        for key in ("timed_rounds", "batch_shapes", "shapes"):
+            base.pop(key, None)
+        for stage in base["stages"]:
+            stage.pop("time_spread", None)
+        self._base = base
+
+    def at(self, shape: Sequence[int], *, between: bool = False, peak: bool = True
+           ) -> Profile:
+        """The profile at ``shape`` (:func:`at_shape`); ``peak=False`` leaves its
+        no-checkpoint peak unpredicted (``None``), for a caller that prices plans only."""
+        fit = self.fit
+        shape = tuple(shape)
+        if not (fit.dims.spans(shape) if between else fit.dims.holds(shape)):
+            raise UsageError(f"shape {shape} is not in the profile's range {fit.dims}")
+        if shape == fit.at:
+            return self.profile
+        data = _copy_tree(self._base)
+        for path, value in fit.byte_values(shape).items():
+            set_path(data, path, value)
+        for path in fit.times:
+            set_path(data, path, fit.time_value(path, shape))
+        if "batch" in fit.dims.names:
+            data["batch_size"] = shape[fit.dims.names.index("batch")]
+        found = Profile.from_dict(data)
+        if not peak:
+            return replace(found, predicted_peak_bytes=None)
+        return replace(found, predicted_peak_bytes=predict_no_checkpoint_peak(found))
+
+
+def _copy_tree(value: Any) -> Any:
+    """A copy of a profile's dict deep enough to set any figure in (dicts and lists)."""
+    if isinstance(value, dict):
+        return {k: _copy_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(v) for v in value]
+    return value

@@ -56,6 +56,7 @@ a figure whose terms the grid does not give alike, or that a check misses, is st
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -260,6 +261,7 @@ def parse_shapes(text: str | Mapping[str, Any] | ShapeRange) -> ShapeRange:
 # -- the byte polynomials ---------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def monomials(dims: ShapeRange) -> tuple[Shape, ...]:
     """The exponents of the byte polynomial's terms: every ``e`` with ``e[k] <= degree``."""
     return tuple(itertools.product(*(range(_degree(d) + 1) for d in dims.dims)))
@@ -352,14 +354,32 @@ def fit_bytes(dims: ShapeRange, points: Sequence[Shape],
     return out
 
 
+@functools.lru_cache(maxsize=65536)
+def _over_common_denominator(coefficients: tuple[Fraction, ...]) -> tuple[tuple[int, ...], int]:
+    """The coefficients as whole numerators over their least common denominator: the
+    polynomial evaluated in integers, exactly, without a Fraction per term (a plan set
+    evaluates every figure at hundreds of shapes)."""
+    den = math.lcm(*(c.denominator for c in coefficients)) if coefficients else 1
+    return tuple(c.numerator * (den // c.denominator) for c in coefficients), den
+
+
 def eval_bytes(dims: ShapeRange, coefficients: Sequence[Fraction], shape: Sequence[int]) -> int:
-    total = sum((c * _term(shape, e) for c, e in zip(coefficients, monomials(dims),
-                                                      strict=True)), Fraction(0))
-    if total.denominator != 1:
-        raise CheckFailed(f"the byte fit gives {float(total)} bytes at "
+    terms = [_term(shape, e) for e in monomials(dims)]
+    return _whole_at(dims, _over_common_denominator(tuple(coefficients)), terms, shape)
+
+
+def _whole_at(dims: ShapeRange, polynomial: tuple[tuple[int, ...], int], terms: Sequence[int],
+              shape: Sequence[int]) -> int:
+    """A polynomial over a common denominator (:func:`_over_common_denominator`) at a
+    shape whose monomials are ``terms``."""
+    numerators, den = polynomial
+    total = sum(n * t for n, t in zip(numerators, terms, strict=True))
+    whole, rest = divmod(total, den)
+    if rest:
+        raise CheckFailed(f"the byte fit gives {total / den} bytes at "
                           f"{dims.shape_text(shape)}, not a whole number: that shape is not "
                           "on the fitted lattice; profile the range with the step it runs at")
-    return int(total)
+    return whole
 
 
 def _exact_coefficients(dims: ShapeRange, points: Sequence[Shape], ys: Sequence[int]
@@ -518,6 +538,26 @@ class ShapeFit:
         object.__setattr__(self, "at", tuple(self.at))
         if not self.dims.holds(self.at):
             raise UsageError(f"a shape fit at {self.at} outside its range {self.dims}")
+
+    @functools.cached_property
+    def _whole(self) -> tuple[dict[str, tuple[tuple[int, ...], int]],
+                              dict[str, tuple[tuple[tuple[int, ...], int], ...]]]:
+        """The polynomials and the maxima's terms over common denominators."""
+        return ({p: _over_common_denominator(tuple(c)) for p, c in self.bytes.items()},
+                {p: tuple(_over_common_denominator(tuple(c)) for c in terms)
+                 for p, terms in self.envelopes.items()})
+
+    def byte_values(self, shape: Sequence[int]) -> dict[str, int]:
+        """Every byte figure at ``shape`` (what :meth:`byte_value` gives each, the
+        monomials computed once)."""
+        terms = [_term(shape, e) for e in monomials(self.dims)]
+        polynomials, envelopes = self._whole
+        out = {p: _whole_at(self.dims, f, terms, shape) for p, f in polynomials.items()}
+        for p, values in self.steps.items():
+            out[p] = eval_steps(self.dims, self.rungs, values, shape)
+        for p, fs in envelopes.items():
+            out[p] = max(_whole_at(self.dims, f, terms, shape) for f in fs)
+        return out
 
     def byte_value(self, path: str, shape: Sequence[int]) -> int:
         if path in self.envelopes:
