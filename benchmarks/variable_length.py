@@ -14,7 +14,9 @@ initial weights, at the same budget:
   each step runs the plan of its batch's shape.
 
 The budget is per-layer checkpointing's measured peak of a whole training step at
-``--seq-hi`` (so all three fit there). Memory: one pass over all steps per configuration
+``--seq-hi`` (so all three fit there), the tightest budget (b) runs under; ``--budget F``
+sets it to the fraction ``F`` of the plain model's measured peak there instead (at least
+per-layer checkpointing's). Memory: one pass over all steps per configuration
 (and the plain model, for reference) with remat's live-storage tracker around each whole
 step, as ``measure_step`` counts it (parameters, gradients, optimizer state, the batch,
 activations). Time: untracked passes, ``--runs`` runs; in each, the three configurations
@@ -275,10 +277,19 @@ def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     gc.collect()
     probe = copy.deepcopy(init)
     per_layer(probe)
-    budget = measure_step(probe, example(cfg, hi), hf_loss, "adamw").peak_bytes
+    layer_peak = measure_step(probe, example(cfg, hi), hf_loss, "adamw").peak_bytes
     plain_peak = measure_step(copy.deepcopy(init), example(cfg, hi), hf_loss, "adamw").peak_bytes
     del probe
-    log(f"budget {mib(budget)} (per-layer at seq {hi}); plain {mib(plain_peak)}")
+    budget = layer_peak
+    rule = f"per-layer checkpointing's measured peak of a whole step at seq {hi}"
+    if cfg.get("budget") is not None:
+        budget = int(cfg["budget"] * plain_peak)
+        rule = (f"{cfg['budget']:.0%} of the plain model's measured peak of a whole step at seq "
+                f"{hi} (per-layer checkpointing's there: {mib(layer_peak)})")
+        if budget < layer_peak:
+            raise SystemExit(f"--budget {cfg['budget']} is {mib(budget)}, under per-layer "
+                             f"checkpointing's peak {mib(layer_peak)}: give a larger fraction")
+    log(f"budget {mib(budget)} ({rule}); plain {mib(plain_peak)}")
 
     # one-off costs: (a) profile at the longest shape + plan; (s) profile the range + plan set
     t0 = time.perf_counter()
@@ -394,7 +405,7 @@ def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
                     "padded_max": max(seqs), "distinct_padded": len(set(seqs)),
                     "steps_at_max": sum(s == hi for s in seqs)},
         "budget_bytes": budget,
-        "budget_rule": f"per-layer checkpointing's measured peak of a whole step at seq {hi}",
+        "budget_rule": rule,
         "plain_peak_at_max_bytes": plain_peak,
         "memory": memory,
         "s_steps_over_budget": [{"step": k, "seq": s, "plan": j, "measured": m,
@@ -580,15 +591,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="a tiny model, a few steps, seq 32..128 (the test's run)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--runs", type=int)
+    parser.add_argument("--budget", type=float, metavar="F",
+                        help="the budget as a fraction of the plain model's peak at the longest "
+                             "shape (default: per-layer checkpointing's peak there)")
     parser.add_argument("--out", type=Path, default=HERE / "variable_length",
                         help="writes OUT.json and OUT.md (default benchmarks/variable_length)")
     args = parser.parse_args(argv)
     cfg = settings(args.quick)
-    for key in ("steps", "runs"):
+    if args.budget is not None and not 0 < args.budget <= 1:
+        parser.error(f"--budget is a fraction in (0, 1], got {args.budget}")
+    for key in ("steps", "runs", "budget"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     extra = (" --quick" if args.quick else "") + "".join(
-        f" --{k} {getattr(args, k)}" for k in ("steps", "runs") if getattr(args, k) is not None)
+        f" --{k} {getattr(args, k)}" for k in ("steps", "runs", "budget")
+        if getattr(args, k) is not None)
     if args.out != HERE / "variable_length":
         extra += f" --out {args.out}"
     cfg["command"] = COMMAND + extra
