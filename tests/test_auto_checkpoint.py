@@ -204,6 +204,10 @@ def test_batches_of_several_shapes_give_a_plan_set_cached_for_the_next_launch(
                                  cache=tmp_path, repeats=1)
     assert isinstance(done.plan, PlanSet) and str(done.plan.dims) == "seq=16..64:8"
     assert done.report.buckets and "seq=" in str(done.report)
+    # the first line says it is a plan set, and where its regions and overhead are read
+    first = str(done.report).splitlines()[0]
+    assert f"plan set of {len(done.plan.plans)} plans" in first
+    assert "at its largest shape (seq=64)" in first
     for seq in (16, 24, 64):  # every shape of the range within the budget
         step = measure_step(model, torch.randint(0, 32, (4, seq)), _token_loss,
                             torch.optim.SGD(model.parameters(), lr=0.0))

@@ -70,19 +70,27 @@ class AutoCheckpointReport:
     cache_path: Path | None
     buckets: tuple[str, ...] = ()  # a plan set: one line per plan, the shapes it runs
     reserve_bytes: int = 0  # left free under the budget (auto_checkpoint's reserve_bytes)
+    # a plan set: how many plans, and its largest shape (where regions and overhead are)
+    plans: int = 0
+    largest: str | None = None
 
     def __str__(self) -> str:
         where = ("from the plan cache" if self.source == "cache"
                  else f"profiled and planned ({self.why})")
         regions = " ".join(self.regions) or "none"
-        parts = [f"remat: plan {where}, applied in {self.seconds:.2f} s; regions {regions}"]
+        what = f"plan set of {self.plans} plans" if self.plans else "plan"
+        at = f" at its largest shape ({self.largest})" if self.largest else ""
+        parts = [f"remat: {what} {where}, applied in {self.seconds:.2f} s; regions{at} "
+                 f"{regions}"]
         if self.predicted_peak_bytes is not None and self.budget_bytes is not None:
             parts.append(f"predicted peak {format_bytes(self.predicted_peak_bytes)} of a "
                          f"{format_bytes(self.budget_bytes)} budget"
+                         + (" (the most any shape reaches)" if self.plans else "")
                          + (f" ({format_bytes(self.reserve_bytes)} of it kept free)"
                             if self.reserve_bytes else ""))
         if self.predicted_overhead is not None:
-            parts.append(f"predicted step time {self.predicted_overhead:+.1%}")
+            parts.append(f"predicted step time {self.predicted_overhead:+.1%}"
+                         + (" there" if self.largest else ""))
         return "; ".join(parts) + "".join(f"\n  {line}" for line in self.buckets)
 
 
@@ -355,7 +363,8 @@ def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,
             predicted_overhead=t / t0 - 1 if t and t0 else None,
             regions=tuple(str(r) for r in largest.regions),
             seconds=time.perf_counter() - began, cache_path=path,
-            buckets=tuple(plan.describe()), reserve_bytes=reserve)
+            buckets=tuple(plan.describe()), reserve_bytes=reserve, plans=len(plan.plans),
+            largest=plan.dims.shape_text(plan.dims.hi))
         return AutoCheckpoint(handle, plan, report)
     t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
     report = AutoCheckpointReport(
