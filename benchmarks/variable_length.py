@@ -247,11 +247,16 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """The commit the run's code is at, ``+`` where the tree differs from it (read when the
+    run starts: a commit made while it runs is not the code it ran)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True, cwd=HERE).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, cwd=HERE).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+" if dirty.strip() else "")
 
 
 def mib(n: float) -> str:
@@ -268,6 +273,7 @@ def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     lengths = draw_lengths(cfg)
     batches = make_batches(cfg, lengths)
     seqs = [int(b["input_ids"].shape[1]) for b in batches]
+    at_commit = commit()
     init = build_model(cfg)
     hi, lo = cfg["seq_hi"], cfg["seq_lo"]
     shapes = f"seq={lo}..{hi}:8"
@@ -393,7 +399,7 @@ def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
-        "commit": commit(),
+        "commit": at_commit,
         "threads": torch.get_num_threads(),
         "settings": {k: v for k, v in cfg.items() if k != "command"},
         "distribution": (f"log-normal(mu=ln({math.exp(cfg['mu']):.0f}), sigma={cfg['sigma']}) "
@@ -443,7 +449,7 @@ def markdown(res: dict[str, Any]) -> str:
         "# A real variable-length run: per-layer checkpointing vs remat's plan vs its plan set",
         "",
         "Issue 48, item 6. Written by `benchmarks/variable_length.py`; every figure is in "
-        "`variable_length.json` beside this file.",
+        f"`{res.get('json_name', 'variable_length.json')}` beside this file.",
         "",
         "```console",
         f"$ {res['command']}",
@@ -616,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     res = run(cfg, log)
     res["wall_s"] = time.perf_counter() - began
+    res["json_name"] = args.out.with_suffix(".json").name
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     text = markdown(res) + f"\nWhole benchmark: {res['wall_s']:.0f} s.\n"
