@@ -9,6 +9,8 @@ length, four configurations (no checkpointing, per-layer, every layer
 ``selective:save-nothing``, every layer ``selective:save-matmuls``) are each timed right
 after a step of no checkpointing (which allocates the most) and right after a
 ``save-nothing`` step (the least), the pairs in a shuffled order, ``--reps`` times.
+``--malloc keep`` runs it with glibc keeping freed memory (docs/bench.md, "Steady CPU
+timings": the history-dependence ``remat bench`` already avoids that way).
 
 Run from the repository root::
 
@@ -32,6 +34,7 @@ import torch
 
 import remat
 from remat.core.plan_format import Plan, Region
+from remat.measure.malloc import set_malloc
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -86,9 +89,10 @@ def run(seq: int, reps: int, quick: bool) -> dict[tuple[str, str], list[float]]:
     return out
 
 
-def markdown(seq: int, reps: int, out: dict[tuple[str, str], list[float]]) -> str:
+def markdown(seq: int, reps: int, out: dict[tuple[str, str], list[float]], allocator: str
+             ) -> str:
     lines = [f"## Run of {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-             f"(seq {seq}, {reps} reps, remat at {vl.commit()})", "",
+             f"(seq {seq}, {reps} reps, remat at {vl.commit()}; allocator: {allocator})", "",
              "| timed step | after no checkpointing (median s) | after save-nothing (median s) "
              "| after save-nothing / after none |", "| --- | --- | --- | --- |"]
     for y in TIMED:
@@ -103,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="the tiny model, seq 64, 2 reps")
     parser.add_argument("--out", type=Path, default=HERE / "step_order.md")
+    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+                        help="glibc's defaults, or freed memory kept (docs/bench.md)")
     args = parser.parse_args(argv)
     seq, reps = (64, 2) if args.quick else (args.seq, args.reps)
-    text = markdown(seq, reps, run(seq, reps, args.quick))
+    allocator = set_malloc(args.malloc)
+    text = markdown(seq, reps, run(seq, reps, args.quick), allocator)
     head = "" if args.out.exists() else (
         "# A step's time after the step before it\n\nWritten by `benchmarks/step_order.py` "
         "(its docstring says why); machine: " + vl.machine() + ", one torch thread.\n\n")

@@ -63,6 +63,7 @@ from remat.core.plan_set import PlanSet, plan_set
 from remat.core.shape_profiles import at_shape
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.simulator import simulate
+from remat.measure.malloc import set_malloc
 from remat.measure.tracker import LiveMemoryTracker
 from remat.models import load_model
 from remat.models.hf import hf_loss
@@ -455,7 +456,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"$ {res['command']}",
         "```",
         "",
-        f"- machine: {res['machine']}; `torch.set_num_threads({res['threads']})`",
+        f"- machine: {res['machine']}; `torch.set_num_threads({res['threads']})`; allocator: "
+        f"{st.get('malloc', 'glibc defaults')}",
         f"- torch {res['torch']}, transformers {res['transformers']}, Python {res['python']}, "
         f"remat at commit {res['commit']}",
         f"- date: {res['date']}",
@@ -597,6 +599,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a tiny model, a few steps, seq 32..128 (the test's run)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--runs", type=int)
+    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+                        help="what glibc does with freed memory for the whole run: its "
+                             "defaults (system, what a CPU user's loop gets) or keep (as "
+                             "remat's CLI and caching allocators; docs/bench.md)")
     parser.add_argument("--budget", type=float, metavar="F",
                         help="the budget as a fraction of the plain model's peak at the longest "
                              "shape (default: per-layer checkpointing's peak there)")
@@ -609,9 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("steps", "runs", "budget"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    cfg["malloc"] = set_malloc(args.malloc)
     extra = (" --quick" if args.quick else "") + "".join(
         f" --{k} {getattr(args, k)}" for k in ("steps", "runs", "budget")
-        if getattr(args, k) is not None)
+        if getattr(args, k) is not None) + (" --malloc keep" if args.malloc == "keep" else "")
     if args.out != HERE / "variable_length":
         extra += f" --out {args.out}"
     cfg["command"] = COMMAND + extra
