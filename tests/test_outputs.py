@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from remat.cli import main
+from remat.core.errors import INTERRUPTS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROFILE = FIXTURES / "profile_mlp_tiny.json"
@@ -123,13 +124,23 @@ def test_user_code_that_exits_or_interrupts_is_user_code_failing(
 def test_a_real_ctrl_c_is_still_interrupted_130(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    before = signal.getsignal(signal.SIGINT)
-    out = tmp_path / "p.json"
-    assert main(["profile", "--model", SPEC.format("ctrl_c"), "--repeats", "1",
-                 "--json", str(out)]) == 130
-    assert _err(capsys) == "remat: interrupted"
-    assert json.loads(out.read_text())["error"]["exit_code"] == 130
-    assert signal.getsignal(signal.SIGINT) is before  # the handler is main's only
+    # A process started from a terminal has Python's own SIGINT handler. A test process
+    # may not: a library another test ran in this worker can leave SIGINT ignored (or
+    # handled in C), and main then rightly treats Ctrl-C as unable to reach the process
+    # (the suite once saw main return 0 here). So the terminal's state is set, and put back.
+    ambient = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        out = tmp_path / "p.json"
+        code = main(["profile", "--model", SPEC.format("ctrl_c"), "--repeats", "1",
+                     "--json", str(out)])
+        assert code == 130, (code, f"SIGINT's handler before the test: {ambient!r}",
+                             f"seen: {INTERRUPTS.seen}")
+        assert _err(capsys) == "remat: interrupted"
+        assert json.loads(out.read_text())["error"]["exit_code"] == 130
+        # the handler is main's only
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, ambient if ambient is not None else signal.SIG_DFL)
 
 
 def warns(batch_size: int = 4) -> Any:
