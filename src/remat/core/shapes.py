@@ -354,7 +354,6 @@ def fit_bytes(dims: ShapeRange, points: Sequence[Shape],
     return out
 
 
-@functools.lru_cache(maxsize=65536)
 def _over_common_denominator(coefficients: tuple[Fraction, ...]) -> tuple[tuple[int, ...], int]:
     """The coefficients as whole numerators over their least common denominator: the
     polynomial evaluated in integers, exactly, without a Fraction per term (a plan set
