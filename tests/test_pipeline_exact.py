@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.pipeline import (
     ScheduleBuffers,
+    _chunk,
     _figures,
     _walk,
     fastest_rank_plan,
@@ -46,8 +47,12 @@ def _walked(problem: Problem, schedule: str, p: int, r: int, m: int, buffers: Sc
             ) -> list[tuple[int, float, Plan]]:
     """Every plan's peak on the rank and one micro-batch's step time."""
     order = schedule_order(schedule, r, p, m)
-    return [(_walk([_figures(plan, problem, buffers)[1]], order),
-             simulate(plan, problem).step_time_s, plan) for plan in all_plans(problem)]
+    walked = []
+    for plan in all_plans(problem):
+        sim = simulate(plan, problem)
+        walked.append((_walk([_chunk(sim, plan, problem, buffers)], order), sim.step_time_s,
+                       plan))
+    return walked
 
 
 _SLOW = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

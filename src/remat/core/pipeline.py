@@ -245,9 +245,19 @@ class ScheduleBuffers:
 
 
 def _without_grads(problem: Problem) -> Problem:
+    # kept for the last problem asked: a rank's search asks it once per plan it prices,
+    # and building the problem cost more than the simulation it is for
+    last = _WITHOUT_GRADS.get("last")
+    if last is not None and last[0] is problem:
+        return last[1]
     stages = tuple(replace(s, grad_bytes=0, pending_grad_bytes=0) for s in problem.stages)
-    return replace(problem, stages=stages, grads_bytes=0, pre_chain_grads_bytes=0,
+    bare = replace(problem, stages=stages, grads_bytes=0, pre_chain_grads_bytes=0,
                    post_chain_grads_bytes=0)
+    _WITHOUT_GRADS["last"] = (problem, bare)
+    return bare
+
+
+_WITHOUT_GRADS: dict[str, tuple[Problem, Problem]] = {}
 
 
 @dataclass(frozen=True)
