@@ -9,6 +9,11 @@ at a held-out shape (on neither the byte grid, the ladder nor the timed shapes) 
 with the fit: the polynomial byte figures to the byte, the stepped ones never under, the
 step and stage times against what a second profile of the same shape differs by
 (Note [Times within the noise] in remat/profiling/shaped.py).
+
+``--malloc keep`` (default, as ``remat profile --shapes`` and ``remat.auto_checkpoint``
+profile on CPU) lets glibc keep freed memory, so a timed step does not depend on the shape
+profiled before it; ``--malloc system`` leaves the allocator alone (docs/bench.md, "Steady
+CPU timings").
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 
+from remat.measure.malloc import MALLOC_MODES, set_malloc
 from remat.models import load_model
 from remat.profiling.profiler import profile
 from remat.profiling.shaped import batch_axes, check_fit, profile_shapes, resize
@@ -89,12 +95,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "shape_profiles.md"))
+    parser.add_argument("--malloc", choices=MALLOC_MODES, default="keep")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    allocator = set_malloc(args.malloc)
     lines = ["# Profiles over a range of shapes: cost and exactness", "",
-             f"Command: `python benchmarks/shape_profiles.py --runs {args.runs}`; torch "
-             f"{torch.__version__}, one thread, the shared 2-core CPU machine, "
-             f"{time.strftime('%Y-%m-%d')}.", ""]
+             f"Command: `python benchmarks/shape_profiles.py --runs {args.runs} --malloc "
+             f"{args.malloc}`; torch {torch.__version__}, one thread, {allocator}, the "
+             f"shared 2-core CPU machine, {time.strftime('%Y-%m-%d')}.", ""]
     for case in CASES:
         lines += _one(*case, runs=args.runs)
         print("\n".join(lines[-7:]), flush=True)

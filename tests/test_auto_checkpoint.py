@@ -226,3 +226,42 @@ def test_batches_of_several_shapes_give_a_plan_set_cached_for_the_next_launch(
     assert "the range of batch shapes changed (seq=16..64:8 -> seq=16..72:8)" in (
         wider.report.why or "")
     wider.remove()
+
+
+def test_on_cpu_the_allocator_keeps_freed_memory_before_the_profile_and_the_report_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    profile = script_entry.profile
+
+    def recorded_malloc(mode: str) -> str:
+        calls.append(f"malloc {mode}")
+        return "glibc, freed memory kept (test)"
+
+    def recorded_profile(*args: object, **kwargs: object) -> object:
+        calls.append("profile")
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(script_entry, "set_malloc", recorded_malloc)
+    monkeypatch.setattr(script_entry, "profile", recorded_profile)
+    done = remat.auto_checkpoint(_model(depth=3), "60%", batch=BATCH, loss_fn=_loss,
+                                 cache=False, repeats=1)
+    assert calls == ["malloc keep", "profile"]
+    assert done.report.allocator == "glibc, freed memory kept (test)"
+    assert "C allocator: glibc, freed memory kept (test)" in str(done.report)
+    calls.clear()
+    done.remove()
+    done = remat.auto_checkpoint(_model(depth=3), "60%", batch=BATCH, loss_fn=_loss,
+                                 cache=False, repeats=1, malloc="system")
+    assert calls == ["malloc system", "profile"]
+
+
+def test_an_unknown_allocator_mode_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    model = _model(depth=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UsageError, match="malloc='fast' is not one of keep, system"):
+        remat.auto_checkpoint(model, "60%", batch=BATCH, loss_fn=_loss, cache=tmp_path,
+                              malloc="fast")
+    assert not remat.applied(model) and not list(tmp_path.iterdir())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

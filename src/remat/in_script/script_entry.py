@@ -44,6 +44,7 @@ from remat.in_script.plan_cache import (
     save_entry,
     slot_path,
 )
+from remat.measure.malloc import MALLOC_MODES, set_malloc
 from remat.measure.model_state import check_batch, refuse_meta
 from remat.profiling.profiler import profile
 from remat.profiling.shaped import infer_shapes, profile_shapes
@@ -73,6 +74,7 @@ class AutoCheckpointReport:
     # a plan set: how many plans, and its largest shape (where regions and overhead are)
     plans: int = 0
     largest: str | None = None
+    allocator: str | None = None  # on CPU: what the C allocator does with freed memory
 
     def __str__(self) -> str:
         where = ("from the plan cache" if self.source == "cache"
@@ -91,6 +93,8 @@ class AutoCheckpointReport:
         if self.predicted_overhead is not None:
             parts.append(f"predicted step time {self.predicted_overhead:+.1%}"
                          + (" there" if self.largest else ""))
+        if self.allocator is not None and self.allocator.startswith("glibc"):
+            parts.append(f"C allocator: {self.allocator}")  # what remat changed
         return "; ".join(parts) + "".join(f"\n  {line}" for line in self.buckets)
 
 
@@ -173,6 +177,7 @@ def auto_checkpoint(
     cache: str | os.PathLike[str] | bool | None = None,
     repeats: int = 2,
     reserve_bytes: int = 0,
+    malloc: str = "keep",
 ) -> AutoCheckpoint:
     """Profile ``model`` on ``batch``, plan it under ``budget`` and apply the plan.
 
@@ -196,13 +201,18 @@ def auto_checkpoint(
     ``adamw-fused``, ``sgd``). ``stages``: the chain's module paths (default: discovered).
     ``cache``: a folder for plans, or False for none (default ``REMAT_CACHE``, else
     ``~/.cache/remat/plans``; Note [The plan cache]). ``repeats``: the profile's timed
-    rounds. Raises :class:`remat.CheckFailed` (naming the least budget) when no plan fits,
+    rounds. ``malloc``: on CPU, ``"keep"`` lets glibc keep freed memory for the rest of the
+    process (as ``remat profile`` and ``remat bench`` do), which steadies the profile's
+    timed steps and the training's (``benchmarks/step_order.md``); ``"system"`` leaves the C
+    allocator alone (docs/bench.md, "Steady CPU timings"). Raises
+    :class:`remat.CheckFailed` (naming the least budget) when no plan fits,
     and ``UsageError`` for bad input, both with the model as it was.
     """
     began = time.perf_counter()
     request = _checked(model, budget, batch=batch, batches=batches, shapes=shapes,
                        outside=outside, loss_fn=loss_fn, optimizer=optimizer, stages=stages,
                        repeats=repeats, reserve_bytes=reserve_bytes)
+    allocator = _allocator(model, request.batch, malloc)
     folder = cache_folder(cache)
     fields = _fields(model, request.batch, optimizer, request.dims)
     path = None if folder is None else slot_path(folder, request.slot())
@@ -211,13 +221,23 @@ def auto_checkpoint(
     if entry is not None:
         cached = _apply_cached(model, entry, fields)
         if not isinstance(cached, str):
-            return _result(cached[1], cached[0], "cache", None, began, path, reserve_bytes)
+            return _result(cached[1], cached[0], "cache", None, began, path, reserve_bytes,
+                           allocator)
         why = cached
     plan = _planned(request)
     if path is not None:
         save_entry(path, fields, plan)  # before apply: a bad folder changes nothing
     handle = apply(model, plan)
-    return _result(handle, plan, "profiled", why, began, path, reserve_bytes)
+    return _result(handle, plan, "profiled", why, began, path, reserve_bytes, allocator)
+
+
+def _allocator(model: nn.Module, batch: Any, malloc: str) -> str | None:
+    """``set_malloc(malloc)`` where the step runs on the CPU (its parameters and the
+    batch's tensors); None elsewhere, where the device's own allocator serves the step."""
+    if malloc not in MALLOC_MODES:
+        raise UsageError(f"malloc={malloc!r} is not one of {', '.join(MALLOC_MODES)}")
+    devices = {t.device.type for t in (*model.parameters(), *tensors_of(batch))}
+    return set_malloc(malloc) if devices <= {"cpu"} else None
 
 
 @dataclass(frozen=True)
@@ -352,7 +372,8 @@ def _reserved(budget: Budget, prof: Profile, reserve: int) -> Budget:
 
 
 def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,
-            began: float, path: Path | None, reserve: int = 0) -> AutoCheckpoint:
+            began: float, path: Path | None, reserve: int = 0,
+            allocator: str | None = None) -> AutoCheckpoint:
     if isinstance(plan, PlanSet):
         largest = plan.plans[plan.choose(plan.dims.hi) or 0]
         peaks = [p.predicted_peak_bytes for p in plan.plans if p.predicted_peak_bytes]
@@ -364,7 +385,7 @@ def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,
             regions=tuple(str(r) for r in largest.regions),
             seconds=time.perf_counter() - began, cache_path=path,
             buckets=tuple(plan.describe()), reserve_bytes=reserve, plans=len(plan.plans),
-            largest=plan.dims.shape_text(plan.dims.hi))
+            largest=plan.dims.shape_text(plan.dims.hi), allocator=allocator)
         return AutoCheckpoint(handle, plan, report)
     t, t0 = plan.predicted_step_time_s, plan.baseline_step_time_s
     report = AutoCheckpointReport(
@@ -373,5 +394,6 @@ def _result(handle: Handle, plan: Plan | PlanSet, source: str, why: str | None,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         predicted_overhead=t / t0 - 1 if t and t0 else None,
         regions=tuple(str(r) for r in plan.regions),
-        seconds=time.perf_counter() - began, cache_path=path, reserve_bytes=reserve)
+        seconds=time.perf_counter() - began, cache_path=path, reserve_bytes=reserve,
+        allocator=allocator)
     return AutoCheckpoint(handle, plan, report)
