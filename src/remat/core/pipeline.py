@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from remat.core.errors import CheckFailed, UsageError
 from remat.core.plan_format import Plan, Region
@@ -244,22 +244,6 @@ class ScheduleBuffers:
                 + (self.after_first_backward_bytes if done_b else 0))
 
 
-def _without_grads(problem: Problem) -> Problem:
-    # kept for the last problem asked: a rank's search asks it once per plan it prices,
-    # and building the problem cost more than the simulation it is for
-    last = _WITHOUT_GRADS.get("last")
-    if last is not None and last[0] is problem:
-        return last[1]
-    stages = tuple(replace(s, grad_bytes=0, pending_grad_bytes=0) for s in problem.stages)
-    bare = replace(problem, stages=stages, grads_bytes=0, pre_chain_grads_bytes=0,
-                   post_chain_grads_bytes=0)
-    _WITHOUT_GRADS["last"] = (problem, bare)
-    return bare
-
-
-_WITHOUT_GRADS: dict[str, tuple[Problem, Problem]] = {}
-
-
 @dataclass(frozen=True)
 class _Chunk:
     """One stage's figures on its rank for the schedule walk (Note [Pipeline rank peak])."""
@@ -296,7 +280,7 @@ def _chunk(sim: Simulation, plan: Plan, problem: Problem, buffers: ScheduleBuffe
     # it (1F1B) runs with all of them, and a later backward adds none: its peak is the
     # backward's without gradients, plus all of them. With several chunks on a rank
     # (interleaved), each is such a walk of its own, and the others add what they hold.
-    bare = simulate(plan, _without_grads(problem))
+    bare = simulate(plan, problem.without_grads)
     labels = sim.labels
     first_b = next(i for i, label in enumerate(labels) if label.startswith("backward"))
     last = labels.index("optimizer step") if "optimizer step" in labels else len(labels)

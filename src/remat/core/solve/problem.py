@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -474,6 +474,16 @@ class Problem(JsonArtifact):
         (every solver and the simulator price the links inside a region from it, so their
         sums are the same floats)."""
         return tuple(itertools.accumulate((s.link_s for s in self.stages), initial=0.0))
+
+    @functools.cached_property
+    def without_grads(self) -> Problem:
+        """The same chain with no parameter gradient anywhere (a pipeline rank's later
+        backward, whose gradients exist already: Note [Pipeline rank peak] in
+        remat.core.pipeline). Kept: a rank's search prices every plan against it, and
+        building it cost more than the simulation it is for."""
+        stages = tuple(replace(s, grad_bytes=0, pending_grad_bytes=0) for s in self.stages)
+        return replace(self, stages=stages, grads_bytes=0, pre_chain_grads_bytes=0,
+                       post_chain_grads_bytes=0)
 
     def region_s(self, start: int, stop: int) -> float:
         """What region ``[start, stop)`` costs beyond its stages' rebuilds: the region's own
