@@ -212,9 +212,9 @@ def auto_checkpoint(
     request = _checked(model, budget, batch=batch, batches=batches, shapes=shapes,
                        outside=outside, loss_fn=loss_fn, optimizer=optimizer, stages=stages,
                        repeats=repeats, reserve_bytes=reserve_bytes)
-    allocator = _allocator(model, request.batch, malloc)
-    folder = cache_folder(cache)
     fields = _fields(model, request.batch, optimizer, request.dims)
+    allocator = _allocator(fields["device"], malloc)
+    folder = cache_folder(cache)
     path = None if folder is None else slot_path(folder, request.slot())
     entry = None if path is None else load_entry(path)
     why = "the plan cache is off" if path is None else "no plan cached for this model"
@@ -231,13 +231,12 @@ def auto_checkpoint(
     return _result(handle, plan, "profiled", why, began, path, reserve_bytes, allocator)
 
 
-def _allocator(model: nn.Module, batch: Any, malloc: str) -> str | None:
-    """``set_malloc(malloc)`` where the step runs on the CPU (its parameters and the
-    batch's tensors); None elsewhere, where the device's own allocator serves the step."""
+def _allocator(device: str, malloc: str) -> str | None:
+    """``set_malloc(malloc)`` where the step runs on the CPU (``device``: the cache key's,
+    :func:`_fields`); None elsewhere, where the device's own allocator serves the step."""
     if malloc not in MALLOC_MODES:
         raise UsageError(f"malloc={malloc!r} is not one of {', '.join(MALLOC_MODES)}")
-    devices = {t.device.type for t in (*model.parameters(), *tensors_of(batch))}
-    return set_malloc(malloc) if devices <= {"cpu"} else None
+    return set_malloc(malloc) if device == "cpu" else None
 
 
 @dataclass(frozen=True)
