@@ -34,7 +34,7 @@ import torch
 
 import remat
 from remat.core.plan_format import Plan, Region
-from remat.measure.malloc import set_malloc
+from remat.measure.malloc import MALLOC_MODES, set_malloc
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="the tiny model, seq 64, 2 reps")
     parser.add_argument("--out", type=Path, default=HERE / "step_order.md")
-    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+    parser.add_argument("--malloc", choices=MALLOC_MODES, default="system",
                         help="glibc's defaults, or freed memory kept (docs/bench.md)")
     args = parser.parse_args(argv)
     seq, reps = (64, 2) if args.quick else (args.seq, args.reps)

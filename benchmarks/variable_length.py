@@ -63,7 +63,7 @@ from remat.core.plan_set import PlanSet, plan_set
 from remat.core.shape_profiles import at_shape
 from remat.core.solve.from_profile import problem_from_profile
 from remat.core.solve.simulator import simulate
-from remat.measure.malloc import set_malloc
+from remat.measure.malloc import MALLOC_MODES, set_malloc
 from remat.measure.tracker import LiveMemoryTracker
 from remat.models import load_model
 from remat.models.hf import hf_loss
@@ -599,10 +599,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a tiny model, a few steps, seq 32..128 (the test's run)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--runs", type=int)
-    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+    parser.add_argument("--malloc", choices=MALLOC_MODES, default="system",
                         help="what glibc does with freed memory for the whole run: its "
-                             "defaults (system, what a CPU user's loop gets) or keep (as "
-                             "remat's CLI and caching allocators; docs/bench.md)")
+                             "defaults (system, the recorded runs' setting) or keep (as "
+                             "remat's CLI and auto_checkpoint set on CPU; docs/bench.md)")
     parser.add_argument("--budget", type=float, metavar="F",
                         help="the budget as a fraction of the plain model's peak at the longest "
                              "shape (default: per-layer checkpointing's peak there)")
