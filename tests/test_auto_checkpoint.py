@@ -229,7 +229,7 @@ def test_batches_of_several_shapes_give_a_plan_set_cached_for_the_next_launch(
 
 
 def test_on_cpu_the_allocator_keeps_freed_memory_before_the_profile_and_the_report_says_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[str] = []
     profile = script_entry.profile
