@@ -4,11 +4,13 @@ Run: ``python benchmarks/shape_profiles.py`` (writes benchmarks/shape_profiles.m
 
 For each model and range: the wall time of ``profile_shapes`` against one ``profile`` at
 the range's largest shape (the single-shape profile a user would otherwise run), both in
-one process, one torch thread, in alternating order over ``--runs`` runs; then a profile
-at a held-out shape (on neither the byte grid, the ladder nor the timed shapes) compared
-with the fit: the polynomial byte figures to the byte, the stepped ones never under, the
-step and stage times against what a second profile of the same shape differs by
-(Note [Times within the noise] in remat/profiling/shaped.py).
+one process, one torch thread, in alternating order over ``--runs`` runs; after each run,
+a profile at a held-out shape (on neither the byte grid, the ladder nor the timed shapes)
+compared with that run's fit: the polynomial byte figures to the byte, the stepped ones
+never under, the step and stage times against what a second profile of the same shape
+differs by, both levelled to the fit's anchor by steps timed side by side (Note [Times
+within the noise] in remat/profiling/shaped.py); the errors before levelling are shown
+too.
 
 ``--malloc keep`` (default, as ``remat profile --shapes`` and ``remat.auto_checkpoint``
 profile on CPU) lets glibc keep freed memory, so a timed step does not depend on the shape
@@ -46,7 +48,7 @@ def _one(name: str, options: dict[str, Any], shapes: str, held_out: tuple[int, .
          runs: int) -> list[str]:
     model, batch, loss = load_model(name, **options)
     profile(model, batch, loss, repeats=1)  # the process's one-off costs, paid by neither
-    ranged_s, single_s = [], []
+    ranged_s, single_s, reports = [], [], []
     prof = None
     for k in range(runs):
         order = ("range", "single") if k % 2 == 0 else ("single", "range")
@@ -62,12 +64,16 @@ def _one(name: str, options: dict[str, Any], shapes: str, held_out: tuple[int, .
                     batch, batch_axes(batch, dims), dict(zip(dims.names, dims.hi, strict=True)))
                 profile(model, big, loss)
                 single_s.append(time.perf_counter() - t0)
+        assert prof is not None
+        reports.append(check_fit(model, batch, loss, prof, held_out))
     assert prof is not None and prof.shapes is not None
     fit = prof.shapes
-    report = check_fit(model, batch, loss, prof, held_out)
+    report = reports[-1]
     over = [-d for p, d in report.bytes_wrong if p in report.stepped]
     ratios = [r / s for r, s in zip(ranged_s, single_s, strict=True)]
-    return [
+    within = sum(r.times_within_noise for r in reports)
+    exact = all(r.polynomial_exact and r.stepped_under == 0 for r in reports)
+    lines = [
         f"## {name} {options}, `{shapes}`",
         "",
         f"- profiled: {len(fit.byte_points)} grid shapes, a ladder "
@@ -81,14 +87,21 @@ def _one(name: str, options: dict[str, Any], shapes: str, held_out: tuple[int, .
         f"{fit.dims.shape_text(held_out)}: {report.byte_fields} figures, polynomial ones "
         f"{'all equal to the byte' if report.polynomial_exact else 'NOT exact'}, stepped "
         f"ones never under: {report.stepped_under == 0} ({len(over)} over, at most "
-        f"{max(over, default=0)} bytes)",
-        f"- times at the held-out shape: step {report.fitted_step_s * 1e3:.1f} ms fitted "
-        f"against {report.step_s * 1e3:.1f} ms measured; the worst step or stage time off by "
-        f"{report.time_error:.0%}; a second profile of that shape off the first by "
-        f"{report.repeat_error:.0%} (the profile's own stage spread {report.timing_noise:.0%}):"
-        f" within the noise: **{'yes' if report.times_within_noise else 'no'}**",
-        "",
+        f"{max(over, default=0)} bytes); in every run's check: "
+        f"{'exact' if exact else 'NOT exact'}",
+        f"- times at the held-out shape, each run's fit checked: **within the noise in "
+        f"{within} of {runs}**",
     ]
+    for k, r in enumerate(reports, 1):
+        lines.append(
+            f"  - run {k}: step {r.fitted_step_s * 1e3:.1f} ms fitted against "
+            f"{r.levelled_step_s * 1e3:.1f} ms levelled ({r.step_s * 1e3:.1f} ms as "
+            f"profiled); the worst step or stage time off by {r.time_error:.0%} (before "
+            f"levelling {r.raw_time_error:.0%}); a second profile off the first by "
+            f"{r.repeat_error:.0%} ({r.raw_repeat_error:.0%}), the profile's own stage "
+            f"spread {r.timing_noise:.0%}: within the noise: "
+            f"{'yes' if r.times_within_noise else 'no'}")
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -105,7 +118,7 @@ def main() -> None:
              f"shared 2-core CPU machine, {time.strftime('%Y-%m-%d')}.", ""]
     for case in CASES:
         lines += _one(*case, runs=args.runs)
-        print("\n".join(lines[-7:]), flush=True)
+        print("\n".join(lines[-(8 + args.runs):]), flush=True)
     Path(args.out).write_text("\n".join(lines))
 
 

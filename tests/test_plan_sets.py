@@ -21,7 +21,14 @@ from remat.core.plan_set import PlanSet, plan_set
 from remat.core.shape_profiles import at_shape
 from remat.measure.step import measure_step
 from remat.models.gpt import gpt
-from remat.profiling.shaped import batch_axes, check_fit, infer_shapes, profile_shapes, resize
+from remat.profiling.shaped import (
+    batch_axes,
+    check_fit,
+    infer_shapes,
+    interleaved_steps,
+    profile_shapes,
+    resize,
+)
 
 RANGE = "seq=8..64:8"
 
@@ -301,3 +308,63 @@ def test_a_plan_set_follows_a_dimension_the_model_receives_one_shorter() -> None
             _next_token(model, shifted[:, :5])  # the model sees 4: the batch's 5
     finally:
         handle.remove()
+
+
+def _drifting(rates: dict[tuple[int, ...], float]) -> Any:
+    """An ``interleaved_steps`` that reports ``rates`` (seconds per shape), as if the
+    machine had run each shape at that speed beside the others."""
+    def steps(model: Any, batches: Any, loss_fn: Any, optimizer: Any = "adamw",
+              **_: Any) -> dict[tuple[int, ...], float]:
+        assert set(batches) <= set(rates)
+        return {shape: rates[shape] for shape in batches}
+    return steps
+
+
+def test_timed_shapes_are_levelled_to_the_ratios_the_interleaved_steps_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the three timed profiles run tens of seconds apart; the fit must follow the ratios
+    # of steps timed side by side (Note [Timed shapes levelled]), whatever each profile saw
+    def curve(seq: int) -> float:
+        return 1e-3 * (1 + 0.1 * seq + 0.01 * seq * seq)
+
+    monkeypatch.setattr("remat.profiling.shaped.interleaved_steps",
+                        _drifting({(s,): curve(s) for s in (8, 16, 24)}))
+    model, batch, loss = _model()
+    prof = profile_shapes(model, _cut(batch, 8), loss, "seq=8..24:8", repeats=1)
+    fit = prof.shapes
+    assert fit is not None and fit.at == (24,) and set(fit.time_points) == {(8,), (16,), (24,)}
+    anchor = fit.time_value("step_s", (24,))
+    assert anchor == pytest.approx(prof.step_s, rel=1e-9)  # the anchor keeps its own time
+    for (seq,) in fit.time_points:
+        assert fit.time_value("step_s", (seq,)) / anchor == pytest.approx(
+            curve(seq) / curve(24), rel=1e-6)
+
+
+def test_the_check_levels_the_held_out_profiles_against_the_anchor_timed_beside_them(
+        ranged: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch, loss, prof = ranged
+    at = prof.shapes.at
+    monkeypatch.setattr("remat.profiling.shaped.interleaved_steps",
+                        _drifting({at: 0.2, (40,): 0.05}))
+    report = check_fit(model, _cut(batch, 16), loss, prof, (40,), repeats=1)
+    # levelled: the held-out step is the anchor's profiled step times the side-by-side
+    # ratio, whatever the held-out profile itself timed
+    assert report.levelled_step_s == pytest.approx(prof.step_s * 0.05 / 0.2, rel=1e-9)
+    assert report.step_s != pytest.approx(report.levelled_step_s, rel=1e-6)
+    # the verdict's error is the worst over levelled figures, the raw one over the profile's
+    assert report.time_error >= abs(report.fitted_step_s / report.levelled_step_s - 1) - 1e-12
+    assert report.raw_time_error >= abs(report.fitted_step_s / report.step_s - 1) - 1e-12
+
+
+def test_interleaved_steps_time_each_shape_and_leave_the_model_as_it_was() -> None:
+    model, batch, loss = _model()
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    model.eval()
+    got = interleaved_steps(model, {(8,): _cut(batch, 8), (32,): _cut(batch, 32)}, loss,
+                            rounds=2)
+    assert set(got) == {(8,), (32,)} and all(t > 0 for t in got.values())
+    assert not model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -34,7 +34,8 @@ from remat.core.shapes import (
 )
 from remat.core.solve.from_profile import predict_no_checkpoint_peak
 
-__all__ = ["Resized", "at_shape", "figure_kind", "fit_profile", "shape_of"]
+__all__ = ["Resized", "anchor_shape", "at_shape", "figure_kind", "fit_profile", "scaled_times",
+           "shape_of"]
 
 # Figures not carried across shapes: bookkeeping, the peaks (measured only at the shape
 # measured, predicted again by the simulator), the timed rounds and spreads (the timing of
@@ -108,14 +109,22 @@ def _call_args_alike(profiles: Mapping[Shape, Profile]) -> Mapping[Shape, Profil
         for shape, p in profiles.items()}
 
 
+def anchor_shape(timed: Sequence[Shape]) -> Shape:
+    """The timed shape a range profile is anchored at: its own figures are that shape's."""
+    return max(timed, key=lambda s: (sum(s), s))
+
+
 def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
-                timed: Sequence[Shape], inputs: Mapping[str, tuple[int, int]]) -> Profile:
+                timed: Sequence[Shape], inputs: Mapping[str, tuple[int, int]],
+                levels: Mapping[Shape, float] | None = None) -> Profile:
     """The profile at the largest timed shape, carrying the fit through ``profiles``.
 
     ``profiles`` holds a profile at every shape of :func:`byte_grid` and of the
     :func:`ladder` (their byte figures are read) and at each shape of ``timed`` (profiled
     with their times). Each byte figure is the grid's polynomial where that matches every
-    profile, else stepped over the ladder (Note [Figures that are maxima]). Raises
+    profile, else stepped over the ladder (Note [Figures that are maxima]). ``levels``: per
+    timed shape, the factor its times are multiplied by before they are fitted (Note
+    [Timed shapes levelled] in remat.core.shapes; 1 where not given). Raises
     :class:`CheckFailed` where the model's structure changes with the shape.
     """
     grid = byte_grid(dims)
@@ -125,7 +134,7 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
     if missing:
         raise UsageError(f"no profile at {dims.shape_text(missing[0])}; profile every shape "
                          "of the byte grid, the ladder and the timed shapes")
-    at = max(timed, key=lambda s: (sum(s), s))
+    at = anchor_shape(timed)
     profiles = _call_args_alike(profiles)
     data = {s: p.to_dict() for s, p in profiles.items()}
     base = Profile.from_dict(_plain(data[at]))  # no Maximum reaches the planners
@@ -170,12 +179,25 @@ def fit_profile(dims: ShapeRange, profiles: Mapping[Shape, Profile],
                                len(byte_paths) - sum(1 for d in over if d),
                                max(over, default=0)))
     time_paths = [p for p, k in kinds.items() if k == "time"]
-    times = fit_times(dims, list(timed), [{p: numbers[s][p] for p in time_paths}
-                                          for s in timed])
+    level = dict(levels or {})
+    times = fit_times(dims, list(timed), [
+        {p: numbers[s][p] * level.get(s, 1.0) for p in time_paths} for s in timed])
     fit = ShapeFit(dims=dims, at=at, byte_points=grid, time_points=tuple(timed),
                    bytes=polynomial, times=times, checks=tuple(checks), inputs=inputs,
                    rungs=rungs, steps=steps, envelopes=envelopes)
     return replace(base, shapes=fit)
+
+
+def scaled_times(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every time figure :func:`fit_profile` fits multiplied by
+    ``factor`` (Note [Timed shapes levelled] in remat.core.shapes)."""
+    if factor <= 0 or factor != factor:
+        raise UsageError(f"a time factor must be positive, not {factor}")
+    data = profile.to_dict()
+    for path, value in numeric_paths(data).items():
+        if figure_kind(path, value) == "time":
+            set_path(data, path, value * factor)
+    return Profile.from_dict(data)
 
 
 def _plain(node: Any) -> Any:

@@ -25,6 +25,20 @@ squared (attention's), through profiles timed at the range's smallest, middle an
 shapes. The fit is checked against a held-out timed profile by
 :func:`remat.profiling.shaped.check_fit`.
 
+Note [Timed shapes levelled]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The timed shapes are profiled one after the other, tens of seconds apart, and a shared
+machine's speed moves by 2x within minutes: a fit through three profiles taken at three
+speeds reads the drift as a law of the shape (measured: the built-in gpt over
+``batch=2..8,seq=32..128``, fitted 43.3 ms at a held-out shape measured at 56.4 ms, while
+a second profile of that shape was 6% off the first). So after the profiles, the plain
+step is timed at every timed shape in interleaved rounds (one step of each shape per
+round, medians), and each timed profile's times are multiplied by the factor that gives
+its plain step the ratio to the largest shape's that the rounds measured; the largest
+shape's profile, the one the fit is anchored to, keeps its own times. The levelled fit
+says how the times grow with the shape at one speed of the machine; the check levels the
+held-out profiles the same way, against the largest shape timed beside them.
+
 Note [Figures that are maxima]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Not every byte figure is one polynomial. A transient is the *peak* over a stage's ops of

@@ -74,14 +74,15 @@ from remat.runtime.stages import discover_stages, resolve_stages
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["Progress", "fit_scaling", "most_over_ranks", "notes", "profile", "profile_scaling"]
+__all__ = ["Progress", "default_loss", "fit_scaling", "most_over_ranks", "notes", "profile",
+           "profile_scaling"]
 
 #: ``progress(what, done, total)``: called before each part of a profile and at the end.
 Progress = Callable[[str, int, int], None]
 LossFn = Callable[[nn.Module, Any], Any]
 
 
-def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The model's output if it is a scalar, else the sum of its main output."""
     out = model(batch)
     if isinstance(out, (tuple, list)) and out:
@@ -316,7 +317,7 @@ def _chain(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     if options is None and tensor_parallel:
         options = (*OPTIONS, Option.selective("save-collectives"))
     checked = _check_options(OPTIONS if options is None else options)
-    loss = checking_loss(loss_fn or _default_loss)  # a wrong loss named, not torch's error
+    loss = checking_loss(loss_fn or default_loss)  # a wrong loss named, not torch's error
     names = (
         resolve_stages(model, stages)
         if stages is not None
@@ -519,7 +520,7 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
     kernels (:mod:`remat.profiling.device_kernels`) where it has its own."""
     import remat.profiling.fake as fake_profiles
 
-    loss = loss_fn or _default_loss
+    loss = loss_fn or default_loss
     optimizer = asked.optimizer
     accelerator = device is not None and device.is_accelerator
     window = None if padded_batches else _sliding_window(model)
@@ -560,7 +561,7 @@ def _fake_profile(model: nn.Module, batch: Any, loss_fn: LossFn | None,
                        times_estimated=True, device=device.name, kernels=kernels)
 
     names = (resolve_stages(model, stages) if stages is not None
-             else discover_stages(model, batch, loss_fn or _default_loss))
+             else discover_stages(model, batch, loss_fn or default_loss))
     found = (fake_profiles.chain_container(model, names)
              if len(names) >= fake_profiles.MIN_EXPANDED_STAGES else None)
     if found is None:

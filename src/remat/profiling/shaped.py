@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,13 @@ from torch import nn
 from remat.core.errors import UsageError
 from remat.core.maxima import collecting
 from remat.core.profile_format import Profile, numeric_paths
-from remat.core.shape_profiles import at_shape, figure_kind, fit_profile
+from remat.core.shape_profiles import (
+    anchor_shape,
+    at_shape,
+    figure_kind,
+    fit_profile,
+    scaled_times,
+)
 from remat.core.shapes import (
     Dim,
     InputKey,
@@ -33,11 +40,14 @@ from remat.core.shapes import (
     middle,
     parse_shapes,
 )
-from remat.profiling.profiler import Progress, profile
+from remat.measure.model_state import model_restored
+from remat.measure.step import checking_loss, make_optimizer
+from remat.profiling.profiler import Progress, default_loss, profile
+from remat.profiling.timing import bare_step_s
 from remat.runtime.batch_shape import tensors_of
 
-__all__ = ["FitReport", "batch_axes", "check_fit", "infer_shapes", "profile_shapes",
-           "resize", "tensors_of", "time_shapes"]
+__all__ = ["FitReport", "batch_axes", "check_fit", "infer_shapes", "interleaved_steps",
+           "profile_shapes", "resize", "tensors_of", "time_shapes"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 Axes = dict[str, list[tuple[int, int]]]  # dimension -> (tensor index, axis) pairs
@@ -156,6 +166,47 @@ def time_shapes(dims: ShapeRange) -> tuple[Shape, ...]:
     return tuple(dict.fromkeys((dims.lo, centre, dims.hi)))
 
 
+#: rounds of :func:`interleaved_steps` that level the timed shapes' profiles
+LEVEL_ROUNDS = 5
+
+
+def interleaved_steps(model: nn.Module, batches: Mapping[Shape, Any], loss_fn: LossFn | None,
+                      optimizer: str | torch.optim.Optimizer = "adamw", *,
+                      rounds: int = LEVEL_ROUNDS) -> dict[Shape, float]:
+    """Per shape, the median seconds of the plain training step on its batch, timed in
+    ``rounds`` that each step every shape once, in turn, after one warm-up step of each
+    (Note [Timed shapes levelled] in remat.core.shapes). The model, the optimizer given and
+    the RNG are as they were afterwards."""
+    loss = checking_loss(loss_fn or default_loss)
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else None
+    given = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    devices = [device] if device is not None and device.type == "cuda" else []
+    times: dict[Shape, list[float]] = {shape: [] for shape in batches}
+    training = model.training
+    with model_restored(model, given), torch.random.fork_rng(devices=devices):
+        model.train()
+        try:
+            opt = make_optimizer(model, optimizer)
+            for k in range(rounds + 1):
+                for shape, batch in batches.items():
+                    took = bare_step_s(model, batch, loss, opt, device=device)
+                    if k:  # round 0 warms each shape up
+                        times[shape].append(took)
+        finally:
+            model.train(training)
+    return {shape: statistics.median(t) for shape, t in times.items()}
+
+
+def _levels(profiles: Mapping[Shape, Profile], steps: Mapping[Shape, float], at: Shape
+            ) -> dict[Shape, float]:
+    """Per profiled shape, the factor that gives its plain step the ratio to ``at``'s that
+    the interleaved ``steps`` measured (1 at ``at``)."""
+    anchor = profiles[at].step_s / steps[at]
+    return {shape: anchor * steps[shape] / p.step_s for shape, p in profiles.items()
+            if p.step_s > 0}
+
+
 class _Inputs:
     """Records the shapes of the tensors the model's forward receives (its first call)."""
 
@@ -256,9 +307,16 @@ def profile_shapes(
         names = list(found[shape].stage_names)
         if inputs.shapes is not None:
             seen[shape] = inputs.shapes
+    levels = None
+    if len(timed) > 1:
+        if progress is not None:
+            progress("levelling the timed shapes", len(todo), len(todo))
+        steps = interleaved_steps(model, {s: resize(sample, axes, dict(zip(
+            dims.names, s, strict=True))) for s in timed}, loss_fn, optimizer)
+        levels = _levels({s: found[s] for s in timed}, steps, anchor_shape(timed))
     if progress is not None:
         progress("fitting", len(todo), len(todo))
-    return fit_profile(dims, found, timed, _forward_keys(dims, seen))
+    return fit_profile(dims, found, timed, _forward_keys(dims, seen), levels)
 
 
 @dataclass(frozen=True)
@@ -269,14 +327,19 @@ class FitReport:
     byte_fields: int
     bytes_wrong: tuple[tuple[str, int], ...]  # (path, measured - fitted), where they differ
     stepped: frozenset[str]  # the figures read off the ladder (Note [Figures that are maxima])
-    step_s: float  # measured step without checkpointing
+    step_s: float  # measured step without checkpointing, as the first profile timed it
     fitted_step_s: float
-    time_error: float  # the largest |fitted / measured - 1| of the step and stage times
+    # the largest |fitted / measured - 1| of the step and stage times, the measured ones
+    # levelled to the speed the fit is anchored at (Note [Timed shapes levelled])
+    time_error: float
     timing_noise: float  # the profile's own spread of stage times (a fraction)
-    # the largest |again / measured - 1| of the same times, for a second profile of the
-    # same shape: what the times move by between two measurements (Note [Times within
-    # the noise])
+    # the largest |again / measured - 1| of the same times, both levelled, for a second
+    # profile of the same shape: what the times move by between two measurements (Note
+    # [Times within the noise])
     repeat_error: float = 0.0
+    levelled_step_s: float = 0.0  # the measured step levelled as the fit's times are
+    raw_time_error: float = 0.0  # time_error against the profile's times as they ran
+    raw_repeat_error: float = 0.0  # repeat_error, likewise
 
     @property
     def polynomial_exact(self) -> bool:
@@ -300,7 +363,11 @@ class FitReport:
 # within minutes). The profile's own stage spread measures the noise within one profile,
 # not between two, and the check takes the worst of a dozen figures, so it is compared
 # with the same statistic for a second profile of the same shape: the fit is within the
-# noise when it is no further from the first measurement than the second one is.
+# noise when it is no further from the first measurement than the second one is. Both
+# held-out profiles are levelled first, as the fit's timed profiles were (Note [Timed
+# shapes levelled] in remat.core.shapes): the plain step at the held-out shape and at the
+# fit's anchor, timed in interleaved rounds beside them, put each profile's times at the
+# speed the fit is anchored at; the report keeps the errors before levelling too.
 
 
 def _worst_time_error(predicted: Profile, measured: Profile) -> float:
@@ -315,22 +382,35 @@ def _worst_time_error(predicted: Profile, measured: Profile) -> float:
 def check_fit(model: nn.Module, batch: Any, loss_fn: LossFn | None, fitted: Profile,
               shape: Sequence[int], *, repeats: int = 2) -> FitReport:
     """Profile ``model`` at ``shape`` (a shape the fit did not use) and compare every byte
-    figure (exact) and the step and stage times (relative) with the fit's; a second
-    profile of the shape gives what the times move by between measurements."""
+    figure (exact) and the step and stage times (relative, levelled: Note [Times within
+    the noise]) with the fit's; a second profile of the shape gives what the times move by
+    between measurements."""
     fit = fitted.shapes
     if fit is None:
         raise UsageError("this profile covers one shape; give one from profile_shapes")
     shape = tuple(shape)
     axes = batch_axes(batch, fit.dims)
-    sized = resize(batch, axes, dict(zip(fit.dims.names, shape, strict=True)))
+
+    def sized(at: Shape) -> Any:
+        return resize(batch, axes, dict(zip(fit.dims.names, at, strict=True)))
+
     names = list(fitted.stage_names)
-    measured = profile(model, sized, loss_fn, names, fitted.optimizer, repeats=repeats)
-    again = profile(model, sized, loss_fn, names, fitted.optimizer, repeats=repeats)
+    measured = profile(model, sized(shape), loss_fn, names, fitted.optimizer, repeats=repeats)
+    again = profile(model, sized(shape), loss_fn, names, fitted.optimizer, repeats=repeats)
+    steps = interleaved_steps(model, {fit.at: sized(fit.at), shape: sized(shape)}, loss_fn,
+                              fitted.optimizer)
+
+    def levelled(p: Profile) -> Profile:
+        return scaled_times(p, fitted.step_s / steps[fit.at] * steps[shape] / p.step_s)
+
     predicted = at_shape(fitted, shape)
     got, want = numeric_paths(measured.to_dict()), numeric_paths(predicted.to_dict())
     byte_paths = [p for p, v in want.items() if figure_kind(p, v) == "bytes"]
     wrong = tuple((p, int(got[p] - want[p])) for p in byte_paths if got.get(p) != want.get(p))
     noise = measured.timing_noise.stage_spread if measured.timing_noise is not None else 0.0
+    first, second = levelled(measured), levelled(again)
     return FitReport(shape, len(byte_paths), wrong, frozenset(fit.steps), measured.step_s,
-                     predicted.step_s, _worst_time_error(predicted, measured), noise,
-                     _worst_time_error(again, measured))
+                     predicted.step_s, _worst_time_error(predicted, first), noise,
+                     _worst_time_error(second, first), levelled_step_s=first.step_s,
+                     raw_time_error=_worst_time_error(predicted, measured),
+                     raw_repeat_error=_worst_time_error(again, measured))
