@@ -368,3 +368,41 @@ def test_interleaved_steps_time_each_shape_and_leave_the_model_as_it_was() -> No
     assert torch.equal(torch.get_rng_state(), rng)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Strided(torch.nn.Module):
+    """Raw signal in, a stride-5 convolution, then blocks: the frames are
+    ``(samples - 10) // 5 + 1``, one polynomial in the samples only on multiples of 5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front = torch.nn.Conv1d(1, 16, 10, 5)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16)) for _ in range(3))
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        x = self.front(wav.unsqueeze(1)).transpose(1, 2)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def test_shapes_between_the_steps_a_plan_set_cannot_price_are_refused_with_the_reason(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _Strided()
+    prof = profile_shapes(model, torch.randn(2, 20), None, "seq=20..60:20", repeats=1)
+    chosen = plan_set(prof, "100%")
+    assert chosen.between == 0
+    assert "not whole numbers" in chosen.between_refused and "seq=21" in chosen.between_refused
+    assert any("between the steps: outside" in line for line in chosen.describe())
+    path = tmp_path / "set.json"
+    chosen.save(path)
+    assert PlanSet.load(path).between_refused == chosen.between_refused
+    handle = remat.apply(model, chosen)
+    try:
+        with pytest.raises(UsageError, match="between the steps are outside: at seq=21"):
+            model(torch.randn(2, 23)).backward()
+    finally:
+        handle.remove()

@@ -102,6 +102,9 @@ class PlanSet(JsonArtifact):
     # shapes between the steps priced within the budget, each under the plan of the
     # lattice shape above it; 0: such shapes are outside (Note [Shapes between the steps])
     between: int = 0
+    # where ``between`` is 0 and the range has shapes between its steps: why they are
+    # outside, in words (the first shape that was not priced within the budget)
+    between_refused: str = ""
 
     def __post_init__(self) -> None:
         if self.outside not in OUTSIDE:
@@ -167,6 +170,9 @@ class PlanSet(JsonArtifact):
         if self.between:
             lines.append(f"between the steps: each of the {self.between} shapes runs the plan "
                          "of the shape above it, predicted within the budget")
+        elif self.between_refused:
+            lines.append(f"between the steps: outside ({self.between_refused}); pad batches "
+                         f"to the steps ({self.dims}) or plan a range whose step they keep")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,16 +189,18 @@ class PlanSet(JsonArtifact):
             "slowest_ratio": self.slowest_ratio,
             "solve_time_s": self.solve_time_s,
             "between": self.between,
+            **({"between_refused": self.between_refused} if self.between_refused else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanSet:
         keys = {"dims", "plans", "buckets", "inputs", "budget_bytes", "conservative",
                 "outside", "shapes", "solved", "slowest_ratio", "solve_time_s"}
-        if not isinstance(data, Mapping) or not keys <= set(data) <= keys | {"between"}:
+        optional = {"between", "between_refused"}
+        if not isinstance(data, Mapping) or not keys <= set(data) <= keys | optional:
             raise UsageError("a plan set must have exactly the keys "
-                             f"{', '.join(sorted(keys))} (and between, optional); write it "
-                             "with remat plan --shapes")
+                             f"{', '.join(sorted(keys))} (and {', '.join(sorted(optional))}, "
+                             "optional); write it with remat plan --shapes")
         try:
             return cls(
                 dims=ShapeRange.from_dict(data["dims"]),
@@ -203,6 +211,7 @@ class PlanSet(JsonArtifact):
                 **{k: data[k] for k in ("budget_bytes", "conservative", "outside", "shapes",
                                         "solved", "slowest_ratio", "solve_time_s")},
                 between=data.get("between", 0),
+                between_refused=str(data.get("between_refused", "")),
             )
         except (TypeError, ValueError) as err:
             raise UsageError(f"the plan set could not be read ({err}); write it again with "
@@ -324,38 +333,45 @@ def plan_set(profile: Profile, budget: Budget | str | int | float, *, within: fl
     out_plans = [_bucket_plan(at, priced, k, runs[k]) for k in used]
     conservative = min(range(len(used)), key=lambda j: priced.prices[used[j]][dims.hi][0])
     plan_of = {x: j for j, k in enumerate(used) for x in runs[k]}
-    between, peaks = _between(at, plan_of, out_plans)
+    between, peaks, refused = _between(at, plan_of, out_plans)
     out_plans = [replace(p, predicted_peak_bytes=max(p.predicted_peak_bytes or 0, peaks[j]))
                  if j in peaks else p for j, p in enumerate(out_plans)]
     return PlanSet(
         dims=dims, plans=tuple(out_plans), buckets=tuple(_boxes(runs[k]) for k in used),
         inputs=fit.inputs, budget_bytes=at.limit, conservative=conservative, outside=outside,
         shapes=len(lattice), solved=len(solved_at), slowest_ratio=slowest,
-        solve_time_s=time.perf_counter() - began, between=between,
+        solve_time_s=time.perf_counter() - began, between=between, between_refused=refused,
     )
 
 
 def _between(at: _Lattice, plan_of: Mapping[Shape, int], plans: Sequence[Plan]
-             ) -> tuple[int, dict[int, int]]:
+             ) -> tuple[int, dict[int, int], str]:
     """How many shapes between the steps were priced within the budget under the plan of
-    the lattice shape above each, and each plan's peak there; ``(0, {})`` where one was
-    not (Note [Shapes between the steps])."""
+    the lattice shape above each, and each plan's peak there; ``(0, {}, why)`` where one
+    was not (Note [Shapes between the steps]), ``why`` empty where no shape is between."""
     dims = at.dims
     count = dims.box_size - dims.size
-    if not count or count > BETWEEN_LIMIT:
-        return 0, {}
+    if not count:
+        return 0, {}, ""
+    if count > BETWEEN_LIMIT:
+        return 0, {}, (f"{count} shapes lie between the steps, more than the "
+                       f"{BETWEEN_LIMIT} a plan set prices")
     peaks: dict[int, int] = {}
     for x in dims.between():
         j = plan_of[dims.up(x)]
         try:
             problem = problem_from_profile(at.resized.at(x, between=True, peak=False))
         except (CheckFailed, UsageError):  # a figure not whole (or not a figure) there
-            return 0, {}
+            return 0, {}, (f"at {dims.shape_text(x)} the profile's byte figures are not "
+                           "whole numbers: the model's sizes follow the range only on its "
+                           "steps, as a strided layer's output length does")
         peak = simulate(plans[j], problem).peak_bytes
         if peak > at.limit:
-            return 0, {}
+            return 0, {}, (f"{dims.shape_text(x)} under the plan of "
+                           f"{dims.shape_text(dims.up(x))} is predicted at {peak} bytes, over "
+                           f"the budget of {at.limit}")
         peaks[j] = max(peaks.get(j, 0), peak)
-    return count, peaks
+    return count, peaks, ""
 
 
 def _checked_range(profile: Profile, within: float, outside: str) -> ShapeFit:

@@ -73,10 +73,14 @@ class ShapeHook(EngineCallable):
         if self.plan_set.outside == "error":
             off_step = [d for d, v in zip(dims.dims, shape, strict=True)
                         if d.lo <= v <= d.hi and not d.holds(v)]
-            why = ("" if len(off_step) != len(dims.dims) else
+            refused = self.plan_set.between_refused
+            why = ("" if not off_step or not all(d.lo <= v <= d.hi for d, v in zip(
+                       dims.dims, shape, strict=True)) else
                    " (between its ends, but not on its steps: "
                    + ", ".join(f"{d.name} in steps of {d.step}" for d in off_step)
-                   + "; a range inferred from batches takes the step they share)")
+                   + "; a range inferred from batches takes the step they share"
+                   + (f"; shapes between the steps are outside: {refused}" if refused else "")
+                   + ")")
             raise UsageError(
                 f"a batch of {where} is outside the plan set's range {dims}{why}, where no "
                 "plan was predicted to fit; plan a range that holds it, or apply the plan set "
