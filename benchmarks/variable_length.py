@@ -4,8 +4,10 @@ A small ``hf:llama`` is fine-tuned with AdamW for ``--steps`` steps on batches p
 dynamically (each batch to its longest sequence rounded up to a multiple of 8, with
 ``attention_mask`` and ``labels`` at -100 on the padding), the sequence lengths drawn
 from a log-normal distribution clipped to ``[--seq-lo, --seq-hi]`` (seeded), as
-instruction-tuning sets look. Every configuration sees the same batches, from the same
-initial weights, at the same budget:
+instruction-tuning sets look; ``--group-by-length`` batches them in the order
+transformers' ``group_by_length=True`` does (groups of 50 batches sorted by length), so
+each batch is padded to about its own sequences' length. Every configuration sees the same
+batches, from the same initial weights, at the same budget:
 
 * ``p``: per-layer checkpointing, transformers' own ``model.gradient_checkpointing_enable()``;
 * ``a``: remat's single plan for the longest shape (profiled and planned at ``--seq-hi``,
@@ -102,6 +104,27 @@ def draw_lengths(cfg: dict[str, Any]) -> list[int]:
     return [min(cfg["seq_hi"], max(cfg["seq_lo"], round(rng.lognormvariate(cfg["mu"],
                                                                            cfg["sigma"]))))
             for _ in range(n)]
+
+
+#: examples per group of --group-by-length, in batches (transformers' LengthGroupedSampler
+#: sorts groups of 50 batches by length)
+GROUP_BATCHES = 50
+
+
+def grouped_by_length(lengths: list[int], batch: int, seed: int) -> list[int]:
+    """``lengths`` in the order transformers' ``group_by_length=True`` trains them: shuffled,
+    cut into groups of ``GROUP_BATCHES`` batches, each group sorted longest first, and the
+    batch holding the longest sequence of all moved to the front (so a run that will not
+    fit fails at once)."""
+    order = list(lengths)
+    random.Random(seed + 2).shuffle(order)
+    size = GROUP_BATCHES * batch
+    out = [n for k in range(0, len(order), size)
+           for n in sorted(order[k:k + size], reverse=True)]
+    batches = [out[k:k + batch] for k in range(0, len(out), batch)]
+    longest = max(range(len(batches)), key=lambda j: max(batches[j]))
+    batches.insert(0, batches.pop(longest))
+    return [n for b in batches for n in b]
 
 
 def padded(lengths: list[int], seq: int, vocab: int, gen: torch.Generator
@@ -272,6 +295,8 @@ def bins_of(seqs: list[int], hi: int) -> list[tuple[int, int]]:
 def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(1)
     lengths = draw_lengths(cfg)
+    if cfg.get("group_by_length"):
+        lengths = grouped_by_length(lengths, cfg["batch"], cfg["seed"])
     batches = make_batches(cfg, lengths)
     seqs = [int(b["input_ids"].shape[1]) for b in batches]
     at_commit = commit()
@@ -406,7 +431,10 @@ def run(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
         "distribution": (f"log-normal(mu=ln({math.exp(cfg['mu']):.0f}), sigma={cfg['sigma']}) "
                          f"per sequence, rounded, clipped to [{lo}, {hi}], "
                          f"random.Random({cfg['seed']}); batches of {cfg['batch']} padded "
-                         "to their longest rounded up to a multiple of 8"),
+                         "to their longest rounded up to a multiple of 8"
+                         + (f"; grouped by length as transformers' group_by_length=True "
+                            f"(groups of {GROUP_BATCHES} batches sorted longest first, the "
+                            "longest batch first)" if cfg.get("group_by_length") else "")),
         "lengths": {"median": statistics.median(lengths), "max": max(lengths),
                     "padded_median": statistics.median(seqs), "padded_mean": statistics.mean(seqs),
                     "padded_max": max(seqs), "distinct_padded": len(set(seqs)),
@@ -606,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, metavar="F",
                         help="the budget as a fraction of the plain model's peak at the longest "
                              "shape (default: per-layer checkpointing's peak there)")
+    parser.add_argument("--group-by-length", action="store_true",
+                        help="batch sequences of similar length together, as transformers' "
+                             "group_by_length=True does (default: in the order drawn)")
     parser.add_argument("--out", type=Path, default=HERE / "variable_length",
                         help="writes OUT.json and OUT.md (default benchmarks/variable_length)")
     args = parser.parse_args(argv)
@@ -615,10 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("steps", "runs", "budget"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    cfg["group_by_length"] = args.group_by_length
     cfg["malloc"] = set_malloc(args.malloc)
     extra = (" --quick" if args.quick else "") + "".join(
         f" --{k} {getattr(args, k)}" for k in ("steps", "runs", "budget")
-        if getattr(args, k) is not None) + (" --malloc keep" if args.malloc == "keep" else "")
+        if getattr(args, k) is not None) + (" --malloc keep" if args.malloc == "keep" else "") + (
+        " --group-by-length" if args.group_by_length else "")
     if args.out != HERE / "variable_length":
         extra += f" --out {args.out}"
     cfg["command"] = COMMAND + extra
