@@ -67,6 +67,18 @@ def test_a_range_profile_is_exact_in_bytes_at_a_shape_the_fit_never_saw(ranged: 
     assert len(report.stepped) < report.byte_fields / 2
 
 
+def test_a_regions_own_time_is_fitted_across_the_range_not_kept_from_the_largest_shape(
+        ranged: Any) -> None:
+    # it grows with the shape (1.6 ms a region at seq 32, 14.6 ms at 1024 on hf:llama):
+    # the largest shape's, kept for the whole range, priced short batches' regions 3x over
+    prof = ranged[3]
+    fit = prof.shapes
+    assert "region_overhead_s" in fit.times
+    for seq in (8, 24, 40):
+        assert at_shape(prof, (seq,)).region_overhead_s == pytest.approx(
+            fit.time_value("region_overhead_s", (seq,)), rel=1e-12)
+
+
 def test_the_profile_at_a_profiled_shape_is_the_profile_itself(ranged: Any) -> None:
     prof = ranged[3]
     assert at_shape(prof, prof.shapes.at) is prof
