@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 
 from remat.measure import measure_step
 from remat.measure.allocator_events import AllocatorEvents
+from remat.measure.rounds import interleaved
 from remat.measure.tracker import iter_tensors
 
 from .runners import Runner
@@ -172,30 +172,6 @@ def by_profiler(runner: Runner, *, warmup: bool = True) -> MemoryMeasure:
         cuda_allocated_peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         cuda_reserved_peak_bytes=torch.cuda.max_memory_reserved(device) if cuda else None,
     )
-
-
-def interleaved(
-    steps: Mapping[str, Callable[[], None]],
-    *,
-    repeats: int,
-    warmup: int,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict[str, list[float]]:
-    """Seconds of each step, ``repeats`` rounds after ``warmup`` rounds, order rotating."""
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    total = warmup + repeats
-    for r in range(total):
-        k = r % max(1, len(names))
-        for name in names[k:] + names[:k]:
-            began = time.perf_counter()
-            steps[name]()
-            elapsed = time.perf_counter() - began
-            if r >= warmup:
-                times[name].append(elapsed)
-        if progress is not None:
-            progress(r + 1, total)
-    return times
 
 
 def paired(ours: Sequence[float], base: Sequence[float]) -> tuple[float, float]:

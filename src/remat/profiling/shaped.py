@@ -10,6 +10,7 @@ shape and compares it with the fit.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -41,6 +42,7 @@ from remat.core.shapes import (
     parse_shapes,
 )
 from remat.measure.model_state import model_restored
+from remat.measure.rounds import interleaved
 from remat.measure.step import checking_loss, make_optimizer
 from remat.profiling.profiler import Progress, default_loss, profile
 from remat.profiling.timing import bare_step_s
@@ -174,25 +176,22 @@ def interleaved_steps(model: nn.Module, batches: Mapping[Shape, Any], loss_fn: L
                       optimizer: str | torch.optim.Optimizer = "adamw", *,
                       rounds: int = LEVEL_ROUNDS) -> dict[Shape, float]:
     """Per shape, the median seconds of the plain training step on its batch, timed in
-    ``rounds`` that each step every shape once, in turn, after one warm-up step of each
-    (Note [Timed shapes levelled] in remat.core.shapes). The model, the optimizer given and
-    the RNG are as they were afterwards."""
+    ``rounds`` interleaved rounds (:func:`remat.measure.rounds.interleaved`) after one
+    warm-up round (Note [Timed shapes levelled] in remat.core.shapes). The model, the
+    optimizer given and the RNG are as they were afterwards."""
     loss = checking_loss(loss_fn or default_loss)
     first = next(model.parameters(), None)
     device = first.device if first is not None else None
     given = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     devices = [device] if device is not None and device.type == "cuda" else []
-    times: dict[Shape, list[float]] = {shape: [] for shape in batches}
     training = model.training
     with model_restored(model, given), torch.random.fork_rng(devices=devices):
         model.train()
         try:
             opt = make_optimizer(model, optimizer)
-            for k in range(rounds + 1):
-                for shape, batch in batches.items():
-                    took = bare_step_s(model, batch, loss, opt, device=device)
-                    if k:  # round 0 warms each shape up
-                        times[shape].append(took)
+            times = interleaved({shape: functools.partial(bare_step_s, model, batch, loss, opt,
+                                                          device=device)
+                                 for shape, batch in batches.items()}, repeats=rounds, warmup=1)
         finally:
             model.train(training)
     return {shape: statistics.median(t) for shape, t in times.items()}
@@ -291,11 +290,14 @@ def profile_shapes(
             if s not in timed] + list(timed)
     found: dict[Shape, Profile] = {}
     seen: dict[Shape, list[tuple[int, ...]]] = {}
+    timed_batches: dict[Shape, Any] = {}
     names = list(stages) if stages is not None else None
     for n, shape in enumerate(todo):
         if progress is not None:
             progress(f"shape {dims.shape_text(shape)}", n, len(todo))
         sized = resize(sample, axes, dict(zip(dims.names, shape, strict=True)))
+        if shape in timed:
+            timed_batches[shape] = sized
         inputs = _Inputs()
         hook = model.register_forward_pre_hook(inputs, with_kwargs=True)
         try:
@@ -311,8 +313,7 @@ def profile_shapes(
     if len(timed) > 1:
         if progress is not None:
             progress("levelling the timed shapes", len(todo), len(todo))
-        steps = interleaved_steps(model, {s: resize(sample, axes, dict(zip(
-            dims.names, s, strict=True))) for s in timed}, loss_fn, optimizer)
+        steps = interleaved_steps(model, timed_batches, loss_fn, optimizer)
         levels = _levels({s: found[s] for s in timed}, steps, anchor_shape(timed))
     if progress is not None:
         progress("fitting", len(todo), len(todo))

@@ -74,13 +74,13 @@ class ShapeHook(EngineCallable):
             off_step = [d for d, v in zip(dims.dims, shape, strict=True)
                         if d.lo <= v <= d.hi and not d.holds(v)]
             refused = self.plan_set.between_refused
-            why = ("" if not off_step or not all(d.lo <= v <= d.hi for d, v in zip(
-                       dims.dims, shape, strict=True)) else
-                   " (between its ends, but not on its steps: "
-                   + ", ".join(f"{d.name} in steps of {d.step}" for d in off_step)
-                   + "; a range inferred from batches takes the step they share"
-                   + (f"; shapes between the steps are outside: {refused}" if refused else "")
-                   + ")")
+            why = ""
+            if off_step and dims.spans(shape):
+                why = (" (between its ends, but not on its steps: "
+                       + ", ".join(f"{d.name} in steps of {d.step}" for d in off_step)
+                       + "; a range inferred from batches takes the step they share"
+                       + (f"; shapes between the steps are outside: {refused}" if refused
+                          else "") + ")")
             raise UsageError(
                 f"a batch of {where} is outside the plan set's range {dims}{why}, where no "
                 "plan was predicted to fit; plan a range that holds it, or apply the plan set "
